@@ -1,0 +1,88 @@
+"""Per-request sampling parameters, validated when built so bad input names its field."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request field is invalid. `param` names the field (it becomes OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; N = chosen token + top-N alternatives
+    transfer_failure_policy: str = "retry"  # disaggregated: "retry" | "recompute" | "fail"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(cond: bool, param: str, msg: str) -> None:
+            if not cond:
+                raise InvalidRequestError(param, msg)
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        need(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+             f"must be an integer >= 1, got {self.max_tokens!r}")
+        need(is_num(self.temperature) and not math.isnan(self.temperature)
+             and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+             f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
+             f"must be in (0, 1], got {self.top_p!r}")
+        need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+             f"must be in [0, 1], got {self.min_p!r}")
+        need(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        need(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop",
+             "every stop string must be a non-empty string")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative integers")
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+             "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        need(self.transfer_failure_policy in ("retry", "recompute", "fail"),
+             "transfer_failure_policy", "must be one of retry, recompute, fail")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
