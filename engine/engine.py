@@ -1,0 +1,153 @@
+"""LLMEngine: scheduler + model runner + detokenizer, one step at a time.
+
+    step():  out = scheduler.schedule()
+             result = runner.run(out)
+             updated = scheduler.update_from_output(out, result.sampled)
+             return postprocess(updated)          # detokenize, stop strings, outputs
+
+The engine is synchronous and owns no threads or sockets; workers drive it from a loop.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model import Model
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner, StepResult
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    """Incremental output of one request after a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: Model, tokenizer=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config, model)
+        self.scheduler = Scheduler(config.scheduler, config.cache, config.model.eos_token_ids)
+        self.stats = EngineStats()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self._reported: dict[str, int] = {}  # output tokens already reported per request
+        self.last_step: StepResult | None = None
+
+    # -- admission -----------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "text prompts need a tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.config.model.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None, hold_blocks: bool = False) -> list[str]:
+        """Queue a request; n > 1 becomes n sibling requests sharing the prompt's blocks."""
+        ids = self.tokenize(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        reqs = [Request(r, ids, params, parent_id=None if i == 0 else rids[0],
+                        hold_blocks_on_finish=hold_blocks) for i, r in enumerate(rids)]
+        for req in reqs:
+            self.scheduler.add_request(req)
+            if self.tokenizer is not None:
+                self._detok[req.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, ids, params.stop)
+        self.stats.prompt_tokens += len(ids)
+        return rids
+
+    def abort_request(self, request_id: str) -> bool:
+        self._forget(request_id)
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        result = self.runner.run(out, want_hidden=self.wants_hidden(out))
+        self.last_step = result
+        updated = self.scheduler.update_from_output(out, result.sampled)
+        self.stats.steps += 1
+        return [self._postprocess(req, result) for req in updated]
+
+    def wants_hidden(self, out) -> bool:  # overridden by roles that ship hidden states
+        return False
+
+    def _postprocess(self, req: Request, result: StepResult) -> RequestOutput:
+        rid = req.request_id
+        start = self._reported.get(rid, 0)
+        new_ids = req.output_token_ids[start:]  # what the scheduler accepted this step
+        self._reported[rid] = len(req.output_token_ids)
+        self.runner.observe(req, new_ids)
+        self.stats.generation_tokens += len(new_ids)
+        text = ""
+        detok = self._detok.get(rid)
+        if detok is not None:
+            res = detok.add(new_ids) if new_ids else None
+            text = res.new_text if res else ""
+            if res is not None and res.stopped:
+                if not req.is_finished:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED,
+                                                  res.stop_string)
+            elif req.is_finished:
+                text += detok.flush()  # no stop string matched: release held-back text
+        lp = result.logprobs.get(rid)
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        output = RequestOutput(
+            rid, new_ids, text, req.is_finished, req.status.finish_reason,
+            [lp] if lp is not None else [], req.num_prompt_tokens, len(req.output_token_ids),
+            req.num_cached_tokens)
+        if req.is_finished:
+            self._forget(rid)
+        return output
+
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self._reported.pop(request_id, None)
+        self.runner.free_request(request_id)
+
+    def generate_until_done(self, deadline_s: float = 3600.0) -> list[RequestOutput]:
+        """Run steps until every queued request finished (offline use)."""
+        outputs: list[RequestOutput] = []
+        end = time.monotonic() + deadline_s
+        while self.has_unfinished():
+            if time.monotonic() > end:
+                raise TimeoutError(f"engine did not finish within {deadline_s} s")
+            outputs += self.step()
+        return outputs

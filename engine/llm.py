@@ -1,0 +1,115 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))`, like vLLM's.
+
+    llm = LLM()                                   # embedded SmolLM2-135M-Instruct
+    [out] = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))
+    print(out.outputs[0].text)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import LLMEngine, RequestOutput
+from engine.model_source import load_model, resolve_model
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    num_cached_tokens: int = 0
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_engine(model: str | None = None, *, device: str | None = None, dtype: str | None = None,
+                 num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, use_triton: bool = False,
+                 seed: int = 0) -> LLMEngine:
+    """Load a model (path, preset name or None = embedded default) and wrap it in an engine."""
+    device = device or default_device()
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    source = resolve_model(model)
+    net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=seed)
+    max_len = min(max_model_len or model_cfg.max_position_embeddings,
+                  model_cfg.max_position_embeddings)
+    if num_blocks is None:  # enough for a few full-length sequences; modest on CPU
+        num_blocks = max(64, (4 * max_len) // block_size) if device == "cpu" else \
+            max(64, (64 * max_len) // block_size)
+    config = EngineConfig(
+        model=model_cfg,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype=dtype,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_len),
+        device=device, dtype=dtype, use_triton=use_triton, seed=seed)
+    return LLMEngine(config, net, tokenizer)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
+        self.engine = build_engine(model, **engine_kwargs)  # type: ignore[arg-type]
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[GenerationResult]:
+        """Run all prompts to completion as one continuously batched workload."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("sampling_params: need one per prompt or a single one")
+        results: list[GenerationResult] = []
+        groups: dict[str, tuple[GenerationResult, int]] = {}
+        for prompt, p in zip(prompts, plist):
+            rids = self.engine.add_request(prompt, p)
+            ids = self.engine.scheduler.get_request(rids[0]).prompt_token_ids
+            res = GenerationResult(rids[0], ids, [Completion(i) for i in range(len(rids))])
+            results.append(res)
+            groups.update({rid: (res, i) for i, rid in enumerate(rids)})
+        for out in self.engine.generate_until_done():
+            res, i = groups[out.request_id]
+            _accumulate(res.outputs[i], out)
+            res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
+        return results
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams) -> Iterator[str]:
+        """Yield text deltas of one completion as the engine produces them."""
+        [rid] = self.engine.add_request(prompt, sampling_params)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id == rid and out.new_text:
+                    yield out.new_text
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        if self.tokenizer is None:
+            raise ValueError("model: this model has no tokenizer / chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _accumulate(c: Completion, out: RequestOutput) -> None:
+    c.text += out.new_text
+    c.token_ids += out.new_token_ids
+    c.logprobs += out.new_logprobs
+    if out.finished:
+        c.finish_reason = out.finish_reason
