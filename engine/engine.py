@@ -35,6 +35,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    hidden: object | None = None  # torch.Tensor [hidden] pre-norm, when the step kept it
 
 
 @dataclass
@@ -55,6 +56,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._reported: dict[str, int] = {}  # output tokens already reported per request
         self.last_step: StepResult | None = None
+        self.idle = True
+        self.keep_hidden = False  # prefill role: ship the last hidden state (MTP drafting)
 
     # -- admission -----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -87,6 +90,38 @@ class LLMEngine:
         self.stats.prompt_tokens += len(ids)
         return rids
 
+    # -- disaggregation (decode role): a request whose prompt KV comes from a remote read --
+    def add_remote_request(self, request_id: str, prompt_ids: list[int], first_token: int,
+                           params: SamplingParams) -> tuple[list[int], RequestOutput]:
+        """Admit a prefilled request: allocate blocks for its prompt KV (to be read into),
+        park it WAITING_FOR_KV, and return those block ids plus the first token's output."""
+        ids = self.tokenize(prompt_ids)
+        req = Request(request_id, ids, params)
+        req.append_token(first_token)
+        blocks = self.scheduler.add_remote_request(req)
+        text = ""
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            self._detok[request_id] = detok
+            text = detok.add([first_token]).new_text
+        self._reported[request_id] = 1
+        self.stats.prompt_tokens += len(ids)
+        self.stats.generation_tokens += 1
+        first = RequestOutput(request_id, [first_token], text, False, None, [],
+                              len(ids), 1, 0)
+        return blocks, first
+
+    def kv_arrived(self, request_id: str) -> None:
+        self.scheduler.kv_arrived(request_id)
+
+    def kv_failed(self, request_id: str) -> None:
+        """Fall back to computing the prompt locally (counted by the scheduler)."""
+        self.scheduler.kv_failed(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: free blocks kept pinned for a remote reader."""
+        return self.scheduler.release_held(request_id)
+
     def abort_request(self, request_id: str) -> bool:
         self._forget(request_id)
         return self.scheduler.abort_request(request_id)
@@ -97,16 +132,14 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.idle = not out.scheduled  # nothing runnable (e.g. all waiting for remote KV)
         if not out.scheduled:
             return []
-        result = self.runner.run(out, want_hidden=self.wants_hidden(out))
+        result = self.runner.run(out, want_hidden=self.keep_hidden)
         self.last_step = result
         updated = self.scheduler.update_from_output(out, result.sampled)
         self.stats.steps += 1
         return [self._postprocess(req, result) for req in updated]
-
-    def wants_hidden(self, out) -> bool:  # overridden by roles that ship hidden states
-        return False
 
     def _postprocess(self, req: Request, result: StepResult) -> RequestOutput:
         rid = req.request_id
@@ -132,7 +165,7 @@ class LLMEngine:
         output = RequestOutput(
             rid, new_ids, text, req.is_finished, req.status.finish_reason,
             [lp] if lp is not None else [], req.num_prompt_tokens, len(req.output_token_ids),
-            req.num_cached_tokens)
+            req.num_cached_tokens, result.hidden.get(rid))
         if req.is_finished:
             self._forget(rid)
         return output

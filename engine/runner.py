@@ -57,6 +57,8 @@ class ModelRunner:
         state = self._states.get(req.request_id)
         if state is None:
             state = self.sampler.new_state(req, self.config.model.vocab_size, self.device)
+            for t in req.output_token_ids:  # tokens sampled elsewhere (prefill worker)
+                state.observe(t)
             self._states[req.request_id] = state
         return state
 

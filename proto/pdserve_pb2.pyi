@@ -297,7 +297,7 @@ class AbortReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "agent_name", "nixl_metadata", "base_address", "block_bytes", "num_blocks", "compat_hash", "compat_json", "role")
+    __slots__ = ("worker_id", "incarnation", "agent_name", "nixl_metadata", "base_address", "block_bytes", "num_blocks", "compat_hash", "compat_json", "role", "grpc_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class PeerInfo(_message.Message):
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     COMPAT_JSON_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     agent_name: str
@@ -318,7 +319,8 @@ class PeerInfo(_message.Message):
     compat_hash: str
     compat_json: str
     role: str
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., compat_json: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    grpc_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., compat_json: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ...) -> None: ...
 
 class GetPeerInfoRequest(_message.Message):
     __slots__ = ()

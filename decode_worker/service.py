@@ -1,0 +1,204 @@
+"""Decode worker: request lifecycle.
+
+  1. AddPeer(prefill worker's PeerInfo): the router introduces a prefill worker; the
+     compatibility hash must match (else refused, saying what differs); a new incarnation
+     of a known worker replaces the old handle.
+  2. Decode(request with a PrefillResult): blocks are allocated for the prompt, the request
+     is parked WAITING_FOR_KV and its first token (sampled by the prefill worker) is
+     streamed at once.
+  3. Pull: NIXL READ of the prefill worker's blocks into ours, with the request's deadline;
+     then Release on the prefill worker, whose reply says whether the lease held for the
+     whole read. A stale lease counts as a failed read: the data is never used.
+  4. Read OK -> the request RUNs and decodes; outputs stream back until it finishes.
+     Read failed -> the request's transfer_failure_policy: `recompute` prefills locally
+     (counted), `retry` / `fail` end the stream with UNAVAILABLE so the router can re-prefill
+     elsewhere or report the error.
+  5. Client cancels (stream closed) -> abort on the loop; if the read had not happened yet,
+     the prefill worker is told to release. Every wait has the request's deadline.
+Without a PrefillResult (colocated / selective disaggregation) it prefills locally.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from engine.engine import RequestOutput
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from kv_transfer.handshake import IncompatiblePeerError
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pbg
+from proto.convert import logprob_to_proto, params_from_proto
+from proto.rpc import make_channel
+
+
+class KVReadFailed(RuntimeError):
+    pass
+
+
+class DecodeService:
+    def __init__(self, rt) -> None:  # rt: worker.runtime.WorkerRuntime
+        self.rt = rt
+        self._peers: dict[str, tuple[str, pbg.WorkerStub, grpc.Channel]] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            for _, _, ch in self._peers.values():
+                ch.close()
+            self._peers.clear()
+
+    # -- handshake -----------------------------------------------------------------------
+    def add_peer(self, msg: pb.PeerInfo) -> pb.AddPeerReply:
+        from worker.runtime import peer_from_proto
+
+        try:
+            self.rt.transport.add_peer(peer_from_proto(msg))
+        except IncompatiblePeerError as e:
+            return pb.AddPeerReply(accepted=False, reason=str(e))
+        with self._lock:
+            old = self._peers.pop(msg.worker_id, None)
+            if old is not None:
+                old[2].close()
+            ch = make_channel(msg.grpc_address)
+            self._peers[msg.worker_id] = (msg.incarnation, pbg.WorkerStub(ch), ch)
+        return pb.AddPeerReply(accepted=True)
+
+    def _peer_stub(self, worker_id: str, incarnation: str) -> pbg.WorkerStub | None:
+        with self._lock:
+            entry = self._peers.get(worker_id)
+        return entry[1] if entry is not None and entry[0] == incarnation else None
+
+    # -- the stream ----------------------------------------------------------------------
+    def decode(self, req: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeOutput]:
+        rid, loop = req.request_id, self.rt.loop
+        start = time.monotonic()
+        deadline = start + (req.timeout_s or 600.0)
+        try:
+            params = params_from_proto(req.params)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        q = loop.subscribe(rid)
+        state = {"pulled": not req.HasField("prefill"), "done": False}
+        context.add_callback(lambda: self._on_close(rid, req, state))
+        try:
+            if req.HasField("prefill"):
+                first, blocks = self._admit_remote(req, params, context)
+                yield self._to_proto(first, pb.StageTimes(decode_queue=time.monotonic() - start))
+                stages = self._pull(req, params, blocks, deadline, context)
+                state["pulled"] = True
+                yield pb.DecodeOutput(request_id=rid, stages=stages)
+            else:
+                self._admit_local(req, params, context)
+            yield from self._stream(q, rid, deadline, context, state)
+        finally:
+            loop.unsubscribe(rid)
+
+    def _admit_local(self, req: pb.DecodeRequest, params: SamplingParams, context) -> None:
+        if params.n > 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n: the router fans n > 1 out")
+        try:
+            self.rt.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params,
+                                                      request_id=req.request_id))
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _admit_remote(self, req: pb.DecodeRequest, params: SamplingParams,
+                      context) -> tuple[RequestOutput, list[int]]:
+        kv = req.prefill.kv
+        if self._peer_stub(kv.worker_id, kv.incarnation) is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"unknown prefill peer {kv.worker_id}/{kv.incarnation}")
+        if kv.compat_hash != self.rt.compat_hash:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"KV compatibility hash differs: {kv.compat_hash} != {self.rt.compat_hash}")
+        try:
+            blocks, first = self.rt.loop.call(lambda e: e.add_remote_request(
+                req.request_id, list(req.prompt_token_ids), req.prefill.first_token_id, params))
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req.prefill.HasField("first_logprob"):
+            lp = req.prefill.first_logprob
+            first.new_logprobs = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top])]
+        return first, blocks
+
+    def _pull(self, req: pb.DecodeRequest, params: SamplingParams, blocks: list[int],
+              deadline: float, context) -> pb.StageTimes:
+        """Read the prompt's KV from the prefill worker, then release it there."""
+        rid, kv = req.request_id, req.prefill.kv
+        t0 = time.monotonic()
+        try:
+            remote = list(kv.block_ids)
+            self.rt.transport.read_blocks(kv.worker_id, kv.incarnation, remote,
+                                          blocks[: len(remote)],
+                                          deadline=min(deadline, t0 + self.rt.cfg.transfer_timeout_s))
+            released, valid = self._release_remote(kv, rid, deadline)
+            if not valid:
+                raise KVReadFailed(f"lease of {rid} on {kv.worker_id} was not valid for the "
+                                   f"whole read (released={released}): data discarded")
+        except Exception as e:  # every transfer failure takes the request's policy
+            self._release_remote(kv, rid, deadline)  # best effort: never leave P pinned
+            self.rt.transfer_metrics.failure()
+            if params.transfer_failure_policy == "recompute":
+                self.rt.loop.call(lambda en: en.kv_failed(rid))
+                return pb.StageTimes(kv_transfer=time.monotonic() - t0)
+            self.rt.loop.call(lambda en: en.abort_request(rid))
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"kv_transfer: {e}")
+        self.rt.loop.call(lambda en: en.kv_arrived(rid))
+        took = time.monotonic() - t0
+        self.rt.metrics.kv_transfer_stage.labels(**self.rt.metrics.labels).observe(took)
+        return pb.StageTimes(kv_transfer=took)
+
+    def _release_remote(self, kv: pb.KVHandle, rid: str, deadline: float) -> tuple[bool, bool]:
+        stub = self._peer_stub(kv.worker_id, kv.incarnation)
+        if stub is None:
+            return False, False
+        timeout = max(0.1, min(5.0, deadline - time.monotonic()))
+        try:
+            reply = stub.Release(pb.ReleaseRequest(request_id=rid,
+                                                   lease_generation=kv.lease_generation),
+                                 timeout=timeout)
+        except grpc.RpcError:
+            return False, False  # the lease on the prefill side is the backstop
+        return reply.released, reply.lease_was_valid
+
+    def _stream(self, q: queue.Queue, rid: str, deadline: float, context,
+                state: dict) -> Iterator[pb.DecodeOutput]:
+        while True:
+            try:
+                item = q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.rt.loop.submit(lambda e: e.abort_request(rid))
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode of {rid} timed out")
+            if isinstance(item, BaseException):
+                context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
+            yield self._to_proto(item)
+            if item.finished:
+                state["done"] = True
+                return
+
+    def _on_close(self, rid: str, req: pb.DecodeRequest, state: dict) -> None:
+        """RPC ended (finished, cancelled or failed): make sure nothing stays allocated."""
+        if state["done"]:
+            return
+        self.rt.loop.submit(lambda e: e.abort_request(rid))
+        if not state["pulled"]:
+            threading.Thread(target=self._release_remote,
+                             args=(req.prefill.kv, rid, time.monotonic() + 5), daemon=True).start()
+
+    @staticmethod
+    def _to_proto(out: RequestOutput, stages: pb.StageTimes | None = None) -> pb.DecodeOutput:
+        msg = pb.DecodeOutput(request_id=out.request_id, token_ids=out.new_token_ids,
+                              text=out.new_text, finish_reason=out.finish_reason or "")
+        for tok, lp in zip(out.new_token_ids, out.new_logprobs):
+            msg.logprobs.append(logprob_to_proto(tok, lp))
+        if out.finished:
+            msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
+                                        completion_tokens=out.num_output_tokens,
+                                        cached_tokens=out.num_cached_tokens))
+        if stages is not None:
+            msg.stages.CopyFrom(stages)
+        return msg

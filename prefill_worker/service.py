@@ -1,0 +1,111 @@
+"""Prefill worker: request lifecycle.
+
+  1. Prefill(request): the prompt is queued in the engine with max_tokens=1 and
+     hold_blocks_on_finish, so when the first token is sampled the prompt's blocks stay
+     allocated. The caller waits with the request's deadline.
+  2. The first token (+ logprobs, + the last pre-norm hidden state for MTP) comes back with
+     a KV handle: this worker's id and incarnation, the block ids, the compatibility hash and
+     a lease (generation, deadline). The blocks are pinned under that lease.
+  3. The decode worker READs the blocks over NIXL, then calls Release(request, generation);
+     the reply says whether the lease was still valid: if it expired mid-read the data may
+     be stale and the decode side must not use it (ANCHORS #6).
+  4. Nobody releases (decode died, release lost): the lease expires on the loop tick and
+     the blocks are freed (kv_lease_expired counts it). Abort frees at once.
+If the first token already ends the request (EOS, stop token, max_tokens=1), no handle is
+made and the blocks are freed immediately.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+
+import grpc
+
+from engine.engine import LLMEngine, RequestOutput
+from engine.sampling_params import InvalidRequestError
+from proto import pdserve_pb2 as pb
+from proto.convert import logprob_to_proto, params_from_proto
+
+
+class PrefillService:
+    def __init__(self, rt) -> None:  # rt: worker.runtime.WorkerRuntime
+        self.rt = rt
+
+    def prefill(self, req: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResult:
+        rid, loop = req.request_id, self.rt.loop
+        arrival = time.monotonic()
+        try:
+            params = params_from_proto(req.params)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        wants_decode = params.max_tokens > 1
+        local = dataclasses.replace(params, max_tokens=1, n=1)
+        q = loop.subscribe(rid)
+        try:
+            try:
+                loop.call(lambda e: e.add_request(list(req.prompt_token_ids), local,
+                                                  request_id=rid, hold_blocks=wants_decode))
+            except InvalidRequestError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            deadline = arrival + (req.timeout_s or 60.0)
+            out = self._wait_finished(q, rid, deadline, context)
+        finally:
+            loop.unsubscribe(rid)
+        return self._result(rid, out, params, wants_decode, arrival)
+
+    def _wait_finished(self, q: queue.Queue, rid: str, deadline: float,
+                       context: grpc.ServicerContext) -> RequestOutput:
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                item = q.get(timeout=max(0.0, remaining))
+            except queue.Empty:
+                self.rt.abort(rid)
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} timed out")
+            if isinstance(item, BaseException):
+                self.rt.abort(rid)
+                context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
+            if item.finished:
+                return item
+
+    def _result(self, rid: str, out: RequestOutput, params, wants_decode: bool,
+                arrival: float) -> pb.PrefillResult:
+        token = out.new_token_ids[-1]
+        res = pb.PrefillResult(request_id=rid, first_token_id=token,
+                               num_cached_tokens=out.num_cached_tokens)
+        if out.new_logprobs:
+            res.first_logprob.CopyFrom(logprob_to_proto(token, out.new_logprobs[-1]))
+        if out.hidden is not None:
+            res.last_hidden_state = out.hidden.numpy().astype("<f4").tobytes()
+        res.stages.prefill = time.monotonic() - arrival
+        if out.finish_reason == "stop" or not wants_decode:
+            # the first token ends it: nothing to hand over (blocks already freed)
+            res.finish_reason = out.finish_reason or "length"
+            return res
+        blocks = self.rt.loop.call(lambda e: _held_blocks(e, rid), timeout_s=10)
+        lease = self.rt.leases.pin(rid, blocks, self.rt.cfg.lease_ttl_s)
+        res.kv.CopyFrom(pb.KVHandle(
+            worker_id=self.rt.cfg.worker_id, incarnation=self.rt.incarnation, block_ids=blocks,
+            num_tokens=out.num_prompt_tokens, compat_hash=self.rt.compat_hash,
+            lease_generation=lease.generation, lease_deadline_unix=lease.deadline))
+        return res
+
+    def release(self, request_id: str, generation: int) -> tuple[bool, bool]:
+        """Free a held request's blocks. Returns (released, lease_was_valid)."""
+        if self.rt.faults.should_drop_release():
+            return False, False  # fault injection: the release is lost; the lease will expire
+        valid = self.rt.leases.check(request_id, generation or None)
+        blocks = self.rt.leases.release(request_id, generation or None)
+        if blocks is None:
+            return False, False
+        freed = self.rt.loop.call(lambda e: e.release_held(request_id), timeout_s=10)
+        return freed, valid
+
+
+def _held_blocks(engine: LLMEngine, rid: str) -> list[int]:
+    req = engine.scheduler.get_request(rid)
+    if req is None:
+        raise KeyError(f"request {rid} is not held")
+    bs = engine.config.cache.block_size
+    return list(req.block_table[: (req.num_prompt_tokens + bs - 1) // bs])

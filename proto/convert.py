@@ -1,0 +1,43 @@
+"""Conversions between wire messages (proto/pdserve.proto) and engine types."""
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2 as pb
+
+_OPTIONAL = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+             "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
+
+
+def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                            ignore_eos=p.ignore_eos, transfer_failure_policy=p.transfer_failure_policy)
+    for name in _OPTIONAL:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Validates (raises InvalidRequestError naming the field)."""
+    kwargs: dict[str, object] = {name: getattr(msg, name) for name in _OPTIONAL
+                                 if msg.HasField(name)}
+    # floats travel as float32: round-trip to the nearest short decimal so 0.9 stays 0.9
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        if name in kwargs:
+            kwargs[name] = float(f"{kwargs[name]:.6g}")
+    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                          ignore_eos=msg.ignore_eos,
+                          transfer_failure_policy=msg.transfer_failure_policy or "retry",
+                          **kwargs)  # type: ignore[arg-type]
+
+
+def logprob_to_proto(token_id: int, lp: tuple[float, list[tuple[int, float]]]) -> pb.TokenLogprob:
+    chosen, top = lp
+    return pb.TokenLogprob(token_id=token_id, logprob=chosen,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+
+
+def logprob_from_proto(msg: pb.TokenLogprob) -> tuple[float, list[tuple[int, float]]]:
+    return msg.logprob, [(t.token_id, t.logprob) for t in msg.top]

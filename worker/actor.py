@@ -1,0 +1,57 @@
+"""Ray actor that hosts one WorkerRuntime (prefill, decode or colocated).
+
+Ray owns placement and lifetime (num_gpus=1 on GPU hosts, CPU actors otherwise; restarts
+with max_restarts). Only control-plane calls go through Ray (endpoints, ping); requests and
+KV move over gRPC and NIXL. A restarted actor builds a new runtime: new incarnation, new
+ports, so the router re-reads endpoints() and re-introduces peers.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import ray
+
+from worker.config import WorkerConfig
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    worker_id: str
+    role: str
+    incarnation: str
+    grpc_address: str
+    metrics_address: str
+    node_ip: str
+
+
+class WorkerActor:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        import logging
+
+        from worker.runtime import WorkerRuntime
+
+        logging.basicConfig(level=logging.INFO)
+        self.rt = WorkerRuntime(cfg).start()
+
+    def endpoints(self) -> dict:
+        rt = self.rt
+        return asdict(Endpoints(rt.cfg.worker_id, rt.cfg.role, rt.incarnation, rt.address,
+                                rt.metrics_address, ray.util.get_node_ip_address()))
+
+    def ping(self) -> str:
+        return self.rt.incarnation
+
+    def drain(self) -> None:
+        self.rt.draining = True
+
+    def shutdown(self) -> None:
+        self.rt.stop()
+
+
+def launch_worker(cfg: WorkerConfig, num_gpus: float = 0, num_cpus: float = 1,
+                  max_restarts: int = 3) -> "ray.actor.ActorHandle":
+    """Start a named, restartable worker actor (name = worker_id)."""
+    actor_cls = ray.remote(WorkerActor)
+    return actor_cls.options(name=cfg.worker_id, num_gpus=num_gpus, num_cpus=num_cpus,
+                             max_restarts=max_restarts, max_task_retries=0,
+                             max_concurrency=4).remote(cfg)

@@ -1,0 +1,72 @@
+"""Engine metrics of one worker, vLLM's names with the `pdserve:` prefix.
+
+Each worker owns a CollectorRegistry (several workers may share a process in tests); the
+gauges are refreshed from the engine on the loop thread, counters advance from deltas.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.engine import LLMEngine
+
+P = "pdserve:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LABELS = ("role", "worker")
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, role: str, worker_id: str) -> None:
+        self.registry = registry
+        self.labels = {"role": role, "worker": worker_id}
+
+        def g(name: str, doc: str) -> Gauge:
+            return Gauge(P + name, doc, LABELS, registry=registry)
+
+        def c(name: str, doc: str) -> Counter:
+            return Counter(P + name, doc, LABELS, registry=registry)
+
+        def h(name: str, doc: str) -> Histogram:
+            return Histogram(P + name, doc, LABELS, buckets=LATENCY_BUCKETS, registry=registry)
+
+        self.running = g("num_requests_running", "requests in the running batch")
+        self.waiting = g("num_requests_waiting", "requests waiting to be scheduled")
+        self.kv_usage = g("kv_cache_usage_perc", "fraction of KV blocks in use (0-1)")
+        self.held = g("num_requests_held", "finished prefills whose blocks wait for a reader")
+        self.prefix_queries = c("prefix_cache_queries", "prompt tokens looked up in the prefix cache")
+        self.prefix_hits = c("prefix_cache_hits", "prompt tokens found in the prefix cache")
+        self.preemptions = c("num_preemptions", "requests preempted by recompute")
+        self.prompt_tokens = c("prompt_tokens", "prompt tokens admitted")
+        self.generation_tokens = c("generation_tokens", "tokens generated")
+        self.kv_recomputes = c("kv_recompute_fallbacks", "remote KV reads replaced by local prefill")
+        self.request_success = Counter(P + "request_success", "finished requests",
+                                       LABELS + ("finished_reason",), registry=registry)
+        self.queue_time = h("request_queue_time_seconds", "arrival to first schedule")
+        self.prefill_time = h("request_prefill_time_seconds", "prefill compute of a request")
+        self.ttft = h("time_to_first_token_seconds", "arrival at this worker to first token")
+        self.itl = h("inter_token_latency_seconds", "time between output tokens")
+        self.e2e = h("e2e_request_latency_seconds", "arrival at this worker to finish")
+        self.kv_transfer_stage = h("stage_kv_transfer_seconds", "decode side: KV read incl. release")
+        self.decode_queue_stage = h("stage_decode_queue_seconds", "decode side: admit to first decode step")
+        self._last: dict[str, int] = {}
+
+    def _delta(self, key: str, value: int, counter: Counter) -> None:
+        prev = self._last.get(key, 0)
+        if value > prev:
+            counter.labels(**self.labels).inc(value - prev)
+        self._last[key] = value
+
+    def refresh(self, engine: LLMEngine) -> None:
+        """Copy the engine's counters into Prometheus (runs on the loop thread)."""
+        s, bm = engine.scheduler, engine.scheduler.block_manager
+        lb = self.labels
+        self.running.labels(**lb).set(s.num_running)
+        self.waiting.labels(**lb).set(s.num_waiting)
+        self.kv_usage.labels(**lb).set(bm.usage)
+        self.held.labels(**lb).set(len(s.held_request_ids()))
+        self._delta("pq", bm.prefix_cache_queries, self.prefix_queries)
+        self._delta("ph", bm.prefix_cache_hits, self.prefix_hits)
+        self._delta("pre", s.num_preemptions, self.preemptions)
+        self._delta("rec", s.num_kv_recomputes, self.kv_recomputes)
+        self._delta("pt", engine.stats.prompt_tokens, self.prompt_tokens)
+        self._delta("gt", engine.stats.generation_tokens, self.generation_tokens)

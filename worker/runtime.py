@@ -1,0 +1,176 @@
+"""WorkerRuntime: one worker process = engine + loop thread + NIXL transport + gRPC server.
+
+The role decides which handlers answer: prefill (Prefill, Release), decode (Decode with a
+remote KV pull), colocated (Decode without a prefill). All roles answer Abort, Health,
+GetPeerInfo and AddPeer. Ray actors (worker/actor.py) construct one of these; tests may
+construct it in-process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from engine.config import compatibility_hash
+from engine.engine import LLMEngine
+from engine.llm import build_engine
+from engine.loop import EngineLoop
+from kv_transfer.faults import FaultInjector
+from kv_transfer.handshake import PeerInfo
+from kv_transfer.lease import LeaseTable
+from kv_transfer.metrics import TransferMetrics
+from kv_transfer.nixl_transport import NixlKVTransport
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pbg
+from proto.rpc import make_server
+from worker.config import WorkerConfig
+from worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+def build_worker_engine(cfg: WorkerConfig) -> LLMEngine:
+    engine = build_engine(cfg.model, device=cfg.device, dtype=cfg.dtype,
+                          num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                          max_num_seqs=cfg.max_num_seqs,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          max_model_len=cfg.max_model_len,
+                          enable_prefix_caching=cfg.enable_prefix_caching,
+                          use_triton=cfg.use_triton, seed=cfg.seed)
+    engine.keep_hidden = cfg.role == "prefill"
+    return engine
+
+
+class WorkerRuntime:
+    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
+        self.cfg = cfg
+        self.incarnation = uuid.uuid4().hex[:12]  # a restart is a new peer (ANCHORS #3)
+        self.engine = engine or build_worker_engine(cfg)
+        self.registry = CollectorRegistry()
+        self.metrics = WorkerMetrics(self.registry, cfg.role, cfg.worker_id)
+        self.transfer_metrics = TransferMetrics(self.registry, cfg.role, cfg.worker_id)
+        ec = self.engine.config
+        self.compat = {"model": asdict(ec.model), "block_size": ec.cache.block_size,
+                       "kv_dtype": ec.cache.kv_dtype}
+        self.compat_hash = compatibility_hash(ec.model, ec.cache)
+        f = cfg.faults
+        self.faults = FaultInjector(fail_nth=f.fail_nth_transfer, fail_probability=f.fail_probability,
+                                    delay_s=f.delay_s, drop_releases=f.drop_releases, seed=f.seed)
+        self.transport = NixlKVTransport(self.engine.runner.kv_cache, cfg.worker_id,
+                                         self.compat, faults=self.faults,
+                                         incarnation=self.incarnation,
+                                         metrics=self.transfer_metrics)
+        self.leases = LeaseTable()
+        self.loop = EngineLoop(self.engine, on_tick=self._tick)
+        self.server: grpc.Server | None = None
+        self.address = ""
+        self.metrics_address = ""
+        self.draining = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> "WorkerRuntime":
+        from decode_worker.service import DecodeService
+        from prefill_worker.service import PrefillService
+
+        self.loop.start()
+        self.prefill = PrefillService(self)
+        self.decode = DecodeService(self)
+        self.server, port = make_server(self.cfg.host, self.cfg.grpc_port)
+        pbg.add_WorkerServicer_to_server(WorkerServicer(self), self.server)
+        self.server.start()
+        self.address = f"{self.cfg.host}:{port}"
+        if self.cfg.metrics_port >= 0:
+            httpd, _ = start_http_server(self.cfg.metrics_port, addr=self.cfg.host,
+                                         registry=self.registry)
+            self._metrics_httpd = httpd
+            self.metrics_address = f"{self.cfg.host}:{httpd.server_port}"
+        log.info("worker %s (%s) gRPC %s metrics %s", self.cfg.worker_id, self.cfg.role,
+                 self.address, self.metrics_address)
+        return self
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.server is not None:
+            self.server.stop(grace_s).wait(grace_s + 1)
+        if getattr(self, "_metrics_httpd", None) is not None:
+            self._metrics_httpd.shutdown()
+        self.loop.stop()
+        self.decode.close() if hasattr(self, "decode") else None
+        self.transport.close()
+
+    def _tick(self, engine: LLMEngine) -> None:
+        """Loop-thread housekeeping: expire leases, refresh gauges."""
+        for lease in self.leases.expire(time.time()):
+            engine.release_held(lease.request_id)
+            self.transfer_metrics.lease_expired()
+        self.transfer_metrics.set_pinned(self.leases.num_pinned_blocks())
+        self.metrics.refresh(engine)
+
+    # -- shared RPCs ---------------------------------------------------------------------
+    def peer_info(self) -> pb.PeerInfo:
+        info = self.transport.peer_info()
+        return pb.PeerInfo(
+            worker_id=info.worker_id, incarnation=info.incarnation, agent_name=info.agent_name,
+            nixl_metadata=info.nixl_metadata, base_address=info.base_address,
+            block_bytes=info.layout.block_bytes, num_blocks=info.layout.num_blocks,
+            compat_hash=info.compat_hash, compat_json=json.dumps(info.compat, sort_keys=True),
+            role=self.cfg.role, grpc_address=self.address)
+
+    def health(self) -> pb.HealthResponse:
+        def snapshot(e: LLMEngine) -> pb.HealthResponse:
+            s, bm = e.scheduler, e.scheduler.block_manager
+            return pb.HealthResponse(
+                status="draining" if self.draining else "ok", role=self.cfg.role,
+                worker_id=self.cfg.worker_id, incarnation=self.incarnation,
+                num_running=s.num_running, num_waiting=s.num_waiting,
+                num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+                num_pinned_blocks=self.leases.num_pinned_blocks(), kv_cache_usage=bm.usage,
+                num_held_requests=len(s.held_request_ids()))
+        return self.loop.call(snapshot, timeout_s=10)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request and/or free its held blocks, whatever state it is in."""
+        found = self.loop.call(lambda e: e.abort_request(request_id), timeout_s=10)
+        released = self.prefill.release(request_id, 0)[0]
+        return found or released
+
+
+def peer_from_proto(msg: pb.PeerInfo) -> PeerInfo:
+    return PeerInfo.from_proto_fields(
+        worker_id=msg.worker_id, incarnation=msg.incarnation, agent_name=msg.agent_name,
+        nixl_metadata=msg.nixl_metadata, base_address=msg.base_address,
+        block_bytes=msg.block_bytes, num_blocks=msg.num_blocks, compat_hash=msg.compat_hash,
+        compat=json.loads(msg.compat_json or "{}"))
+
+
+class WorkerServicer(pbg.WorkerServicer):
+    """Thin gRPC adapter: every method delegates to the role services of the runtime."""
+
+    def __init__(self, rt: WorkerRuntime) -> None:
+        self.rt = rt
+
+    def Prefill(self, request, context):
+        return self.rt.prefill.prefill(request, context)
+
+    def Decode(self, request, context):
+        yield from self.rt.decode.decode(request, context)
+
+    def Release(self, request, context):
+        released, valid = self.rt.prefill.release(request.request_id, request.lease_generation)
+        return pb.ReleaseReply(released=released, lease_was_valid=valid)
+
+    def Abort(self, request, context):
+        return pb.AbortReply(found=self.rt.abort(request.request_id))
+
+    def GetPeerInfo(self, request, context):
+        return self.rt.peer_info()
+
+    def AddPeer(self, request, context):
+        return self.rt.decode.add_peer(request)
+
+    def Health(self, request, context):
+        return self.rt.health()
