@@ -9,6 +9,7 @@ The engine is synchronous and owns no threads or sockets; workers drive it from 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -80,7 +81,7 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
-        reqs = [Request(r, ids, params, parent_id=None if i == 0 else rids[0],
+        reqs = [Request(r, ids, _sibling_params(params, i), parent_id=None if i == 0 else rids[0],
                         hold_blocks_on_finish=hold_blocks) for i, r in enumerate(rids)]
         for req in reqs:
             self.scheduler.add_request(req)
@@ -184,3 +185,10 @@ class LLMEngine:
                 raise TimeoutError(f"engine did not finish within {deadline_s} s")
             outputs += self.step()
         return outputs
+
+
+def _sibling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """n > 1 siblings: one completion each; a seeded request seeds sibling i with seed + i
+    so the n completions differ yet the whole request stays reproducible."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

@@ -49,7 +49,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(
             config.model, cache.num_blocks, cache.block_size, torch_dtype(cache.kv_dtype), self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.seed)
         self._states: dict[str, SamplerState] = {}
 
     # -- per-request sampler state -------------------------------------------------------
@@ -57,8 +57,6 @@ class ModelRunner:
         state = self._states.get(req.request_id)
         if state is None:
             state = self.sampler.new_state(req, self.config.model.vocab_size, self.device)
-            for t in req.output_token_ids:  # tokens sampled elsewhere (prefill worker)
-                state.observe(t)
             self._states[req.request_id] = state
         return state
 
