@@ -1,0 +1,352 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, preemption by recompute.
+
+Plain Python, no torch. Each step:
+  1. running requests, decodes first (1 token each), then running chunked prefills, each cut
+     to the remaining token budget. When one cannot get a block, the most recently admitted
+     running request is preempted (LIFO, recompute): its blocks are freed, it goes back to
+     the front of the waiting queue with its outputs kept, and is re-prefilled later.
+  2. if nobody was preempted, waiting requests in FIFO order while budget, max_num_seqs and
+     blocks allow; a prompt longer than the remaining budget is split into chunks.
+A scheduled request computes tokens all_token_ids[start : start + num_new_tokens] and
+samples iff that reaches its last token.
+
+n > 1: siblings (parent_id = leader's id) wait until the leader's prompt KV is computed and
+in the prefix cache, then hit its full blocks, so those are allocated once.
+
+Disaggregation: a decode worker parks a prefilled request as WAITING_FOR_KV (blocks
+allocated, filled by a remote read) until kv_arrived / kv_failed; a prefill worker keeps a
+finished request's blocks (hold_blocks_on_finish) until release_held.
+
+Only this module changes Request.status.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, NoFreeBlocksError
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.sampling_params import InvalidRequestError
+
+__all__ = ["NoFreeBlocksError", "ScheduledRequest", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass
+class ScheduledRequest:
+    """Compute tokens all_token_ids[start_pos : start_pos + num_new_tokens] of `request`."""
+
+    request: Request
+    num_new_tokens: int
+    start_pos: int = field(init=False)  # num_computed_tokens when scheduled
+    _samples: bool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # frozen at schedule time: update_from_output moves num_computed_tokens and num_tokens
+        self.start_pos = self.request.num_computed_tokens
+        self._samples = self.start_pos + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True iff this step reaches the request's last token, so its logits are sampled."""
+        return self._samples
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens to compute (valid until update_from_output appends new ones)."""
+        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = scheduler_config
+        self.block_manager = BlockManager(cache_config)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.waiting_for_kv: dict[str, Request] = {}  # decode role: remote read in flight
+        self.held: dict[str, Request] = {}  # prefill role: finished, blocks pinned for a reader
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+        self.num_kv_recomputes = 0
+
+    # -- stats ----------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self.waiting_for_kv)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id) or self.held.get(request_id)
+
+    # -- admission --------------------------------------------------------------------------
+    def _check_admissible(self, req: Request) -> None:
+        """Reject what could never finish: over the context length or the whole KV pool."""
+        rid = req.request_id
+        if rid in self.requests or rid in self.held:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+        prompt, max_tokens = req.num_prompt_tokens, req.sampling_params.max_tokens
+        for limit, what in ((self.config.max_model_len, "the context length (max_model_len)"),
+                            (self.block_manager.num_blocks * self.block_manager.block_size,
+                             "the KV cache pool")):
+            if prompt + max_tokens > limit:
+                param = "prompt" if prompt >= limit else "max_tokens"
+                raise InvalidRequestError(
+                    param, f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = "
+                           f"{prompt + max_tokens} exceeds {what} of {limit} tokens")
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request (raises InvalidRequestError naming the field if it can never fit)."""
+        self._check_admissible(req)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def add_remote_request(self, req: Request) -> list[int]:
+        """Decode role: allocate blocks for a request prefilled elsewhere and park it as
+        WAITING_FOR_KV. `req` carries its first output token (sampled by the prefill worker).
+
+        Returns the block table; block i receives the remote side's block i. Raises
+        NoFreeBlocksError when the pool is short (the caller retries later or elsewhere).
+        """
+        self._check_admissible(req)
+        if not req.output_token_ids:
+            raise InvalidRequestError("output_token_ids",
+                                      "a remote request carries its first sampled token")
+        blocks = self.block_manager.allocate_for_remote(req, req.num_prompt_tokens)
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.requests[req.request_id] = req
+        self.waiting_for_kv[req.request_id] = req
+        return blocks
+
+    def kv_arrived(self, request_id: str) -> bool:
+        """The remote read landed: the prompt's KV is in place; decode from the next step."""
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            return False  # aborted meanwhile, or unknown
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.block_manager.cache_full_blocks(req)
+        return True
+
+    def kv_failed(self, request_id: str) -> bool:
+        """The remote read failed: free the blocks and prefill locally (counted)."""
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            return False
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)  # it has waited already
+        self.num_kv_recomputes += 1
+        return True
+
+    # -- finishing ----------------------------------------------------------------------------
+    def _finish(self, req: Request, status: RequestStatus, stop_reason: str | int | None) -> None:
+        rid = req.request_id
+        req.status = status
+        req.stop_reason = stop_reason
+        self.requests.pop(rid, None)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.waiting_for_kv.pop(rid, None)
+        keep = (req.hold_blocks_on_finish and status != RequestStatus.FINISHED_ABORTED
+                and self.block_manager.holds_blocks(req))
+        if keep:
+            self.held[rid] = req
+        else:
+            self.block_manager.free(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: str | int | None = None) -> bool:
+        """Finish a request from outside (e.g. a stop string matched in detokenized text)."""
+        if not status.finished:
+            raise ValueError(f"status: {status.name} is not a finished status")
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, status, stop_reason)
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks now; a held (finished) request is released.
+
+        Decode role: a request still WAITING_FOR_KV may have a read in flight into its
+        blocks; the caller must cancel or wait for that read before aborting.
+        """
+        if request_id in self.held:
+            return self.release_held(request_id)
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: free the blocks kept for a remote reader (False: unknown or freed)."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        return self.block_manager.release(req)
+
+    def held_request_ids(self) -> list[str]:
+        return list(self.held)
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled: dict[str, ScheduledRequest] = {}  # insertion order = batch order
+        budget = self._schedule_running(scheduled, out.preempted)
+        if not out.preempted:  # memory is tight: admitting more would only thrash
+            self._schedule_waiting(scheduled, budget)
+        out.scheduled = list(scheduled.values())
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, scheduled: dict[str, ScheduledRequest],
+                          preempted: list[Request]) -> int:
+        """Decodes, then chunked prefills; returns the token budget left."""
+        budget = self.config.max_num_batched_tokens
+        decodes = [r for r in self.running if not r.is_prefill]
+        prefills = [r for r in self.running if r.is_prefill]
+        for req in decodes + prefills:
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            if budget == 0 or len(scheduled) >= self.config.max_num_seqs:
+                break
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            ok, refund = self._append_or_preempt(req, num_new, scheduled, preempted)
+            budget += refund
+            if ok:
+                scheduled[req.request_id] = ScheduledRequest(req, num_new)
+                budget -= num_new
+        return budget
+
+    def _append_or_preempt(self, req: Request, num_new: int,
+                           scheduled: dict[str, ScheduledRequest],
+                           preempted: list[Request]) -> tuple[bool, int]:
+        """Get blocks for `req`, preempting from the newest end until it fits or is itself
+        preempted. Returns (scheduled?, budget refunded by unscheduling victims)."""
+        refund = 0
+        while not self.block_manager.append_slots(req, num_new):
+            victim = self.running[-1]  # the most recently admitted
+            victim_slot = scheduled.pop(victim.request_id, None)
+            if victim_slot is not None:
+                refund += victim_slot.num_new_tokens
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False, refund
+        return True, refund
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # victims go newest first, so each older one lands in front: admission order is kept
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> None:
+        bm = self.block_manager
+        limit = self.config.max_num_seqs
+        skipped: list[Request] = []  # siblings waiting for their leader; they keep their place
+        while (self.waiting and budget > 0 and len(self.running) < limit
+               and len(scheduled) < limit):
+            req = self.waiting[0]
+            if self._waits_for_leader(req):
+                skipped.append(self.waiting.popleft())
+                continue
+            computed = bm.get_computed_blocks(req)
+            num_new = min(req.num_tokens - len(computed) * bm.block_size, budget)
+            if not bm.allocate(req, num_new, computed):
+                break  # FIFO: the head waits for blocks, nobody overtakes it
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled[req.request_id] = ScheduledRequest(req, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        """A sibling waits until its leader's prompt KV is computed (then in the cache)."""
+        if req.parent_id is None or not self.block_manager.enable_prefix_caching:
+            return False
+        leader = self.requests.get(req.parent_id)
+        if leader is None or leader is req:
+            return False  # the leader finished or was aborted: nothing to wait for
+        # output tokens mean the prompt was computed once (a later preemption keeps them)
+        return not leader.output_token_ids and leader.num_computed_tokens < leader.num_prompt_tokens
+
+    # -- after the model ran ----------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply stop checks.
+
+        `sampled[request_id]` lists the accepted tokens of each request that samples (more
+        than one with speculative decoding). Returns the requests that got new tokens or
+        finished, in batch order.
+        """
+        live = [s for s in out.scheduled if s.request.status == RequestStatus.RUNNING]
+        for s in live:  # check before mutating anything
+            if s.samples and not sampled.get(s.request.request_id):
+                raise ValueError(f"sampled: no token for request {s.request.request_id!r}, "
+                                 "which samples this step")
+        changed: list[Request] = []
+        for s in live:  # requests aborted or finished since schedule() are skipped
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(req)
+            if s.samples:
+                self._append_tokens(req, sampled[req.request_id])
+                changed.append(req)
+        return changed
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
+        for token in tokens:
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            status, reason = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status, reason)
+                return  # tokens after a stop are dropped
+
+    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = req.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if (len(req.output_token_ids) >= params.max_tokens
+                or req.num_tokens >= self.config.max_model_len):
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
