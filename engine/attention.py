@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -33,3 +34,94 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Torch reference path. The Triton kernels (kernels/) replace write_kv and paged_attention_torch
+# through an attention backend with the same two methods (see TorchAttentionBackend).
+# --------------------------------------------------------------------------------------------
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter the new tokens' K/V into one layer's paged cache.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided views of the
+    whole cache, so the block and offset dims cannot be flattened into one); slot_mapping: [T],
+    where a slot < 0 marks a padding token (CUDA-graph batches) that is not written.
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
+    Sequence i's new tokens are the last query_len of its seq_len context, so query j may see
+    keys 0 .. seq_len - query_len + j. One SDPA call per sequence (GQA via enable_gqa).
+    """
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = meta.block_tables[i, :num_blocks].long()
+        # [num_blocks, block_size, Hkv, D] -> [Hkv, seq_len, D]
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+        qi = q[start:start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[start:start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+class TorchAttentionBackend:
+    """The seam between the model and the attention implementation.
+
+    A backend has write_kv(k, v, k_cache, v_cache, meta) and attend(q, k_cache, v_cache, meta,
+    scale) -> [T, Hq, D]; the Model calls only these two, once per layer, so a Triton backend
+    (paged decode / chunked-prefill kernels) drops in at construction: Model(cfg, backend=...).
+    """
+
+    name = "torch"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def make_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                  block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Metadata for sequences whose new tokens are the last query_lens[i] of seq_lens[i], with
+    KV in block_tables[i] (tests, tools; the engine's runner builds its own from requests)."""
+    slots: list[int] = []
+    for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(seq_len - q_len, seq_len)]
+    width = max(len(t) for t in block_tables)
+    qsl = [0]
+    for q_len in query_lens:
+        qsl.append(qsl[-1] + q_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
+                                  dtype=torch.int32, device=device),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size)

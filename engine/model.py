@@ -1,0 +1,117 @@
+"""The decoder: Llama family (SmolLM2, Llama 3) and Qwen3 in one file, read top to bottom.
+
+Tokens arrive as one flat varlen batch [T] (no padding, see engine/attention.py); every layer
+writes its new K/V into the paged cache and attends over each sequence's blocks. The only
+attention calls go through `backend` (write_kv, attend), so a Triton backend replaces the
+torch one without touching this file.
+
+Parameter names follow Hugging Face's Llama/Qwen3 modules (minus the `model.` prefix), except
+that q/k/v and gate/up are merged into qkv_proj and gate_up_proj (one matmul each);
+engine/weights.py maps checkpoints onto them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, TorchAttentionBackend
+from engine.config import ModelConfig
+from engine.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged KV cache; Qwen3 adds RMSNorm on q and k per head."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: object) -> None:
+        super().__init__()
+        self.kv_layer = kv_layer  # index into kv_cache's layer dim (MTP layers come after the decoder's)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # this layer's views [num_blocks, block_size, Hkv, D] of the all-layers cache
+        k_cache, v_cache = kv_cache[:, self.kv_layer, 0], kv_cache[:, self.kv_layer, 1]
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        o = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. The residual add is folded into the next norm: (x, residual) in and out."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: object) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, kv_layer, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # first layer: the embedding is the residual stream
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Model(nn.Module):
+    def __init__(self, config: ModelConfig, backend: object | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend if backend is not None else TorchAttentionBackend()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so. Call again after
+        anything that replaces parameters (to_empty after a meta-device build does)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, return_prenorm: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions [T] -> hidden [T, hidden] after the final norm.
+
+        With return_prenorm, also the last layer's output before the final norm (residual
+        stream included), which MTP drafting consumes.
+        """
+        cos, sin = self.rotary.cos_sin(positions)  # [T, head_dim / 2] each, float32
+        x, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta, kv_cache)
+        hidden, prenorm = self.norm(x, residual)
+        return (hidden, prenorm) if return_prenorm else hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (only the rows that sample, to save the big matmul)."""
+        return self.lm_head(hidden).float()

