@@ -1,0 +1,1 @@
+"""Load generator (`pdserve bench`) and benchmark helpers; measured results live in results/."""

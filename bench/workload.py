@@ -1,0 +1,180 @@
+"""Workloads for `pdserve bench`: random prompts, shared prefixes, Mooncake trace replay.
+
+Prompts are text made of common English words so that any server's tokenizer turns each
+word into roughly one token; the real token counts come back in the server's `usage`, so
+the bench never needs the server's tokenizer. A workload is a list of `RequestSpec`s, each
+with an arrival offset (seconds from the start of the run) when the workload fixes one
+(trace replay), or None when the load generator draws arrivals itself (Poisson rate).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+# Short, common words: one token each in GPT-2, Llama, Qwen and SmolLM2 vocabularies when
+# preceded by a space, so "N words" is close to "N tokens" for every server.
+WORDS = tuple("""
+the of and to in is was for on are with as at be by this had not but from or have an
+they which one you were all we her she there would their will when who him been has more
+if no out do so can what up said about other into than its time only could new them man
+some these then two first may any like now my such make over our even most me state after
+also made many did must before back see through way where get much go well your know should
+down work year because come people just say each those take day good how long own too little
+use us very great still men here life both between old under last never place same another
+think house while high right might came off find states since used give against three
+himself look few general hand school part small american home during number again mrs
+around thought went without however course company world point fact children water city
+""".split())
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request to send. input_len is the intended prompt length in words (~tokens)."""
+
+    prompt: str
+    input_len: int
+    output_len: int
+    arrival_s: float | None = None  # offset from run start; None = the load generator decides
+
+
+@dataclass(frozen=True)
+class LengthRange:
+    """Inclusive integer range, parsed from "N" or "LO:HI"."""
+
+    lo: int
+    hi: int
+
+    @classmethod
+    def parse(cls, text: str, name: str) -> "LengthRange":
+        try:
+            parts = [int(p) for p in str(text).split(":")]
+        except ValueError as e:
+            raise ValueError(f"{name}: expected N or LO:HI integers, got {text!r}") from e
+        if len(parts) not in (1, 2):
+            raise ValueError(f"{name}: expected N or LO:HI, got {text!r}")
+        lo, hi = parts[0], parts[-1]
+        if lo < 1 or hi < lo:
+            raise ValueError(f"{name}: need 1 <= LO <= HI, got {text!r}")
+        return cls(lo, hi)
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(self.lo, self.hi)
+
+
+def random_words(rng: random.Random, n: int) -> list[str]:
+    return [rng.choice(WORDS) for _ in range(n)]
+
+
+def random_workload(num_prompts: int, input_len: LengthRange, output_len: LengthRange,
+                    shared_prefix_ratio: float = 0.0, seed: int = 0) -> list[RequestSpec]:
+    """Random prompts; the first floor(ratio * input_len) words of each prompt are one
+    prefix shared by all requests (what a prefix cache can reuse), the rest is unique."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
+    if not 0.0 <= shared_prefix_ratio <= 1.0:
+        raise ValueError(f"shared_prefix_ratio: must be in [0, 1], got {shared_prefix_ratio}")
+    rng = random.Random(seed)
+    # one shared prefix long enough for the longest prompt; each request takes its share
+    shared = random_words(random.Random(seed + 1), math.floor(shared_prefix_ratio * input_len.hi))
+    specs = []
+    for _ in range(num_prompts):
+        n_in = input_len.sample(rng)
+        n_shared = math.floor(shared_prefix_ratio * n_in)
+        words = shared[:n_shared] + random_words(rng, n_in - n_shared)
+        specs.append(RequestSpec(" ".join(words), n_in, output_len.sample(rng)))
+    return specs
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[TraceEntry]:
+    """Read a Mooncake-format JSONL trace: one object per line with timestamp (ms),
+    input_length, output_length and hash_ids (one id per 512-token block)."""
+    entries: list[TraceEntry] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(entries) >= limit:
+                break
+            try:
+                obj = json.loads(line)
+                entry = TraceEntry(float(obj["timestamp"]), int(obj["input_length"]),
+                                   int(obj["output_length"]),
+                                   tuple(int(h) for h in obj.get("hash_ids", [])))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: bad trace line ({e!r}): "
+                                 "needs timestamp, input_length, output_length, hash_ids") from e
+            if entry.input_length < 1 or entry.output_length < 1:
+                raise ValueError(f"{path}:{lineno}: input_length and output_length must be >= 1")
+            entries.append(entry)
+    if not entries:
+        raise ValueError(f"{path}: trace has no entries")
+    return entries
+
+
+class PrefixBlocks:
+    """The synthetic shared prefix behind hash ids: block h is block_size words drawn from a
+    generator seeded by h, so requests that share hash ids share exactly that text."""
+
+    def __init__(self, block_size: int = 512, seed: int = 0) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.seed = seed
+        self._cache: dict[int, list[str]] = {}
+
+    def block(self, hash_id: int) -> list[str]:
+        if hash_id not in self._cache:
+            rng = random.Random(f"{self.seed}:{hash_id}")
+            self._cache[hash_id] = random_words(rng, self.block_size)
+        return self._cache[hash_id]
+
+
+def trace_workload(entries: list[TraceEntry], block_size: int = 512,
+                   seed: int = 0) -> list[RequestSpec]:
+    """Turn trace entries into requests arriving at their timestamps (relative to the first).
+
+    Prompt = the hash-id blocks in order, cut to input_length words; if input_length is
+    longer than the blocks, unique random words fill the rest (the uncached tail)."""
+    blocks = PrefixBlocks(block_size, seed)
+    rng = random.Random(seed)
+    t0 = min(e.timestamp_ms for e in entries)
+    specs = []
+    for e in entries:
+        words: list[str] = []
+        for h in e.hash_ids:
+            if len(words) >= e.input_length:
+                break
+            words.extend(blocks.block(h))
+        words = words[:e.input_length]
+        words.extend(random_words(rng, e.input_length - len(words)))
+        specs.append(RequestSpec(" ".join(words), e.input_length, e.output_length,
+                                 arrival_s=(e.timestamp_ms - t0) / 1000.0))
+    specs.sort(key=lambda s: s.arrival_s or 0.0)
+    return specs
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival offsets (s) of n requests from a Poisson process of `rate` req/s; rate = inf
+    sends everything at t=0. The first request leaves at t=0."""
+    if rate <= 0 or math.isnan(rate):
+        raise ValueError(f"request_rate: must be > 0 (or inf), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        if i > 0:
+            t += rng.expovariate(rate)
+        out.append(t)
+    return out

@@ -1,0 +1,233 @@
+"""Kubernetes manifests, the Helm chart and the Ray cluster config, checked with real validators.
+
+- Core Kubernetes kinds: kubernetes-validate (the Kubernetes OpenAPI schemas, offline, strict).
+- RayCluster / ServiceMonitor: crd_schemas.py (their own fields) + every embedded Pod
+  template against Kubernetes' PodTemplateSpec schema.
+- Helm: rendered by Helm's Go SDK through helm-python-sdk (no `helm` binary exists as a
+  Debian or PyPI package here); skipped when that package is missing.
+- cluster.yaml: Ray's own ray-schema.json plus Ray's prepare_config/validate_config.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from crd_schemas import CRD_SCHEMAS
+from deploy_checks import DEPLOY
+
+try:
+    import kubernetes_validate as kv
+except ImportError:  # the schema checks below that need it skip
+    kv = None
+needs_kv = pytest.mark.skipif(kv is None, reason="pip package kubernetes-validate missing")
+
+K8S_VERSION = "1.33.0"
+CHART = DEPLOY / "helm" / "pdserve"
+
+
+def pod_templates(doc: dict) -> list[dict]:
+    if doc["kind"] != "RayCluster":
+        return []
+    spec = doc["spec"]
+    workers = [g["template"] for g in spec.get("workerGroupSpecs", [])]
+    return [spec["headGroupSpec"]["template"], *workers]
+
+
+def validate_manifest(doc: dict) -> None:
+    key = (doc.get("apiVersion"), doc.get("kind"))
+    if key in CRD_SCHEMAS:
+        jsonschema.Draft202012Validator(CRD_SCHEMAS[key]).validate(doc)
+        for tmpl in pod_templates(doc):
+            kv.validate({"apiVersion": "v1", "kind": "PodTemplate",
+                         "metadata": {"name": "check"}, "template": tmpl}, K8S_VERSION, strict=True)
+    else:
+        kv.validate(doc, K8S_VERSION, strict=True)
+
+
+def load_docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for d in docs:
+        out.setdefault(d["kind"], []).append(d)
+    return out
+
+
+def check_wiring(docs: list[dict]) -> None:
+    """What the validators can't see: the objects point at each other correctly."""
+    kinds = by_kind(docs)
+    [rc] = kinds["RayCluster"]
+    name = rc["metadata"]["name"]
+    assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    head = rc["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    [c] = head["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    cmd = c["args"][0]
+    assert "${KUBERAY_GEN_RAY_START_CMD//--block/}" in cmd and "exec pdserve serve" in cmd
+    assert "--address auto" in cmd and "--host 0.0.0.0" in cmd
+    # the router Service selects the head pod by the labels KubeRay gives it
+    router = next(s for s in kinds["Service"] if "router" in s["metadata"]["name"])
+    assert router["spec"]["selector"] == {"ray.io/cluster": name, "ray.io/node-type": "head"}
+    assert {p["targetPort"] for p in router["spec"]["ports"]} <= set(ports)
+    # pool sizes: --prefill/--decode = pods x GPUs per pod
+    for g in rc["spec"]["workerGroupSpecs"]:
+        [wc] = g["template"]["spec"]["containers"]
+        gpus = int(wc["resources"]["limits"]["nvidia.com/gpu"])
+        assert re.search(rf"--{g['groupName']} {g['replicas'] * gpus}\b", cmd), cmd
+        assert "$KUBERAY_GEN_RAY_START_CMD" in wc["args"][0]
+    # the API key comes from a Secret (rendered here, or named by the user)
+    env = {e["name"]: e for e in c.get("env", [])}
+    if "PDSERVE_API_KEY" in env:
+        ref = env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert '--api-key "$PDSERVE_API_KEY"' in cmd
+        for s in kinds.get("Secret", []):
+            if s["metadata"]["name"] == ref["name"]:
+                assert ref["key"] in s["data"]
+
+
+@needs_kv
+def test_kuberay_manifest_validates():
+    docs = load_docs((DEPLOY / "kuberay" / "raycluster.yaml").read_text())
+    assert sorted(by_kind(docs)) == ["RayCluster", "Service"]
+    for doc in docs:
+        validate_manifest(doc)
+    check_wiring(docs)
+
+
+@needs_kv
+def test_validators_reject_broken_manifests():
+    """The validators are real: typical mistakes fail."""
+    [rc, svc] = load_docs((DEPLOY / "kuberay" / "raycluster.yaml").read_text())
+    bad = copy.deepcopy(rc)
+    bad["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] = 0  # must be a string
+    with pytest.raises(jsonschema.ValidationError):
+        validate_manifest(bad)
+    bad = copy.deepcopy(rc)
+    bad["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["ports"] = [
+        {"containerPort": "eighty"}]
+    with pytest.raises(kv.ValidationError):
+        validate_manifest(bad)
+    bad = copy.deepcopy(svc)
+    bad["spec"]["ports"][0]["prot"] = 8000  # unknown field: strict mode
+    with pytest.raises(kv.ValidationError):
+        validate_manifest(bad)
+
+
+def test_values_validate_against_schema():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    validator.validate(values)
+    for path, bad in ((("prefill", "replicas"), -1), (("decode", "replicas"), 0),
+                      (("decode", "gpusPerWorker"), "2"), (("apiKey", "enabled"), "yes"),
+                      (("router", "service", "type"), "Ingress"), (("image", "repository"), "")):
+        v = copy.deepcopy(values)
+        node = v
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = bad
+        assert not validator.is_valid(v), path
+    assert not validator.is_valid({**values, "replicaCount": 3})  # typo'd / unknown key
+
+
+def test_ray_cluster_yaml_against_ray_schema():
+    import ray.autoscaler
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
+    schema_path = Path(ray.autoscaler.__file__).parent / "ray-schema.json"
+    jsonschema.validate(config, json.loads(schema_path.read_text()))
+    validate_config(prepare_config(copy.deepcopy(config)))
+    types = config["available_node_types"]
+    assert types[config["head_node_type"]]["resources"]["GPU"] == 0  # router only
+    assert {t["labels"]["pdserve-role"] for t in types.values()} == {"router", "prefill", "decode"}
+    assert "--env RAY_AUTH_MODE=token" in config["docker"]["run_options"]
+    assert "/home/ray/.ray/auth_token" in config["file_mounts"]
+    assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
+    bad = copy.deepcopy(config)
+    bad["available_node_types"]["decode_gpu"]["min_workers"] = "one"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, json.loads(schema_path.read_text()))
+
+
+# --- Helm ----------------------------------------------------------------------------------
+
+def _render(values: dict) -> list[dict]:
+    helm = pytest.importorskip(
+        "helm_python", reason="helm-python-sdk (Helm's Go SDK) missing; no helm binary here")
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values)
+        rendered = chart.render(values, name="llm", namespace="serving")
+    return [d for name, text in rendered.items() if not name.endswith("NOTES.txt")
+            for d in load_docs(text)]
+
+
+@needs_kv
+def test_helm_chart_renders_and_validates_with_defaults():
+    docs = _render({})
+    kinds = by_kind(docs)
+    assert sorted(kinds) == ["PodDisruptionBudget", "RayCluster", "Secret", "Service",
+                             "ServiceMonitor"]
+    for doc in docs:
+        validate_manifest(doc)
+    check_wiring(docs)
+    [rc], [svc], [sm] = kinds["RayCluster"], kinds["Service"], kinds["ServiceMonitor"]
+    # the ServiceMonitor scrapes the router Service's named port
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    # one PDB per GPU pool, selecting that worker group's pods
+    groups = {g["groupName"] for g in rc["spec"]["workerGroupSpecs"]}
+    pdb_groups = {p["spec"]["selector"]["matchLabels"]["ray.io/group"]
+                  for p in kinds["PodDisruptionBudget"]}
+    assert pdb_groups == groups == {"prefill", "decode"}
+    assert all(p["spec"]["selector"]["matchLabels"]["ray.io/cluster"] == rc["metadata"]["name"]
+               for p in kinds["PodDisruptionBudget"])
+
+
+@needs_kv
+def test_helm_values_drive_the_cluster():
+    docs = _render({"model": "/models/qwen3-8b", "prefill": {"replicas": 3, "gpusPerWorker": 8},
+                    "decode": {"replicas": 2, "gpusPerWorker": 4},
+                    "apiKey": {"enabled": True, "existingSecret": "my-key", "secretKey": "token"},
+                    "metrics": {"serviceMonitor": {"enabled": False}},
+                    "extraServeArgs": ["--speculative", "mtp"]})
+    kinds = by_kind(docs)
+    assert "Secret" not in kinds and "ServiceMonitor" not in kinds
+    for doc in docs:
+        validate_manifest(doc)
+    check_wiring(docs)
+    [rc] = kinds["RayCluster"]
+    [head] = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    cmd = head["args"][0]
+    assert "--prefill 24 --decode 8" in cmd and '--model "/models/qwen3-8b"' in cmd
+    assert cmd.endswith('"--speculative" "mtp"')
+    assert head["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "my-key", "key": "token"}
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert groups["prefill"]["replicas"] == 3
+    assert groups["prefill"]["rayStartParams"]["num-gpus"] == "8"
+
+
+def test_helm_rejects_values_outside_the_schema():
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk missing")
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmError, match="replicas"):
+            chart.validate_schema({"decode": {"replicas": 0, "gpusPerWorker": 1}})
+
+
+def test_helm_lint_is_clean():
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk missing")
+    result = helm.lint(str(CHART))
+    assert result["errors"] == []
+    assert [m for m in result["messages"] if m["severity"] > 1] == []  # only INFO findings

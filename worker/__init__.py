@@ -1,0 +1,1 @@
+"""pdserve worker runtime shared by the prefill and decode roles."""
