@@ -19,6 +19,7 @@ Without a PrefillResult (colocated / selective disaggregation) it prefills local
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -39,11 +40,29 @@ class KVReadFailed(RuntimeError):
     pass
 
 
+class _StreamState:
+    """Per-stream flags shared by the handler thread and gRPC's close callback.
+
+    A request's local blocks must not be freed while a NIXL read is writing into them
+    (they could already belong to another request): a close during the read only marks
+    the stream cancelled, and the handler aborts once the read has returned.
+    """
+
+    def __init__(self, remote: bool) -> None:
+        self.lock = threading.Lock()
+        self.pulling = False
+        self.pulled = not remote
+        self.done = False
+        self.cancelled = False
+
+
 class DecodeService:
     def __init__(self, rt) -> None:  # rt: worker.runtime.WorkerRuntime
         self.rt = rt
         self._peers: dict[str, tuple[str, pbg.WorkerStub, grpc.Channel]] = {}
         self._lock = threading.Lock()
+        # (request_id, remote blocks, local blocks, tokens) of recent successful reads
+        self.recent_pulls: collections.deque = collections.deque(maxlen=256)
 
     def close(self) -> None:
         with self._lock:
@@ -82,14 +101,23 @@ class DecodeService:
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         q = loop.subscribe(rid)
-        state = {"pulled": not req.HasField("prefill"), "done": False}
+        state = _StreamState(remote=req.HasField("prefill"))
         context.add_callback(lambda: self._on_close(rid, req, state))
         try:
             if req.HasField("prefill"):
                 first, blocks = self._admit_remote(req, params, context)
                 yield self._to_proto(first, pb.StageTimes(decode_queue=time.monotonic() - start))
-                stages = self._pull(req, params, blocks, deadline, context)
-                state["pulled"] = True
+                with state.lock:
+                    state.pulling = True
+                try:
+                    stages = self._pull(req, params, blocks, deadline, context)
+                finally:
+                    with state.lock:
+                        state.pulling, state.pulled = False, True
+                        cancelled = state.cancelled
+                if cancelled:  # the client left during the read: free now that it returned
+                    loop.call(lambda e: e.abort_request(rid))
+                    return
                 yield pb.DecodeOutput(request_id=rid, stages=stages)
             else:
                 self._admit_local(req, params, context)
@@ -141,13 +169,15 @@ class DecodeService:
                                    f"whole read (released={released}): data discarded")
         except Exception as e:  # every transfer failure takes the request's policy
             self._release_remote(kv, rid, deadline)  # best effort: never leave P pinned
-            self.rt.transfer_metrics.failure()
+            if isinstance(e, KVReadFailed):  # the transport counts its own failures
+                self.rt.kv_metrics.transfer_failed()
             if params.transfer_failure_policy == "recompute":
                 self.rt.loop.call(lambda en: en.kv_failed(rid))
                 return pb.StageTimes(kv_transfer=time.monotonic() - t0)
             self.rt.loop.call(lambda en: en.abort_request(rid))
             context.abort(grpc.StatusCode.UNAVAILABLE, f"kv_transfer: {e}")
         self.rt.loop.call(lambda en: en.kv_arrived(rid))
+        self.recent_pulls.append((rid, remote, blocks[: len(remote)], kv.num_tokens))
         took = time.monotonic() - t0
         self.rt.metrics.kv_transfer_stage.labels(**self.rt.metrics.labels).observe(took)
         return pb.StageTimes(kv_transfer=took)
@@ -175,17 +205,23 @@ class DecodeService:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode of {rid} timed out")
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
+            if item.finished:
+                state.done = True
             yield self._to_proto(item)
             if item.finished:
-                state["done"] = True
                 return
 
-    def _on_close(self, rid: str, req: pb.DecodeRequest, state: dict) -> None:
+    def _on_close(self, rid: str, req: pb.DecodeRequest, state: _StreamState) -> None:
         """RPC ended (finished, cancelled or failed): make sure nothing stays allocated."""
-        if state["done"]:
-            return
+        with state.lock:
+            if state.done:
+                return
+            state.cancelled = True
+            if state.pulling:
+                return  # the handler frees once the read returns
+            pulled = state.pulled
         self.rt.loop.submit(lambda e: e.abort_request(rid))
-        if not state["pulled"]:
+        if not pulled:  # the prefill worker still pins the prompt: release it now
             threading.Thread(target=self._release_remote,
                              args=(req.prefill.kv, rid, time.monotonic() + 5), daemon=True).start()
 

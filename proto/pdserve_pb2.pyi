@@ -297,30 +297,20 @@ class AbortReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "agent_name", "nixl_metadata", "base_address", "block_bytes", "num_blocks", "compat_hash", "compat_json", "role", "grpc_address")
+    __slots__ = ("worker_id", "incarnation", "role", "grpc_address", "compat_hash", "transport_info")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
-    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
-    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
-    COMPAT_JSON_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_INFO_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
-    agent_name: str
-    nixl_metadata: bytes
-    base_address: int
-    block_bytes: int
-    num_blocks: int
-    compat_hash: str
-    compat_json: str
     role: str
     grpc_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., compat_json: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ...) -> None: ...
+    compat_hash: str
+    transport_info: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., compat_hash: _Optional[str] = ..., transport_info: _Optional[bytes] = ...) -> None: ...
 
 class GetPeerInfoRequest(_message.Message):
     __slots__ = ()

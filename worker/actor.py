@@ -41,6 +41,18 @@ class WorkerActor:
     def ping(self) -> str:
         return self.rt.incarnation
 
+    def health(self) -> dict:
+        from google.protobuf.json_format import MessageToDict
+
+        return MessageToDict(self.rt.health(), preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)
+
+    def kv_digests(self, block_ids: list[int], num_tokens: int) -> list[str]:
+        return self.rt.kv_digests(block_ids, num_tokens)
+
+    def recent_pulls(self) -> list[tuple[str, list[int], list[int], int]]:
+        return list(self.rt.decode.recent_pulls)
+
     def drain(self) -> None:
         self.rt.draining = True
 

@@ -7,18 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_transfer.faults import FaultConfig
+
 ROLES = ("prefill", "decode", "colocated")
-
-
-@dataclass(frozen=True)
-class FaultConfig:
-    """Test switches for the KV transport (never set in production)."""
-
-    fail_nth_transfer: int = 0  # 0 = off; N = the Nth read raises
-    fail_probability: float = 0.0
-    delay_s: float = 0.0
-    drop_releases: bool = False
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,7 +31,7 @@ class WorkerConfig:
     metrics_port: int = 0  # 0 = pick a free port; -1 = no metrics server
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 30.0
-    faults: FaultConfig = field(default_factory=FaultConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)  # test switches, off by default
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -7,23 +7,21 @@ construct it in-process.
 """
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import time
-import uuid
-from dataclasses import asdict
 
 import grpc
+import torch
 from prometheus_client import CollectorRegistry, start_http_server
 
-from engine.config import compatibility_hash
 from engine.engine import LLMEngine
 from engine.llm import build_engine
 from engine.loop import EngineLoop
 from kv_transfer.faults import FaultInjector
-from kv_transfer.handshake import PeerInfo
+from kv_transfer.handshake import HandshakeError, PeerInfo, compat_config
 from kv_transfer.lease import LeaseTable
-from kv_transfer.metrics import TransferMetrics
+from kv_transfer.metrics import kv_metrics
 from kv_transfer.nixl_transport import NixlKVTransport
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pbg
@@ -49,23 +47,19 @@ def build_worker_engine(cfg: WorkerConfig) -> LLMEngine:
 class WorkerRuntime:
     def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
         self.cfg = cfg
-        self.incarnation = uuid.uuid4().hex[:12]  # a restart is a new peer (ANCHORS #3)
         self.engine = engine or build_worker_engine(cfg)
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry, cfg.role, cfg.worker_id)
-        self.transfer_metrics = TransferMetrics(self.registry, cfg.role, cfg.worker_id)
+        self.kv_metrics = kv_metrics(self.registry).bind(cfg.role, cfg.worker_id)
         ec = self.engine.config
-        self.compat = {"model": asdict(ec.model), "block_size": ec.cache.block_size,
-                       "kv_dtype": ec.cache.kv_dtype}
-        self.compat_hash = compatibility_hash(ec.model, ec.cache)
-        f = cfg.faults
-        self.faults = FaultInjector(fail_nth=f.fail_nth_transfer, fail_probability=f.fail_probability,
-                                    delay_s=f.delay_s, drop_releases=f.drop_releases, seed=f.seed)
+        self.faults = FaultInjector(cfg.faults)
         self.transport = NixlKVTransport(self.engine.runner.kv_cache, cfg.worker_id,
-                                         self.compat, faults=self.faults,
-                                         incarnation=self.incarnation,
-                                         metrics=self.transfer_metrics)
-        self.leases = LeaseTable()
+                                         compat_config(ec.model, ec.cache), faults=self.faults,
+                                         role=cfg.role, metrics=self.kv_metrics)
+        # a restart makes a new transport, hence a new incarnation (ANCHORS #3)
+        self.incarnation = self.transport.incarnation
+        self.compat_hash = self.transport.peer_info().compat_hash
+        self.leases = LeaseTable(faults=self.faults, metrics=self.kv_metrics)
         self.loop = EngineLoop(self.engine, on_tick=self._tick)
         self.server: grpc.Server | None = None
         self.address = ""
@@ -104,21 +98,16 @@ class WorkerRuntime:
 
     def _tick(self, engine: LLMEngine) -> None:
         """Loop-thread housekeeping: expire leases, refresh gauges."""
-        for lease in self.leases.expire(time.time()):
+        for lease in self.leases.expire():  # counts kv_lease_expired itself
             engine.release_held(lease.request_id)
-            self.transfer_metrics.lease_expired()
-        self.transfer_metrics.set_pinned(self.leases.num_pinned_blocks())
         self.metrics.refresh(engine)
 
     # -- shared RPCs ---------------------------------------------------------------------
     def peer_info(self) -> pb.PeerInfo:
         info = self.transport.peer_info()
-        return pb.PeerInfo(
-            worker_id=info.worker_id, incarnation=info.incarnation, agent_name=info.agent_name,
-            nixl_metadata=info.nixl_metadata, base_address=info.base_address,
-            block_bytes=info.layout.block_bytes, num_blocks=info.layout.num_blocks,
-            compat_hash=info.compat_hash, compat_json=json.dumps(info.compat, sort_keys=True),
-            role=self.cfg.role, grpc_address=self.address)
+        return pb.PeerInfo(worker_id=info.worker_id, incarnation=info.incarnation,
+                           role=self.cfg.role, grpc_address=self.address,
+                           compat_hash=info.compat_hash, transport_info=info.to_bytes())
 
     def health(self) -> pb.HealthResponse:
         def snapshot(e: LLMEngine) -> pb.HealthResponse:
@@ -128,9 +117,20 @@ class WorkerRuntime:
                 worker_id=self.cfg.worker_id, incarnation=self.incarnation,
                 num_running=s.num_running, num_waiting=s.num_waiting,
                 num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
-                num_pinned_blocks=self.leases.num_pinned_blocks(), kv_cache_usage=bm.usage,
+                num_pinned_blocks=self.leases.pinned_blocks, kv_cache_usage=bm.usage,
                 num_held_requests=len(s.held_request_ids()))
         return self.loop.call(snapshot, timeout_s=10)
+
+    def kv_digests(self, block_ids: list[int], num_tokens: int) -> list[str]:
+        """sha256 of each block's first tokens (all layers, K and V): tests compare P and D."""
+        def digest(e: LLMEngine) -> list[str]:
+            kv, bs, out = e.runner.kv_cache, e.config.cache.block_size, []
+            for i, b in enumerate(block_ids):
+                n = min(bs, num_tokens - i * bs)
+                raw = kv[b, :, :, :n].contiguous().cpu().view(torch.uint8).numpy().tobytes()
+                out.append(hashlib.sha256(raw).hexdigest())
+            return out
+        return self.loop.call(digest, timeout_s=30)
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request and/or free its held blocks, whatever state it is in."""
@@ -140,11 +140,10 @@ class WorkerRuntime:
 
 
 def peer_from_proto(msg: pb.PeerInfo) -> PeerInfo:
-    return PeerInfo.from_proto_fields(
-        worker_id=msg.worker_id, incarnation=msg.incarnation, agent_name=msg.agent_name,
-        nixl_metadata=msg.nixl_metadata, base_address=msg.base_address,
-        block_bytes=msg.block_bytes, num_blocks=msg.num_blocks, compat_hash=msg.compat_hash,
-        compat=json.loads(msg.compat_json or "{}"))
+    info = PeerInfo.from_bytes(msg.transport_info)  # strict: names the bad field
+    if (info.worker_id, info.incarnation) != (msg.worker_id, msg.incarnation):
+        raise HandshakeError("peer_info.worker_id/incarnation: envelope and transport info differ")
+    return info
 
 
 class WorkerServicer(pbg.WorkerServicer):

@@ -1,0 +1,96 @@
+"""Test helpers: a real local Ray instance, worker actors, gRPC stubs to them."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import ray
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pbg
+from proto.rpc import make_channel
+from worker.actor import launch_worker
+from worker.config import WorkerConfig
+
+
+@dataclass
+class Worker:
+    actor: "ray.actor.ActorHandle"
+    cfg: WorkerConfig
+    address: str
+    stub: pbg.WorkerStub
+    channel: grpc.Channel
+
+    def health(self) -> pb.HealthResponse:
+        return self.stub.Health(pb.HealthRequest(), timeout=10)
+
+    def refresh(self, timeout_s: float = 120) -> None:
+        """Re-read endpoints (after a restart: new port, new incarnation)."""
+        ep = ray.get(self.actor.endpoints.remote(), timeout=timeout_s)
+        self.channel.close()
+        self.address = ep["grpc_address"]
+        self.channel = make_channel(self.address)
+        self.stub = pbg.WorkerStub(self.channel)
+
+
+def start_ray() -> None:
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+
+
+def start_worker(role: str, worker_id: str, timeout_s: float = 300, **kw: object) -> Worker:
+    cfg = WorkerConfig(role=role, worker_id=worker_id, metrics_port=0, **kw)  # type: ignore[arg-type]
+    actor = launch_worker(cfg, num_cpus=0)
+    ep = ray.get(actor.endpoints.remote(), timeout=timeout_s)
+    ch = make_channel(ep["grpc_address"])
+    return Worker(actor, cfg, ep["grpc_address"], pbg.WorkerStub(ch), ch)
+
+
+def introduce(prefill: Worker, decode: Worker) -> pb.AddPeerReply:
+    info = prefill.stub.GetPeerInfo(pb.GetPeerInfoRequest(), timeout=10)
+    return decode.stub.AddPeer(info, timeout=10)
+
+
+def prefill(p: Worker, rid: str, prompt: list[int], params: pb.SamplingParams,
+            timeout_s: float = 60) -> pb.PrefillResult:
+    return p.stub.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                            params=params, timeout_s=timeout_s),
+                          timeout=timeout_s + 5)
+
+
+def decode_stream(d: Worker, rid: str, prompt: list[int], params: pb.SamplingParams,
+                  result: pb.PrefillResult | None = None,
+                  timeout_s: float = 60) -> Iterator[pb.DecodeOutput]:
+    req = pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                           timeout_s=timeout_s)
+    if result is not None:
+        req.prefill.CopyFrom(result)
+    return d.stub.Decode(req, timeout=timeout_s + 5)
+
+
+def tokens_of(stream: Iterator[pb.DecodeOutput]) -> tuple[list[int], str]:
+    toks: list[int] = []
+    reason = ""
+    for out in stream:
+        toks += list(out.token_ids)
+        reason = out.finish_reason or reason
+    return toks, reason
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def idle(w: Worker) -> bool:
+    """No running/waiting/held requests, nothing pinned, every block free or cached."""
+    h = w.health()
+    return (h.num_running == 0 and h.num_waiting == 0 and h.num_pinned_blocks == 0
+            and h.num_held_requests == 0 and h.num_free_blocks == h.num_total_blocks)

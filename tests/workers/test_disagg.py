@@ -1,0 +1,202 @@
+"""Disaggregation core on a real local Ray instance: prefill and decode actors, gRPC on
+loopback, KV pulled over NIXL (UCX, host memory) between the two processes."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from proto import pdserve_pb2 as pb
+from tests.workers.cluster import (decode_stream, idle, introduce, prefill, start_ray,
+                                   start_worker, tokens_of, wait_until)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "List three primary colors:",
+    "Water boils at",
+    "The quick brown fox jumps over",
+    "In machine learning, a transformer is",
+    "1, 2, 3, 4,",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    start_ray()
+    p = start_worker("prefill", "smol-p0", lease_ttl_s=2.0)
+    d = start_worker("decode", "smol-d0")
+    assert introduce(p, d).accepted
+    yield p, d
+    for w in (p, d):
+        ray.kill(w.actor, no_restart=True)
+
+
+def _tokenize(texts: list[str]) -> list[list[int]]:
+    from engine.model_source import load_tokenizer
+
+    tok = load_tokenizer(None)
+    return [tok.encode(t) for t in texts]
+
+
+def test_disaggregated_equals_colocated_and_kv_is_bitwise_equal(pair) -> None:
+    p, d = pair
+    greedy = pb.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(_tokenize(PROMPTS)):
+        colocated, _ = tokens_of(decode_stream(d, f"col-{i}", prompt, greedy))
+        res = prefill(p, f"dis-{i}", prompt, greedy)
+        assert res.kv.block_ids and res.kv.num_tokens == len(prompt)
+        remote_digests = ray.get(p.actor.kv_digests.remote(list(res.kv.block_ids), len(prompt)))
+        disagg, reason = tokens_of(decode_stream(d, f"dis-{i}", prompt, greedy, res))
+        assert disagg == colocated, PROMPTS[i]
+        assert reason == "length"
+        pulls = {r: (rem, loc, n) for r, rem, loc, n in ray.get(d.actor.recent_pulls.remote())}
+        remote, local, n = pulls[f"dis-{i}"]
+        assert remote == list(res.kv.block_ids)
+        assert ray.get(d.actor.kv_digests.remote(local, n)) == remote_digests
+    wait_until(lambda: idle(p) and idle(d), 10, "both workers idle")
+
+
+def test_lease_expiry_frees_blocks_when_decode_never_pulls(pair) -> None:
+    p, _ = pair
+    [prompt] = _tokenize(["A request whose decode never comes"])
+    res = prefill(p, "orphan", prompt, pb.SamplingParams(max_tokens=8, temperature=0))
+    assert p.health().num_pinned_blocks == len(res.kv.block_ids) > 0
+    wait_until(lambda: idle(p), 10, "the lease to expire")
+    metrics = _scrape(p)
+    assert 'pdserve:kv_lease_expired_total{role="prefill",worker="smol-p0"}' in metrics
+    assert _value(metrics, "pdserve:kv_lease_expired_total") >= 1
+
+
+def test_abort_before_pull_frees_at_once(pair) -> None:
+    p, _ = pair
+    [prompt] = _tokenize(["Abort me before the pull"])
+    prefill(p, "abort-early", prompt, pb.SamplingParams(max_tokens=8, temperature=0))
+    assert p.health().num_pinned_blocks > 0
+    assert p.stub.Abort(pb.AbortRequest(request_id="abort-early"), timeout=5).found
+    assert idle(p)  # at once, not after the 2 s lease
+
+
+def test_decode_cancel_after_pull_frees_both_sides(pair) -> None:
+    p, d = pair
+    [prompt] = _tokenize(["Cancel me after a few tokens please"])
+    params = pb.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    res = prefill(p, "cancel-late", prompt, params)
+    stream = decode_stream(d, "cancel-late", prompt, params, res)
+    got = 0
+    for out in stream:
+        got += len(out.token_ids)
+        if got >= 4:
+            stream.cancel()
+            break
+    assert p.health().num_pinned_blocks == 0  # released right after the pull
+    wait_until(lambda: idle(d), 5, "decode to free the cancelled request")
+
+
+def test_lost_release_cannot_hang_a_request() -> None:
+    start_ray()
+    from kv_transfer.faults import FaultConfig
+
+    p = start_worker("prefill", "lossy-p", model="tiny-llama", block_size=4, num_blocks=64,
+                     lease_ttl_s=1.0, faults=FaultConfig(drop_release_prob=1.0))
+    d = start_worker("decode", "lossy-d", model="tiny-llama", block_size=4, num_blocks=64)
+    try:
+        assert introduce(p, d).accepted
+        prompt = list(range(5, 30))
+        for policy in ("recompute", "fail"):
+            params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                       transfer_failure_policy=policy)
+            res = prefill(p, f"lost-{policy}", prompt, params)
+            start = time.monotonic()
+            if policy == "recompute":  # completes by prefilling locally
+                toks, reason = tokens_of(decode_stream(d, f"lost-{policy}", prompt, params, res,
+                                                       timeout_s=20))
+                assert len(toks) == 6 and reason == "length"
+            else:  # ends with a clear error, not a hang
+                with pytest.raises(grpc.RpcError) as e:
+                    tokens_of(decode_stream(d, f"lost-{policy}", prompt, params, res, timeout_s=20))
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "kv_transfer" in e.value.details()
+            assert time.monotonic() - start < 20
+        wait_until(lambda: idle(p) and idle(d), 10, "leases to expire on both")
+    finally:
+        for w in (p, d):
+            ray.kill(w.actor, no_restart=True)
+
+
+def test_mismatched_decode_is_refused_at_handshake(pair) -> None:
+    p, _ = pair
+    other_block = start_worker("decode", "smol-d-bs32", block_size=32)
+    other_model = start_worker("decode", "tiny-d", model="tiny-llama")
+    try:
+        reply = introduce(p, other_block)
+        assert not reply.accepted and "block_size: 16 != 32" in reply.reason
+        reply = introduce(p, other_model)
+        assert not reply.accepted and "model." in reply.reason
+    finally:
+        for w in (other_block, other_model):
+            ray.kill(w.actor, no_restart=True)
+
+
+def test_killed_prefill_gives_typed_error_within_deadline() -> None:
+    start_ray()
+    p = start_worker("prefill", "doomed-p", max_num_batched_tokens=32)
+    prompt = list(range(100, 1900))  # ~56 chunks of 32 tokens: long enough to kill mid-way
+    errors: list[grpc.RpcError] = []
+
+    def run() -> None:
+        try:
+            prefill(p, "doomed", prompt, pb.SamplingParams(max_tokens=4), timeout_s=30)
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    start = time.monotonic()
+    t.start()
+    wait_until(lambda: p.health().num_running > 0, 30, "the prefill to start")
+    ray.kill(p.actor, no_restart=True)
+    t.join(35)
+    assert not t.is_alive()
+    assert errors and errors[0].code() in (grpc.StatusCode.UNAVAILABLE,
+                                           grpc.StatusCode.CANCELLED)
+    assert time.monotonic() - start < 35
+
+
+def test_killed_decode_leaves_pins_to_the_lease() -> None:
+    start_ray()
+    from kv_transfer.faults import FaultConfig
+
+    p = start_worker("prefill", "survivor-p", model="tiny-llama", block_size=4, num_blocks=64,
+                     lease_ttl_s=1.5)
+    d = start_worker("decode", "victim-d", model="tiny-llama", block_size=4, num_blocks=64,
+                     faults=FaultConfig(delay_s=30.0))  # the read hangs until we kill D
+    try:
+        assert introduce(p, d).accepted
+        prompt = list(range(5, 40))
+        params = pb.SamplingParams(max_tokens=8, temperature=0)
+        res = prefill(p, "orphaned", prompt, params)
+        stream = decode_stream(d, "orphaned", prompt, params, res, timeout_s=60)
+        next(stream)  # the first token: D admitted it and is now reading
+        ray.kill(d.actor, no_restart=True)
+        with pytest.raises(grpc.RpcError):
+            list(stream)
+        wait_until(lambda: idle(p), 10, "the prefill side's lease to expire")
+    finally:
+        ray.kill(p.actor, no_restart=True)
+
+
+def _scrape(w) -> str:
+    import urllib.request
+
+    ep = ray.get(w.actor.endpoints.remote())
+    with urllib.request.urlopen(f"http://{ep['metrics_address']}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _value(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
