@@ -29,7 +29,8 @@ import grpc
 
 from engine.engine import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from kv_transfer.handshake import IncompatiblePeerError
+from kv_transfer.errors import KVTransferError, KVTransferTimeout
+from kv_transfer.handshake import HandshakeError, IncompatiblePeerError
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pbg
 from proto.convert import logprob_to_proto, params_from_proto
@@ -75,9 +76,15 @@ class DecodeService:
         from worker.runtime import peer_from_proto
 
         try:
-            self.rt.transport.add_peer(peer_from_proto(msg))
-        except IncompatiblePeerError as e:
+            info = peer_from_proto(msg)
+            self.rt.transport.add_peer(info)
+            # the first read to a peer pays connection setup: pay it now, not in a TTFT
+            self.rt.transport.warm_up(info.worker_id, info.incarnation,
+                                      deadline=time.monotonic() + 10)
+        except (IncompatiblePeerError, HandshakeError) as e:
             return pb.AddPeerReply(accepted=False, reason=str(e))
+        except KVTransferError as e:
+            return pb.AddPeerReply(accepted=False, reason=f"warm-up read failed: {e}")
         with self._lock:
             old = self._peers.pop(msg.worker_id, None)
             if old is not None:
@@ -169,6 +176,11 @@ class DecodeService:
                                    f"whole read (released={released}): data discarded")
         except Exception as e:  # every transfer failure takes the request's policy
             self._release_remote(kv, rid, deadline)  # best effort: never leave P pinned
+            if isinstance(e, KVTransferTimeout) and not e.local_blocks_safe:
+                # NIXL could not abort the read: our blocks may still be written. Keep them
+                # out of the pool (counted) rather than hand them to another request.
+                self.rt.loop.call(lambda en: en.quarantine_request(rid))
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"kv_transfer: {e}")
             if isinstance(e, KVReadFailed):  # the transport counts its own failures
                 self.rt.kv_metrics.transfer_failed()
             if params.transfer_failure_policy == "recompute":

@@ -119,6 +119,11 @@ class LLMEngine:
         """Fall back to computing the prompt locally (counted by the scheduler)."""
         self.scheduler.kv_failed(request_id)
 
+    def quarantine_request(self, request_id: str) -> bool:
+        """Abort without returning the blocks to the pool (an uncancellable read targets them)."""
+        self._forget(request_id)
+        return self.scheduler.quarantine_request(request_id)
+
     def release_held(self, request_id: str) -> bool:
         """Prefill role: free blocks kept pinned for a remote reader."""
         return self.scheduler.release_held(request_id)

@@ -51,7 +51,7 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
     max_len = min(max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
     if num_blocks is None:  # enough for a few full-length sequences; modest on CPU
-        num_blocks = max(64, (4 * max_len) // block_size) if device == "cpu" else \
+        num_blocks = max(64, (2 * max_len) // block_size) if device == "cpu" else \
             max(64, (64 * max_len) // block_size)
     config = EngineConfig(
         model=model_cfg,

@@ -82,6 +82,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
         self.num_kv_recomputes = 0
+        self._quarantine: set[str] = set()
+        self.num_quarantined_blocks = 0
 
     # -- stats ----------------------------------------------------------------------------
     @property
@@ -179,7 +181,9 @@ class Scheduler:
         self.waiting_for_kv.pop(rid, None)
         keep = (req.hold_blocks_on_finish and status != RequestStatus.FINISHED_ABORTED
                 and self.block_manager.holds_blocks(req))
-        if keep:
+        if rid in self._quarantine:  # never freed: a transfer may still write into them
+            self.num_quarantined_blocks += len(req.block_table)
+        elif keep:
             self.held[rid] = req
         else:
             self.block_manager.free(req)
@@ -194,6 +198,15 @@ class Scheduler:
             return False
         self._finish(req, status, stop_reason)
         return True
+
+    def quarantine_request(self, request_id: str) -> bool:
+        """Abort a request whose blocks a remote read that NIXL could not cancel may still
+        write: they leave the pool for good (counted in num_quarantined_blocks) rather than
+        reach another request."""
+        if request_id not in self.requests:
+            return False
+        self._quarantine.add(request_id)
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request and free its blocks now; a held (finished) request is released.

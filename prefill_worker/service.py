@@ -93,14 +93,18 @@ class PrefillService:
         return res
 
     def release(self, request_id: str, generation: int) -> tuple[bool, bool]:
-        """Free a held request's blocks. Returns (released, lease_was_valid)."""
-        lease = self.rt.leases.get(request_id)
-        valid = lease is not None and (not generation or lease.generation == generation)
+        """Free a held request's blocks. Returns (released, lease_was_valid).
+
+        LeaseTable.release returns the blocks (a list, [] for a retried release of the same
+        generation) while the lease was alive, None when it had expired or was lost: only a
+        list means the reader's data was pinned for the whole read.
+        """
         blocks = self.rt.leases.release(request_id, generation or None)
         if blocks is None:  # unknown, expired, or the release was lost (fault injection)
             return False, False
-        freed = self.rt.loop.call(lambda e: e.release_held(request_id), timeout_s=10)
-        return freed, valid
+        freed = bool(blocks) and self.rt.loop.call(lambda e: e.release_held(request_id),
+                                                   timeout_s=10)
+        return freed, True
 
 
 def _held_blocks(engine: LLMEngine, rid: str) -> list[int]:

@@ -94,3 +94,18 @@ def idle(w: Worker) -> bool:
     h = w.health()
     return (h.num_running == 0 and h.num_waiting == 0 and h.num_pinned_blocks == 0
             and h.num_held_requests == 0 and h.num_free_blocks == h.num_total_blocks)
+
+
+def scrape(w: Worker) -> str:
+    """The worker's Prometheus exposition text."""
+    import urllib.request
+
+    ep = ray.get(w.actor.endpoints.remote(), timeout=30)
+    with urllib.request.urlopen(f"http://{ep['metrics_address']}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str) -> float:
+    """Sum of a metric's samples over all label sets."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))

@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from proto import pdserve_pb2 as pb
-from tests.workers.cluster import (decode_stream, idle, introduce, prefill, start_ray,
-                                   start_worker, tokens_of, wait_until)
+from tests.workers.cluster import (decode_stream, idle, introduce, metric_value, prefill,
+                                   scrape, start_ray, start_worker, tokens_of, wait_until)
 
 PROMPTS = [
     "The capital of France is",
@@ -67,9 +67,9 @@ def test_lease_expiry_frees_blocks_when_decode_never_pulls(pair) -> None:
     res = prefill(p, "orphan", prompt, pb.SamplingParams(max_tokens=8, temperature=0))
     assert p.health().num_pinned_blocks == len(res.kv.block_ids) > 0
     wait_until(lambda: idle(p), 10, "the lease to expire")
-    metrics = _scrape(p)
+    metrics = scrape(p)
     assert 'pdserve:kv_lease_expired_total{role="prefill",worker="smol-p0"}' in metrics
-    assert _value(metrics, "pdserve:kv_lease_expired_total") >= 1
+    assert metric_value(metrics, "pdserve:kv_lease_expired_total") >= 1
 
 
 def test_abort_before_pull_frees_at_once(pair) -> None:
@@ -134,7 +134,7 @@ def test_mismatched_decode_is_refused_at_handshake(pair) -> None:
     other_model = start_worker("decode", "tiny-d", model="tiny-llama")
     try:
         reply = introduce(p, other_block)
-        assert not reply.accepted and "block_size: 16 != 32" in reply.reason
+        assert not reply.accepted and "block_size: 32 != 16" in reply.reason  # local != peer
         reply = introduce(p, other_model)
         assert not reply.accepted and "model." in reply.reason
     finally:
@@ -187,16 +187,3 @@ def test_killed_decode_leaves_pins_to_the_lease() -> None:
         wait_until(lambda: idle(p), 10, "the prefill side's lease to expire")
     finally:
         ray.kill(p.actor, no_restart=True)
-
-
-def _scrape(w) -> str:
-    import urllib.request
-
-    ep = ray.get(w.actor.endpoints.remote())
-    with urllib.request.urlopen(f"http://{ep['metrics_address']}/metrics", timeout=5) as r:
-        return r.read().decode()
-
-
-def _value(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))

@@ -1,0 +1,151 @@
+"""KV block layout as the transfer layer sees it, and coalescing of block runs.
+
+The engine keeps one KV tensor per worker (engine/attention.py):
+    kv_cache: [num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim]
+so block b (all layers, K and V) is the single contiguous byte range
+    [base + b * block_bytes, base + (b + 1) * block_bytes).
+A transfer is a list of (local block, remote block) pairs. Pairs in which BOTH ids advance
+by one form a run that moves as one NIXL descriptor; the measured cost is ~8 us per
+descriptor (DESIGN.md), so fewer, larger descriptors are what make transfers fast.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+KV_CACHE_NDIM = 6
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one worker's KV cache tensor; `num_blocks` may differ between peers."""
+
+    num_blocks: int
+    num_kv_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    element_size: int  # bytes per element
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "num_kv_layers", "block_size", "num_kv_heads", "head_dim",
+                     "element_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise ValueError(f"dtype: must be a non-empty str, got {self.dtype!r}")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: all layers, K and V."""
+        return (self.num_kv_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+                * self.element_size)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @classmethod
+    def from_cache(cls, kv_cache: torch.Tensor) -> "KVLayout":
+        """Layout of an engine KV tensor; refuses shapes whose blocks are not contiguous."""
+        if kv_cache.dim() != KV_CACHE_NDIM:
+            raise ValueError(f"kv_cache: expected {KV_CACHE_NDIM} dims [num_blocks, num_kv_layers, "
+                             f"2, block_size, num_kv_heads, head_dim], got shape "
+                             f"{tuple(kv_cache.shape)}")
+        if kv_cache.shape[2] != 2:
+            raise ValueError(f"kv_cache: dim 2 (K/V) must be 2, got {kv_cache.shape[2]}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache: must be contiguous (one block = one byte range)")
+        nb, nl, _, bs, nh, hd = (int(s) for s in kv_cache.shape)
+        return cls(num_blocks=nb, num_kv_layers=nl, block_size=bs, num_kv_heads=nh,
+                   head_dim=hd, dtype=str(kv_cache.dtype).removeprefix("torch."),
+                   element_size=int(kv_cache.element_size()))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVLayout":
+        if not isinstance(d, dict):
+            raise ValueError(f"layout: expected an object, got {type(d).__name__}")
+        missing = [f for f in cls.__dataclass_fields__ if f not in d]
+        if missing:
+            raise ValueError(f"layout.{missing[0]}: missing")
+        return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+
+    def mismatch(self, other: "KVLayout") -> list[str]:
+        """Fields (other than num_blocks) that differ: such blocks mean different things."""
+        out = []
+        for name in self.__dataclass_fields__:
+            if name == "num_blocks":
+                continue
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                out.append(f"layout.{name}: {a!r} != {b!r}")
+        return out
+
+
+class Run(NamedTuple):
+    """`count` blocks starting at `local_start` here and `remote_start` on the peer."""
+
+    local_start: int
+    remote_start: int
+    count: int
+
+
+def _run_cap(max_blocks: int | None) -> int:
+    if max_blocks is None:
+        return 1 << 62
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks: must be >= 1, got {max_blocks}")
+    return max_blocks
+
+
+def coalesce(block_ids: Sequence[int], max_blocks: int | None = None) -> list[tuple[int, int]]:
+    """Runs of consecutive ids, in order: [3, 4, 5, 9, 10] -> [(3, 3), (9, 2)]."""
+    return [(r.local_start, r.count) for r in coalesce_pairs(block_ids, block_ids, max_blocks)]
+
+
+def coalesce_pairs(local_ids: Sequence[int], remote_ids: Sequence[int],
+                   max_blocks: int | None = None) -> list[Run]:
+    """Group (local_i, remote_i) pairs into runs where both sides advance by exactly one.
+
+    Order is kept (pair i lands in run k before pair i+1), so a run is one descriptor pair.
+    `max_blocks` caps a run's length (a descriptor-size cap); None = unbounded.
+    """
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"local_block_ids: {len(local_ids)} ids but remote_block_ids has "
+                         f"{len(remote_ids)}")
+    cap = _run_cap(max_blocks)
+    runs: list[Run] = []
+    for loc, rem in zip(local_ids, remote_ids):
+        if runs:
+            last = runs[-1]
+            if (last.count < cap and loc == last.local_start + last.count
+                    and rem == last.remote_start + last.count):
+                runs[-1] = Run(last.local_start, last.remote_start, last.count + 1)
+                continue
+        runs.append(Run(int(loc), int(rem), 1))
+    return runs
+
+
+def run_descriptors(base_addr: int, block_bytes: int, starts: Sequence[int],
+                    counts: Sequence[int], device_id: int) -> np.ndarray:
+    """NIXL Nx3 descriptor array (address, length, device id), uint64, one row per run."""
+    starts_a = np.asarray(starts, dtype=np.uint64)
+    out = np.empty((len(starts_a), 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(base_addr) + starts_a * np.uint64(block_bytes)
+    out[:, 1] = np.asarray(counts, dtype=np.uint64) * np.uint64(block_bytes)
+    out[:, 2] = np.uint64(device_id)
+    return out
+
+
+def block_descriptors(base_addr: int, layout: KVLayout, device_id: int) -> np.ndarray:
+    """One descriptor per block of the whole pool (for NIXL's prepared descriptor lists)."""
+    n = layout.num_blocks
+    return run_descriptors(base_addr, layout.block_bytes, np.arange(n), np.ones(n), device_id)
