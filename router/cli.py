@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # subcommands contributed by other modules: each exposes add_parser(sub) -> sets func
-_EXTRA_COMMANDS = {"serve": "router.serve", "bench": "bench.cli"}
+_EXTRA_COMMANDS = {"serve": "router.serve", "bench": "bench.cli", "train-mtp": "engine.train_mtp"}
 
 
 def main(argv: list[str] | None = None) -> int:
