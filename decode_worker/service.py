@@ -64,6 +64,7 @@ class DecodeService:
         self._lock = threading.Lock()
         # (request_id, remote blocks, local blocks, tokens) of recent successful reads
         self.recent_pulls: collections.deque = collections.deque(maxlen=256)
+        self._streams: dict[str, _StreamState] = {}  # open Decode streams by request id
 
     def close(self) -> None:
         with self._lock:
@@ -109,6 +110,8 @@ class DecodeService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         q = loop.subscribe(rid)
         state = _StreamState(remote=req.HasField("prefill"))
+        with self._lock:
+            self._streams[rid] = state
         context.add_callback(lambda: self._on_close(rid, req, state))
         try:
             if req.HasField("prefill"):
@@ -131,6 +134,21 @@ class DecodeService:
             yield from self._stream(q, rid, deadline, context, state)
         finally:
             loop.unsubscribe(rid)
+            with self._lock:
+                self._streams.pop(rid, None)
+
+    def defer_abort(self, rid: str) -> bool:
+        """Abort RPC for a stream whose KV read is in flight: mark it; the stream's handler
+        frees the blocks once the read returns. False when no read is in flight."""
+        with self._lock:
+            state = self._streams.get(rid)
+        if state is None:
+            return False
+        with state.lock:
+            if not state.pulling:
+                return False
+            state.cancelled = True
+        return True
 
     def _admit_local(self, req: pb.DecodeRequest, params: SamplingParams, context) -> None:
         if params.n > 1:

@@ -15,7 +15,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, start_http_server
 
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, RequestOutput
 from engine.llm import build_engine
 from engine.loop import EngineLoop
 from kv_transfer.faults import FaultInjector
@@ -134,7 +134,11 @@ class WorkerRuntime:
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request and/or free its held blocks, whatever state it is in."""
+        if self.decode.defer_abort(request_id):
+            return True
         found = self.loop.call(lambda e: e.abort_request(request_id), timeout_s=10)
+        if found:  # an open stream for it ends now, not at its deadline
+            self.loop.publish(request_id, RequestOutput(request_id, [], "", True, "abort"))
         released = self.prefill.release(request_id, 0)[0]
         return found or released
 
