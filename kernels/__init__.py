@@ -1,1 +1,65 @@
-"""pdserve kernels."""
+"""pdserve kernels: Triton kernels, each with a pure-torch reference in kernels.reference.
+
+Compiled for CUDA when a GPU is present; otherwise run by Triton's interpreter (see
+kernels/_triton.py for how that mode is chosen -- importing this package before anything else
+imports triton is enough on a machine without a GPU).
+
+TritonAttentionBackend plugs into the engine's attention seam (engine.attention,
+TorchAttentionBackend): write_kv + attend, picking the decode kernel for decode-only steps and
+the chunked-prefill kernel (which also serves the decode rows of mixed steps) otherwise.
+"""
+from __future__ import annotations
+
+# First: decides compiled vs interpreted mode before anything here imports triton.
+from kernels import _triton  # noqa: F401  isort: skip
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.attn_prologue import fused_qk_norm_rope_kv
+from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.kv_write import write_kv
+from kernels.prefill_attention import paged_prefill_attention
+from kernels.rmsnorm import fused_add_rmsnorm
+from kernels.silu_mul import silu_and_mul
+
+if TYPE_CHECKING:  # the arrows point engine -> kernels; no runtime import back
+    from engine.attention import AttentionMetadata
+
+__all__ = [
+    "TritonAttentionBackend", "attention", "choose_num_splits", "fused_add_rmsnorm",
+    "fused_qk_norm_rope_kv", "paged_decode_attention", "paged_prefill_attention",
+    "silu_and_mul", "write_kv",
+]
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Same function as engine.attention.paged_attention_torch: q [T, Hq, D] over layer views
+    [NB, BS, Hkv, D] -> [T, Hq, D]. Decode-only steps take the split-K decode kernel (its
+    split count comes from the block table's width unless given, so keep that width fixed
+    under CUDA graphs); anything else takes the chunked-prefill kernel."""
+    if meta.is_decode_only:
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      scale, num_splits=num_splits)
+    return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables, meta.max_query_len, scale)
+
+
+class TritonAttentionBackend:
+    """Drop-in for engine.attention.TorchAttentionBackend:
+    Model(cfg, backend=TritonAttentionBackend())."""
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        self.num_splits = num_splits  # fixed decode split count (None: chosen per shape)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return attention(q, k_cache, v_cache, meta, scale, num_splits=self.num_splits)

@@ -1,0 +1,117 @@
+"""How pdserve's Triton kernels are built, and the argument checks every launcher shares.
+
+Kernels are compiled for CUDA when a GPU is present. Without one (CI, laptops) they run in
+Triton's interpreter (numpy, one program at a time), which Triton only enables when
+TRITON_INTERPRET=1 is in the environment *before triton is first imported* (its own library
+functions such as tl.sum are decorated at import). So this module, when no GPU is visible and
+triton is not imported yet, sets TRITON_INTERPRET=1 itself before importing it. If someone
+imported triton earlier without it, launchers raise an error that says so (set
+TRITON_INTERPRET=1 for the process instead). TRITON_INTERPRET=1 on a GPU machine forces the
+interpreter (debugging). Triton 3.6's interpreter breaks on numpy >= 2.4 (loop bounds:
+triton-lang/triton#9171, fixed after 3.6), so pyproject pins numpy < 2.4 rather than patch it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Fixed at import: every kernel below is decorated in this mode (triton.jit reads the knob).
+INTERPRET = bool(triton.knobs.runtime.interpret)
+jit = triton.jit
+
+
+def interpreting() -> bool:
+    """True when kernels run in Triton's CPU interpreter instead of compiled for CUDA."""
+    return INTERPRET
+
+
+def interpreter_problem() -> str | None:
+    """Why kernels cannot run on this machine, or None when they can."""
+    if not INTERPRET:
+        return None if torch.cuda.is_available() else (
+            "no CUDA device, and triton was imported before kernels could select its CPU "
+            "interpreter: set TRITON_INTERPRET=1 in the environment")
+    if type(tl.standard.sum).__name__ != "InterpretedFunction":
+        return ("TRITON_INTERPRET=1 was set after triton was imported, so triton's own library "
+                "functions are not interpretable; set TRITON_INTERPRET=1 in the environment "
+                "before the process starts (or import kernels before anything imports triton)")
+    return None
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not silently drop to TF32 in tl.dot (10-bit mantissa breaks 1e-4 checks)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Operand type for tl.dot: the storage type on GPU. The interpreter keeps bf16 as raw
+    uint16 bits and multiplies those in tl.dot (its documented lack of bf16 support), so there
+    bf16 operands are widened to fp32 first -- exact for bf16 values, fp32 accumulate either way."""
+    if INTERPRET and dtype == torch.bfloat16:
+        return tl.float32
+    return _TL_DTYPES[dtype]
+
+
+def check_tensor(name: str, t: object, *, ndim: int | None = None,
+                 shape: Sequence[int | None] | None = None,
+                 dtypes: Sequence[torch.dtype] | None = None,
+                 device: torch.device | None = None, last_contiguous: bool = False) -> torch.Tensor:
+    """Validate one launcher argument; the ValueError/TypeError names it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} not in {[str(d) for d in dtypes]}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device} (all arguments on one device)")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous (stride 1), strides {t.stride()}")
+    return t
+
+
+def check_launchable(name: str, t: torch.Tensor) -> None:
+    """Compiled kernels need CUDA memory; the interpreter takes host or device tensors."""
+    problem = interpreter_problem()
+    if problem is not None:
+        raise RuntimeError(f"Triton kernels unavailable: {problem}")
+    if not INTERPRET and t.device.type != "cuda":
+        raise ValueError(f"{name}: on {t.device}; compiled Triton kernels need CUDA tensors "
+                         "(set TRITON_INTERPRET=1 to run them on CPU)")
+
+
+def check_head_dim(name: str, head_dim: int) -> None:
+    if not is_pow2(head_dim) or not 16 <= head_dim <= 256:
+        raise ValueError(f"{name}: head_dim {head_dim} must be a power of 2 in [16, 256]")

@@ -1,0 +1,131 @@
+"""Fused attention prologue: (QK-norm) + RoPE on q and k + k/v write into the paged cache.
+
+Between the QKV projection and attention an unfused layer runs two norms, two RoPEs (each a
+handful of elementwise kernels) and a cache scatter. Here one program per token reads its q, k
+and v rows once (strided views into the fused qkv output are fine), normalises and rotates them
+in fp32, writes the rotated q to a new [T, Hq, D] tensor and the rotated k and raw v straight
+into the cache slot. The rotated k is not returned: attention reads it from the cache.
+
+RoPE is the rotate-half (GPT-NeoX) form used by HF Llama and Qwen3:
+    out[:D/2] = x1 * cos - x2 * sin,   out[D/2:] = x2 * cos + x1 * sin,   x = [x1 | x2]
+with cos/sin tables [max_pos, D/2] (fp32, see reference.rope_cos_sin).
+"""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor, jit,
+                             next_pow2)
+from kernels.kv_write import check_cache_pair
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@jit
+def _norm_rope_heads(src, stride_src_h, dst, stride_dst_h, H, cos, sin, w_ptr, eps,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rotate H heads of one token: src/dst point at head 0; cos/sin are [HALF] fp32."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < H
+    x1 = tl.load(src + h * stride_src_h + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + h * stride_src_h + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # RMSNorm over the head dim (Qwen3 QK-norm), before RoPE
+        ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        rstd = tl.rsqrt(ms + eps)[:, None]
+        x1 = x1 * rstd * tl.load(w_ptr + d).to(tl.float32)
+        x2 = x2 * rstd * tl.load(w_ptr + HALF + d).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    tl.store(dst + h * stride_dst_h + d, x1 * c - x2 * s, mask=mask)
+    tl.store(dst + h * stride_dst_h + HALF + d, x2 * c + x1 * s, mask=mask)
+
+
+@jit
+def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr,
+                     kc_ptr, vc_ptr, slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                     stride_vt, stride_vh, stride_cos, stride_sin, stride_ot, stride_oh,
+                     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                     HQ, HKV, block_size, eps, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                     BLOCK_HKV: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+                     HAS_POS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    if HAS_POS:  # cos/sin are tables indexed by position
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+    else:  # cos/sin already hold one row per token
+        pos = t
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
+    _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * stride_ot, stride_oh, HQ,
+                     cos, sin, qn_ptr, eps, HALF, BLOCK_HQ, Q_NORM)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # slot < 0: padding token, nothing to cache
+        blk = slot // block_size
+        off = slot % block_size
+        kc = kc_ptr + blk * stride_kc_b + off * stride_kc_o
+        _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kc_h, HKV, cos, sin, kn_ptr,
+                         eps, HALF, BLOCK_HKV, K_NORM)
+        h = tl.arange(0, BLOCK_HKV)[:, None]
+        dd = tl.arange(0, 2 * HALF)[None, :]
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dd, mask=h < HKV)
+        vc = vc_ptr + blk * stride_vc_b + off * stride_vc_o
+        tl.store(vc + h * stride_vc_h + dd, v, mask=h < HKV)
+
+
+def _check_rope_args(q: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, q_norm: torch.Tensor | None,
+                     k_norm: torch.Tensor | None) -> None:
+    T, _, D = q.shape
+    if positions is not None:
+        check_tensor("positions", positions, shape=(T,), dtypes=INDEX_DTYPES, device=q.device)
+    rows = None if positions is not None else T
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_tensor(name, table, shape=(rows, D // 2), dtypes=FLOAT_DTYPES, device=q.device,
+                     last_contiguous=True)
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            check_tensor(name, w, shape=(D,), dtypes=FLOAT_DTYPES, device=q.device,
+                         last_contiguous=True)
+
+
+def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                          k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """RoPE (after optional per-head RMSNorm) on q [T, Hq, D] and k [T, Hkv, D]; rotated k and
+    v [T, Hkv, D] go into k_cache/v_cache [NB, BS, Hkv, D] at slot_mapping [T] (block * BS +
+    offset; < 0 skips the token). positions [T] index cos/sin tables [max_pos, D/2] (positions
+    must be < max_pos, not checked on device); with positions=None, cos/sin are per-token rows
+    [T, D/2] (what engine.layers.RotaryEmbedding.cos_sin returns). Returns the rotated q as a
+    new contiguous tensor.
+    q/k/v may be strided views (head dim contiguous), e.g. of one fused qkv projection.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_launchable("q", q)
+    T, HQ, D = q.shape
+    check_head_dim("q", D)
+    check_tensor("k", k, shape=(T, None, D), dtypes=(q.dtype,), device=q.device,
+                 last_contiguous=True)
+    HKV = k.shape[1]
+    check_tensor("v", v, shape=(T, HKV, D), dtypes=(q.dtype,), device=q.device,
+                 last_contiguous=True)
+    check_cache_pair(k_cache, v_cache, HKV, D, q.device)
+    check_tensor("slot_mapping", slot_mapping, shape=(T,), dtypes=INDEX_DTYPES, device=q.device)
+    _check_rope_args(q, positions, cos, sin, q_norm, k_norm)
+    q_out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    _prologue_kernel[(T,)](
+        q, k, v, q if positions is None else positions, cos, sin, q if q_norm is None else q_norm,
+        q if k_norm is None else k_norm, q_out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HQ, HKV, k_cache.shape[1], float(eps), HALF=D // 2, BLOCK_HQ=next_pow2(HQ),
+        BLOCK_HKV=next_pow2(HKV), Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
+        HAS_POS=positions is not None, num_warps=4)
+    return q_out

@@ -1,0 +1,102 @@
+"""Pure-torch references: each computes the same function as one Triton kernel, in fp32.
+
+They define the kernels' semantics (tests compare against them) and run anywhere. Shapes follow
+engine/attention.py: T new tokens, B sequences, Hq query heads, Hkv KV heads, D head dim,
+a layer's cache view [num_blocks, block_size, Hkv, D].
+"""
+from __future__ import annotations
+
+import torch
+
+
+def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual (rounded to x.dtype, as the unfused model would hold it);
+    normed = h * rsqrt(mean(h^2) + eps) * weight. Returns (normed, h), both x.dtype."""
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    hf = h.float()
+    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (hf * rstd * weight.float()).to(x.dtype), h
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_pos, D/2] (fp32) from inv_freq [D/2] (already scaled, e.g. llama3)."""
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32, device=inv_freq.device),
+                        inv_freq.float())
+    return freqs.cos(), freqs.sin()
+
+
+def _rms_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if weight is None:
+        return x
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def _rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF Llama/Qwen). x [T, H, D] fp32, cos/sin [T, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Scatter k/v [T, Hkv, D] into cache views [NB, BS, Hkv, D]; slots < 0 are skipped."""
+    bs = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache[slots // bs, slots % bs] = k[keep].to(k_cache.dtype)
+    v_cache[slots // bs, slots % bs] = v[keep].to(v_cache.dtype)
+
+
+def qk_norm_rope_cache_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                           k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """Optional per-head RMSNorm of q/k, RoPE at `positions`, k/v into the cache.
+    positions None: cos/sin are already per-token [T, D/2]. Returns the rotated q as a new
+    [T, Hq, D] tensor of q.dtype."""
+    if positions is not None:
+        cos, sin = cos[positions.long()], sin[positions.long()]
+    c, s = cos.float(), sin.float()
+    q_out = _rope_neox(_rms_heads(q.float(), q_norm, eps), c, s)
+    k_out = _rope_neox(_rms_heads(k.float(), k_norm, eps), c, s)
+    write_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
+    return q_out.to(q.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of varlen queries over a paged cache (decode = query_len 1).
+
+    q [T, Hq, D]; sequence b owns q rows query_start_loc[b]:query_start_loc[b+1], its context
+    is seq_lens[b] tokens in blocks block_tables[b], and query i of n sits at position
+    seq_lens[b] - n + i, seeing keys 0..that position. Returns [T, Hq, D] in q.dtype.
+    """
+    out = torch.zeros_like(q)
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // hkv
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = qsl[b], qsl[b + 1]
+        if end == start:
+            continue
+        blocks = block_tables[b, : (seq_len + bs - 1) // bs].long()
+        keys = k_cache[blocks].reshape(-1, hkv, k_cache.shape[-1])[:seq_len].float()
+        vals = v_cache[blocks].reshape(-1, hkv, v_cache.shape[-1])[:seq_len].float()
+        keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
+        vals = vals.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+        pos = seq_len - (end - start) + torch.arange(end - start, device=q.device)
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > pos[:, None]  # [n, S]
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals).to(q.dtype)
+    return out

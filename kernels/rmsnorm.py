@@ -1,0 +1,66 @@
+"""Fused residual-add + RMSNorm: one read of x and residual, one write of each output.
+
+A decoder layer does `residual = x + residual; x = rmsnorm(residual)` twice; unfused that is
+three kernels and five passes over [T, H]. Here one program normalises one row.
+"""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from kernels._triton import FLOAT_DTYPES, check_launchable, check_tensor, jit, next_pow2
+
+MAX_HIDDEN = 65536  # one row must fit one program's registers
+
+
+@jit
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_res,
+                        stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        # Normalise the sum as stored (rounded to the activation dtype), so the fused layer
+        # computes exactly what the unfused one would.
+        h_io = h.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + offs, h_io, mask=mask)
+        h = h_io.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, h * rstd * w, mask=mask)
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) for x [T, H], residual [T, H] or None, weight [H].
+
+    new_residual = x + residual (fp32 add, stored in x.dtype; x itself when residual is None),
+    normed = new_residual * rsqrt(mean(new_residual^2) + eps) * weight, in x.dtype.
+    Rows may be strided; the hidden dim must be contiguous. Outputs are new tensors.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_launchable("x", x)
+    T, H = x.shape
+    if residual is not None:
+        check_tensor("residual", residual, shape=(T, H), dtypes=(x.dtype,), device=x.device,
+                     last_contiguous=True)
+    check_tensor("weight", weight, shape=(H,), dtypes=FLOAT_DTYPES, device=x.device,
+                 last_contiguous=True)
+    if H > MAX_HIDDEN:
+        raise ValueError(f"x: hidden size {H} exceeds {MAX_HIDDEN}")
+    if not eps > 0:
+        raise ValueError(f"eps: must be > 0, got {eps}")
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    new_res = x if residual is None else torch.empty_like(out)
+    if T == 0:
+        return out, new_res
+    block = next_pow2(H)
+    res = x if residual is None else residual
+    _add_rmsnorm_kernel[(T,)](
+        x, res, weight, out, new_res, H, x.stride(0), res.stride(0), out.stride(0),
+        new_res.stride(0), float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(16, max(1, block // 512)))
+    return out, new_res

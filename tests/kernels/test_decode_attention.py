@@ -1,0 +1,100 @@
+"""paged_decode_attention against the torch reference: GQA ratios, block boundaries, splits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_decode_attention
+from kernels.decode_attention import choose_num_splits
+from kernels.reference import paged_attention_ref
+
+
+def _run(cache, hq, d, dtype, device, num_splits, seed=0, q=None):
+    B = cache.seq_lens.shape[0]
+    if q is None:
+        q = torch.randn(B, hq, d, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+    scale = d ** -0.5
+    out = paged_decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens, scale,
+                                 num_splits=num_splits)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+    ref = paged_attention_ref(q, cache.k, cache.v, qsl, cache.seq_lens, cache.block_tables,
+                              scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("group,bs,seq_lens,splits", [
+    (1, 16, [1, 16, 17, 47], 1),       # MHA; k*bs, k*bs+1, k*bs-1 ends
+    (3, 8, [24, 25, 23], 3),           # odd GQA ratio, splits that do not divide the tiles
+    (4, 4, [64, 65, 1], 2),            # tiny blocks: every tile spans many blocks
+    (8, 32, [96, 97, 95], 4),          # splits past the end of short sequences stay empty
+])
+def test_fp32_matches_reference(group, bs, seq_lens, splits, device, paged_cache, close):
+    hkv, d = 2, 64
+    cache = paged_cache(seq_lens, bs, hkv, d, torch.float32)
+    out, ref = _run(cache, group * hkv, d, torch.float32, device, splits)
+    close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_head_dim_128(dtype, device, paged_cache, close):
+    cache = paged_cache([33, 128, 5], 16, 2, 128, dtype)
+    out, ref = _run(cache, 8, 128, dtype, device, num_splits=2)
+    assert out.dtype == dtype
+    close(out, ref, dtype)
+
+
+def test_split_count_does_not_change_the_result(device, paged_cache, close):
+    cache = paged_cache([200, 37], 8, 1, 64, torch.float32)
+    q = torch.randn(2, 4, 64, device=device)
+    outs = [_run(cache, 4, 64, torch.float32, device, s, q=q)[0] for s in (1, 5, 16)]
+    close(outs[1], outs[0], torch.float32)
+    close(outs[2], outs[0], torch.float32)
+
+
+def test_strided_q_and_zero_length_padding_rows(device, paged_cache, close):
+    """q as a slice of a fused qkv buffer; seq_len 0 (CUDA-graph padding) yields zeros."""
+    hq, hkv, d = 6, 2, 64
+    cache = paged_cache([20, 0, 9], 8, hkv, d, torch.float32)
+    qkv = torch.randn(3, (hq + 2 * hkv) * d, device=device)
+    q = qkv[:, : hq * d].view(3, hq, d)
+    assert not q.is_contiguous()
+    for splits in (1, 3):
+        out, ref = _run(cache, hq, d, torch.float32, device, splits, q=q)
+        close(out, ref, torch.float32)
+        assert torch.count_nonzero(out[1]) == 0
+
+
+def test_default_split_choice(device, paged_cache, close):
+    cache = paged_cache([70, 3], 16, 2, 64, torch.float32)
+    out, ref = _run(cache, 4, 64, torch.float32, device, num_splits=None)
+    close(out, ref, torch.float32)
+    cpu = torch.device("cpu")
+    assert choose_num_splits(1, 8, 10_000, 64, cpu) > 1  # batch 1: split the context
+    assert choose_num_splits(64, 8, 10_000, 64, cpu) == 1  # enough programs already
+    assert choose_num_splits(1, 8, 40, 64, cpu) == 1  # never more splits than tiles
+    for b in (1, 2, 3, 5, 7):
+        n = choose_num_splits(b, 2, 4096, 64, cpu)
+        assert n & (n - 1) == 0
+
+
+def test_bad_arguments_name_the_field(device, paged_cache):
+    cache = paged_cache([16, 16], 16, 2, 64, torch.float32)
+    q = torch.randn(2, 4, 64, device=device)
+    args = (cache.k, cache.v, cache.block_tables, cache.seq_lens, 0.125)
+    with pytest.raises(TypeError, match="k_cache: dtype"):
+        paged_decode_attention(q.half(), *args)
+    with pytest.raises(ValueError, match="q: 5 heads is not a multiple"):
+        paged_decode_attention(torch.randn(2, 5, 64, device=device), *args)
+    with pytest.raises(TypeError, match="block_tables"):
+        paged_decode_attention(q, cache.k, cache.v, cache.block_tables.long(), cache.seq_lens,
+                               0.125)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens[:1],
+                               0.125)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(q, *args, num_splits=0)
+    with pytest.raises(ValueError, match="scale"):
+        paged_decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens, -1.0)
+    with pytest.raises(ValueError, match="block_size 12 must be a power of 2"):
+        kv = torch.zeros(4, 12, 2, 64, device=device)
+        paged_decode_attention(q, kv, kv, cache.block_tables, cache.seq_lens, 0.125)
