@@ -1,0 +1,202 @@
+"""The request pipeline shared by the HTTP and gRPC faces.
+
+    admit (bounded in-flight count: 429 when full, 503 while draining)
+      -> check the prompt fits the context and the decode KV pool (400 otherwise)
+      -> fan out n completions (distinct seeds derived from the request's seed)
+      -> each runs through dispatch.ChoiceRun (route, prefill, decode, retries)
+      -> their deltas merge into one async stream
+
+Closing the stream early (client gone) cancels every completion's task; the tasks' own
+cleanup cancels Decode streams and aborts prefills, so blocks are freed on both sides.
+Callers must close the generator (`contextlib.aclosing`) rather than drop it.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from router.dispatch import ChoiceRun, Delta
+from router.errors import Draining, Overloaded, RouterError
+from router.frontend import Frontend
+from router.metrics import RouterMetrics
+from router.policies import DecodePolicy, PrefillPolicy
+from router.pool import WorkerPool
+
+SEED_STRIDE = 1_000_003  # choice i of a seeded request samples with seed + i * stride
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    block_size: int = 16
+    routing: str = "prefix_aware"  # round_robin | least_loaded | prefix_aware
+    disagg_threshold: int = 0  # prompts with fewer uncached tokens prefill on D; 0 = never
+    max_inflight: int = 1024  # admitted requests; beyond -> 429
+    retry_budget: int = 2  # re-dispatches per completion after worker failures
+    request_timeout_s: float = 600.0  # default deadline of a request
+    prefill_timeout_s: float = 60.0  # one prefill attempt, before retrying elsewhere
+    queue_timeout_s: float = 30.0  # give up waiting for a healthy decode worker after this
+    retry_after_s: int = 1  # Retry-After on 429 / 503
+    router_id: str = "router-0"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.retry_budget < 0 or self.disagg_threshold < 0:
+            raise ValueError("retry_budget, disagg_threshold: must be >= 0")
+
+
+@dataclass
+class Job:
+    """One validated request: what both faces hand to the core. Completion k of prompt j has
+    index j * n + k (OpenAI's order for batched prompts)."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    timeout_s: float | None = None
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class RouterCore:
+    def __init__(self, pool: WorkerPool, frontend: Frontend, cfg: RouterConfig,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.pool, self.frontend, self.cfg = pool, frontend, cfg
+        self.metrics = metrics or RouterMetrics(cfg.router_id)
+        self.prefill_policy = PrefillPolicy(cfg.routing)
+        self.decode_policy = DecodePolicy(cfg.routing)
+        self.inflight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._background: set[asyncio.Task] = set()
+
+    # -- admission -----------------------------------------------------------------------
+    def _admit(self) -> None:
+        if self.draining:
+            raise Draining("server is draining; retry on another instance",
+                           retry_after_s=self.cfg.retry_after_s)
+        if self.inflight >= self.cfg.max_inflight:
+            raise Overloaded(f"server is at its limit of {self.cfg.max_inflight} requests in "
+                             "flight; retry later", retry_after_s=self.cfg.retry_after_s)
+        self.inflight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def pool_tokens(self) -> int | None:
+        """Tokens the largest decode-capable worker's KV pool holds (None before any poll)."""
+        totals = [w.total_blocks for w in self.pool.by_role("decode", "colocated")]
+        best = max(totals, default=0)
+        return best * self.cfg.block_size if best else None
+
+    def max_tokens_default(self, prompt_len: int) -> int:
+        """OpenAI's "as many as fit": the rest of the context (or of the KV pool)."""
+        limit = min(self.frontend.max_model_len, self.pool_tokens() or self.frontend.max_model_len)
+        return max(1, limit - prompt_len)
+
+    def background(self, coro: Coroutine) -> None:
+        """Run cleanup that must outlive a cancelled request (aborts on workers)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- the pipeline --------------------------------------------------------------------
+    async def generate(self, job: Job) -> AsyncIterator[Delta]:
+        """Deltas of all n completions, interleaved; raises RouterError on failure."""
+        self._admit()
+        tasks: list[asyncio.Task] = []
+        try:
+            for ids in job.prompts:
+                self.frontend.check_length(len(ids), job.params.max_tokens, self.pool_tokens())
+            out: asyncio.Queue = asyncio.Queue()
+            deadline = job.arrival + (job.timeout_s or self.cfg.request_timeout_s)
+            for i, (rid, ids, params) in enumerate(self._fan_out(job)):
+                run = ChoiceRun(self, rid, i, ids, params, job.arrival, deadline, out.put_nowait)
+                tasks.append(asyncio.create_task(self._run(run, out)))
+            async for delta in self._merge(out, len(tasks), job):
+                yield delta
+        except RouterError as e:
+            self.metrics.failed(e.code)
+            raise
+        finally:
+            # synchronous first: a cancelled caller may not get to run the await below
+            for t in tasks:
+                t.cancel()
+            self._leave()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _fan_out(self, job: Job) -> list[tuple[str, list[int], SamplingParams]]:
+        """(worker request id, prompt, params) per completion; seeds differ per completion."""
+        p, total = job.params, len(job.prompts) * job.params.n
+        if total == 1:
+            return [(job.request_id, job.prompts[0], p)]
+        out = []
+        for j, ids in enumerate(job.prompts):
+            for k in range(p.n):
+                seed = None if p.seed is None else (p.seed + k * SEED_STRIDE) % (1 << 63)
+                out.append((f"{job.request_id}-{j * p.n + k}", ids,
+                            dataclasses.replace(p, n=1, seed=seed)))
+        return out
+
+    async def _run(self, run: ChoiceRun, out: asyncio.Queue) -> None:
+        try:
+            await run.run()
+            out.put_nowait(_DONE)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            out.put_nowait(e)
+
+    async def _merge(self, out: asyncio.Queue, n: int, job: Job) -> AsyncIterator[Delta]:
+        done = 0
+        while done < n:
+            item = await out.get()
+            if item is _DONE:
+                done += 1
+                continue
+            if isinstance(item, BaseException):
+                if isinstance(item, RouterError):
+                    raise item
+                raise RouterError(f"internal error: {item!r}") from item
+            if item.finish_reason:
+                # prompt tokens once per prompt, not once per completion
+                n = job.params.n
+                self.metrics.finished(item.finish_reason, len(job.prompts[item.index // n])
+                                      if item.index % n == 0 else 0)
+            yield item
+
+
+_DONE = object()
+
+
+async def collect(deltas: AsyncIterator[Delta], n: int) -> list[Delta]:
+    """Non-streaming: fold each index's deltas into one (text, tokens, logprobs, finish)."""
+    acc = [Delta(i) for i in range(n)]
+    async for d in deltas:
+        a = acc[d.index]
+        a.text += d.text
+        a.token_ids += d.token_ids
+        a.logprobs += d.logprobs
+        if d.finish_reason:
+            a.finish_reason, a.completion_tokens, a.cached_tokens = \
+                d.finish_reason, d.completion_tokens, d.cached_tokens
+    return acc

@@ -1,0 +1,341 @@
+"""One completion (one `index` of a request) through the pools: plan -> prefill -> decode.
+
+    plan      pick D (KV room, load) and, unless selective disaggregation or colocated mode
+              sends it straight to D, P (prefix affinity, load); wait in the router queue
+              while every worker is full
+    prefill   P runs the prompt under the request deadline; a failure or timeout is retried
+              on another P (same request id), within the retry budget
+    decode    D pulls the KV and streams; its first token (sampled on P) is held back until
+              the pull succeeded, so a transfer failure can be retried on another P without
+              the client ever seeing a token twice. `kv_transfer:` failures follow the
+              request's policy: retry -> re-prefill elsewhere, fail -> a clear error.
+Every exit path frees what the request holds: a cancelled or failed attempt aborts the
+request on P (its held blocks) and cancels the Decode stream (D aborts on stream close).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.block_manager import compute_block_hashes
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2 as pb
+from proto.convert import params_to_proto
+from router.errors import (BadRequest, KVTransferFailed, RequestTimeout, WorkerUnavailable,
+                           param_of)
+from router.metrics import StageTimes
+from router.policies import blocks_needed, straight_to_decode
+from router.pool import WorkerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delta:
+    """New output of one completion: text and tokens since the previous delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # per token: (token id, logprob, [(alternative id, logprob), ...])
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0  # set on the last delta
+    cached_tokens: int = 0
+
+
+class Retry(Exception):
+    """This attempt failed on a worker's side; another worker may succeed."""
+
+    def __init__(self, reason: str, worker_id: str, detail: str) -> None:
+        super().__init__(f"{reason} on {worker_id}: {detail}")
+        self.reason, self.worker_id = reason, worker_id
+
+
+class ChoiceRun:
+    def __init__(self, core, request_id: str, index: int, prompt_ids: list[int],
+                 params: SamplingParams, arrival: float, deadline: float,
+                 emit: Callable[[Delta], None]) -> None:
+        self.core, self.pool, self.cfg = core, core.pool, core.cfg
+        self.rid, self.index, self.prompt_ids, self.params = request_id, index, prompt_ids, params
+        self.arrival, self.deadline, self.emit = arrival, deadline, emit
+        self.proto_params = params_to_proto(params)
+        self.hashes = compute_block_hashes(prompt_ids, self.cfg.block_size)
+        self.need_blocks = blocks_needed(len(prompt_ids) + 1, self.cfg.block_size)
+        self.stages = StageTimes()
+        self.dispatched = 0.0
+        self.first_msg_at: float | None = None  # the decode stream's first message
+        self.last_emit: float | None = None
+        self.emitted_tokens = 0
+        self.waiting = False
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    # -- the retry loop ------------------------------------------------------------------
+    async def run(self) -> None:
+        budget, excluded = self.cfg.retry_budget, set()
+        while True:
+            try:
+                await self._attempt(excluded)
+                return
+            except Retry as e:
+                if self.emitted_tokens:
+                    raise WorkerUnavailable(f"{e}; output had started, cannot retry") from e
+                if budget <= 0:
+                    raise WorkerUnavailable(
+                        f"request {self.rid} failed after {self.cfg.retry_budget} retries: {e}") from e
+                budget -= 1
+                excluded.add(e.worker_id)
+                self.core.metrics.retry(e.reason)
+                log.warning("retrying %s: %s", self.rid, e)
+
+    async def _attempt(self, excluded: set[str]) -> None:
+        p, d = await self._plan(excluded)
+        m = self.core.metrics
+        m.running.labels(**m.labels).inc()
+        try:
+            prefill = None
+            if p is not None:
+                try:
+                    prefill = await self._prefill(p)
+                finally:
+                    self.pool.release(p)
+                if prefill.finish_reason:  # the first token already ends it
+                    # P may still hold the prompt's blocks for a reader that will never
+                    # come: free them (harmless when it already did)
+                    self.core.background(self._abort(p))
+                    self._finish_at_prefill(prefill)
+                    return
+            await self._decode(d, p, prefill)
+        finally:
+            self.pool.release(d)
+            m.running.labels(**m.labels).dec()
+
+    # -- plan ------------------------------------------------------------------------------
+    async def _plan(self, excluded: set[str]) -> tuple[WorkerState | None, WorkerState]:
+        """Reserve a D (and a P) with room; wait in the router queue while none has any."""
+        self._set_waiting(True)
+        try:
+            while True:
+                changed = self.pool.changed_event()
+                plan = self._try_plan(excluded)
+                if plan is not None:
+                    p, d = plan
+                    d.reserve(self.need_blocks)
+                    if p is not None:
+                        p.reserve(0)
+                    self.dispatched = time.monotonic()
+                    return p, d
+                if self.remaining() <= 0:
+                    raise RequestTimeout(f"request {self.rid}: no worker had room before the deadline")
+                if time.monotonic() - self.arrival > self.cfg.queue_timeout_s and not \
+                        self.pool.usable("decode", "colocated") and not self._any_busy():
+                    raise WorkerUnavailable("no healthy decode worker", code="no_healthy_worker")
+                try:
+                    await asyncio.wait_for(changed.wait(), min(0.5, max(0.01, self.remaining())))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._set_waiting(False)
+
+    def _any_busy(self) -> bool:
+        """Some decode worker is healthy but full: waiting will help."""
+        return any(w.up for w in self.pool.by_role("decode", "colocated"))
+
+    def _try_plan(self, excluded: set[str]) -> tuple[WorkerState | None, WorkerState] | None:
+        core = self.core
+        ds = _prefer(self.pool.usable("decode", "colocated"), excluded)
+        d = core.decode_policy.choose(ds, self.need_blocks) if ds else None
+        if d is None:
+            return None
+        if d.role == "colocated" or not self.pool.by_role("prefill"):
+            return None, d
+        ps = [p for p in self.pool.usable("prefill") if (p.worker_id, p.incarnation) not in d.refused]
+        ps = _prefer(ps, excluded)
+        if not ps:
+            if any(p.up for p in self.pool.by_role("prefill")):
+                return None  # prefill workers are up but full: wait for one
+            core.metrics.fallbacks.labels(**core.metrics.labels).inc()  # visible (ANCHORS #5)
+            return None, d
+        p, cached = core.prefill_policy.choose(ps, self.hashes)
+        if straight_to_decode(len(self.prompt_ids), cached, self.cfg.block_size,
+                              self.cfg.disagg_threshold):
+            return None, d
+        return p, d
+
+    def _set_waiting(self, waiting: bool) -> None:
+        m = self.core.metrics
+        if waiting != self.waiting:
+            m.waiting.labels(**m.labels).inc(1 if waiting else -1)
+            self.waiting = waiting
+
+    # -- prefill -----------------------------------------------------------------------------
+    async def _prefill(self, p: WorkerState) -> pb.PrefillResult:
+        timeout = min(self.remaining(), self.cfg.prefill_timeout_s)
+        req = pb.PrefillRequest(request_id=self.rid, prompt_token_ids=self.prompt_ids,
+                                params=self.proto_params, timeout_s=timeout)
+        t0 = time.monotonic()
+        call = p.stub.Prefill(req, timeout=timeout)
+        try:
+            res: pb.PrefillResult = await call
+        except asyncio.CancelledError:
+            call.cancel()
+            self.core.background(self._abort(p))
+            raise
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadRequest(e.details(), param=param_of(e.details() or "")) from e
+            await self._abort(p)  # it may still run (timeout): free it before going elsewhere
+            if self.remaining() <= 0:
+                raise RequestTimeout(f"request {self.rid} timed out in prefill") from e
+            self.pool.report_failure(p, e.code())
+            raise Retry("prefill", p.worker_id, f"{e.code().name}: {e.details()}") from e
+        wall = time.monotonic() - t0
+        st = res.stages  # the worker's own view; the rest of the RPC is queueing and network
+        # worker-reported times are clipped to what the router saw, so stages sum to e2e
+        self.stages.prefill = min(st.prefill, wall)
+        self.stages.prefill_queue = wall - self.stages.prefill
+        self.core.prefill_policy.prefilled(self.hashes, p.worker_id)
+        return res
+
+    def _finish_at_prefill(self, res: pb.PrefillResult) -> None:
+        detok = self.core.frontend.detokenizer(self.prompt_ids, self.params.stop)
+        text = ""
+        if detok is not None:
+            text = detok.add([res.first_token_id]).new_text + detok.flush()
+        lps = []
+        if res.HasField("first_logprob"):
+            lp = res.first_logprob
+            lps = [(res.first_token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])]
+        self._emit(Delta(self.index, text, [res.first_token_id], lps, res.finish_reason,
+                         completion_tokens=1, cached_tokens=res.num_cached_tokens))
+
+    # -- decode ------------------------------------------------------------------------------
+    async def _decode(self, d: WorkerState, p: WorkerState | None,
+                      prefill: pb.PrefillResult | None) -> None:
+        req = pb.DecodeRequest(request_id=self.rid, prompt_token_ids=self.prompt_ids,
+                               params=self.proto_params, timeout_s=max(0.001, self.remaining()))
+        if prefill is not None:
+            if not await self.pool.ensure_peer(p, d):
+                await self._abort(p)
+                raise Retry("peer", p.worker_id, f"{d.worker_id} does not know this incarnation")
+            req.prefill.CopyFrom(prefill)
+        t0 = time.monotonic()
+        call = d.stub.Decode(req, timeout=max(0.001, self.remaining()))
+        held: list[pb.DecodeOutput] = []
+        confirmed = prefill is None  # remote KV: hold output until the pull succeeded
+        try:
+            async for msg in call:
+                if prefill is None and self.stages.prefill == 0.0:
+                    self.stages.prefill = time.monotonic() - t0  # D prefilled it itself
+                if msg.HasField("stages"):
+                    self._decode_stages(msg.stages, t0)
+                if not confirmed:
+                    if not held:
+                        held.append(msg)  # the first token, sent before the pull
+                        continue
+                    confirmed = True
+                    for h in held:
+                        self._emit_output(h)
+                    held.clear()
+                self._emit_output(msg)
+                if msg.finish_reason:
+                    return
+        except asyncio.CancelledError:
+            call.cancel()  # D aborts on stream close and releases P if it had not read yet
+            if not confirmed and p is not None:
+                self.core.background(self._abort(p))
+            raise
+        except grpc.aio.AioRpcError as e:
+            await self._decode_failed(e, d, p, confirmed)
+        raise WorkerUnavailable(f"decode worker {d.worker_id} ended {self.rid} without a finish")
+
+    def _decode_stages(self, st: pb.StageTimes, t0: float) -> None:
+        """Fold D's report into router-observed intervals (so stages sum to e2e):
+        decode_queue = RPC start -> first message (D's admit + network);
+        kv_transfer = D's read time, at most the gap since that first message."""
+        now = time.monotonic()
+        if st.decode_queue:
+            self.stages.decode_queue = now - t0
+            self.first_msg_at = now
+        if st.kv_transfer:
+            since = now - (self.first_msg_at or t0)
+            self.stages.kv_transfer = min(st.kv_transfer, since)
+
+    async def _decode_failed(self, e: grpc.aio.AioRpcError, d: WorkerState,
+                             p: WorkerState | None, confirmed: bool) -> None:
+        code, details = e.code(), e.details() or ""
+        if not confirmed and p is not None:
+            await self._abort(p)  # the held blocks on P are no longer needed by anyone
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise BadRequest(details, param=param_of(details)) from e
+        if self.remaining() <= 0 or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise RequestTimeout(f"request {self.rid} timed out in decode: {details}") from e
+        if details.startswith("kv_transfer:") and p is not None:
+            if self.params.transfer_failure_policy == "fail":
+                raise KVTransferFailed(f"KV transfer from {p.worker_id} to {d.worker_id} failed "
+                                       f"({details}); transfer_failure_policy is 'fail'") from e
+            raise Retry("kv_transfer", p.worker_id, details) from e
+        if code == grpc.StatusCode.FAILED_PRECONDITION and p is not None:
+            d.peers.discard((p.worker_id, p.incarnation))  # re-introduce before the next try
+            raise Retry("peer", p.worker_id, details) from e
+        self.pool.report_failure(d, code)
+        raise Retry("decode", d.worker_id, f"{code.name}: {details}") from e
+
+    async def _abort(self, w: WorkerState) -> None:
+        """Best effort: free whatever `w` holds for this request (held blocks, a running prefill)."""
+        try:
+            await w.stub.Abort(pb.AbortRequest(request_id=self.rid), timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            log.info("abort of %s on %s failed: %s", self.rid, w.worker_id, e.code().name)
+
+    # -- output ------------------------------------------------------------------------------
+    def _emit_output(self, msg: pb.DecodeOutput) -> None:
+        if not msg.token_ids and not msg.text and not msg.finish_reason:
+            return  # a stages-only message
+        lps = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+               for lp in msg.logprobs]
+        delta = Delta(self.index, msg.text, list(msg.token_ids), lps, msg.finish_reason or None)
+        if msg.finish_reason:
+            delta.completion_tokens = msg.usage.completion_tokens or self.emitted_tokens + len(msg.token_ids)
+            delta.cached_tokens = msg.usage.cached_tokens
+        self._emit(delta)
+
+    def _emit(self, delta: Delta) -> None:
+        now = time.monotonic()
+        m = self.core.metrics
+        n = len(delta.token_ids)
+        if n:
+            if self.last_emit is None:
+                m.ttft.labels(**m.labels).observe(now - self.arrival)
+            else:
+                for _ in range(n):  # a multi-token (speculative) step: spread the gap
+                    m.itl.labels(**m.labels).observe((now - self.last_emit) / n)
+            self.last_emit = now
+            self.emitted_tokens += n
+            m.generation_tokens.labels(**m.labels).inc(n)
+        if delta.finish_reason:
+            self._observe_finish(now)
+        self.emit(delta)
+
+    def _observe_finish(self, now: float) -> None:
+        m, st = self.core.metrics, self.stages
+        st.router_queue = self.dispatched - self.arrival
+        e2e = now - self.arrival
+        st.decode = max(0.0, e2e - (st.router_queue + st.prefill_queue + st.prefill
+                                    + st.kv_transfer + st.decode_queue))
+        m.observe_stages(st)
+        m.queue_time.labels(**m.labels).observe(st.router_queue)
+        m.e2e.labels(**m.labels).observe(e2e)
+
+
+def _prefer(workers: list[WorkerState], excluded: set[str]) -> list[WorkerState]:
+    """Workers not yet tried for this request, or all of them when every one was tried."""
+    fresh = [w for w in workers if w.worker_id not in excluded]
+    return fresh or workers

@@ -1,0 +1,120 @@
+"""The model as the router sees it: name, shape, context length and the one tokenizer.
+
+The router tokenizes at the edge (DESIGN: Request flow, step 1) and never loads weights:
+GGUF metadata and HF config.json / tokenizer.json are enough. A preset (random weights)
+has no tokenizer, so it takes token-id prompts only.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_source import ModelSource, resolve_model
+from engine.tokenizer import Tokenizer, TokenizerError
+from router.errors import BadRequest, NotFound
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class Frontend:
+    model_id: str
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    aliases: frozenset[str] = field(default_factory=frozenset)
+
+    def check_model(self, name: object) -> None:
+        if name is None:
+            return  # like vLLM: a missing model means the served one
+        if not isinstance(name, str):
+            raise BadRequest("model: must be a string", param="model")
+        if name != self.model_id and name not in self.aliases:
+            raise NotFound(f"model: the model {name!r} does not exist; this server serves "
+                           f"{self.model_id!r}", param="model")
+
+    # -- text -> token ids ---------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequest(f"{param}: must not be empty", param=param)
+            if self.tokenizer is None:
+                raise BadRequest(f"{param}: this model has no tokenizer; send token ids", param=param)
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.config.vocab_size
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise BadRequest(f"{param}: token ids must be integers in [0, {vocab})", param=param)
+        if not ids:
+            raise BadRequest(f"{param}: must not be empty", param=param)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Apply the model's chat template (with the generation prompt) and tokenize."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise BadRequest("messages: this model has no chat template; use /v1/completions",
+                             param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # jinja's TemplateError (the template's raise_exception) and kin
+            raise BadRequest(f"messages: the chat template rejected them: {e}", param="messages") from e
+        # the template already wrote any BOS/special tokens (transformers does the same)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise BadRequest("messages: the rendered prompt is empty", param="messages")
+        return ids
+
+    def check_length(self, prompt_len: int, max_tokens: int, pool_tokens: int | None) -> None:
+        """Reject what can never finish: over the context, or over the decode KV pool (ANCHORS #7)."""
+        limits = [(self.max_model_len, "the model's context length")]
+        if pool_tokens:
+            limits.append((pool_tokens, "the decode workers' KV cache pool"))
+        for limit, what in limits:
+            if prompt_len + max_tokens > limit:
+                param = "prompt" if prompt_len >= limit else "max_tokens"
+                raise BadRequest(
+                    f"{param}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                    f"{prompt_len + max_tokens} exceeds {what} of {limit} tokens", param=param)
+
+    # -- token ids -> text ---------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (special tokens kept visible)."""
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str]) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
+
+
+def load_frontend(model: str | None, max_model_len: int | None = None,
+                  served_name: str | None = None) -> Frontend:
+    """Read the model's config and tokenizer only (no weights)."""
+    from engine.presets import get_preset
+    from engine.weights import config_from_gguf, open_gguf, read_hf_config
+
+    source: ModelSource = resolve_model(model)
+    tokenizer: Tokenizer | None = None
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)
+        config, tokenizer = config_from_gguf(reader), Tokenizer.from_gguf(reader)
+    elif source.kind == "hf":
+        config = read_hf_config(source.path)
+        try:
+            tokenizer = Tokenizer.from_hf_dir(source.path)
+        except TokenizerError:
+            tokenizer = None
+    else:
+        config = get_preset(source.preset)
+    # the same rule the engine applies (engine.llm.build_engine)
+    max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    aliases = {source.name}
+    if model:
+        aliases.add(model)
+    model_id = served_name or source.name
+    return Frontend(model_id, config, tokenizer, max_len, frozenset(aliases - {model_id}))

@@ -1,0 +1,251 @@
+"""OpenAI-compatible HTTP face (FastAPI on uvicorn).
+
+    POST /v1/completions, /v1/chat/completions   (SSE when "stream": true, ending in [DONE])
+    GET  /v1/models, /health, /metrics
+
+Every error is `{"error": {"message", "type", "param", "code"}}`. `--api-key` guards every
+route but /health and /metrics. Bodies are read with a size cap (Content-Length and the
+bytes actually streamed). A streaming response waits for the first token before sending
+headers, so a request that fails before any output gets a real status code; one that fails
+later gets an `{"error": ...}` chunk and then `[DONE]`. A client that goes away (before or
+during the stream) cancels its request, which frees its blocks on the workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.core import Job, RouterCore, collect
+from router.dispatch import Delta
+from router.errors import BadRequest, PayloadTooLarge, RouterError, Unauthorized
+from router.protocol import (ParsedRequest, chat_choice, chat_chunk_choice, completion_choice,
+                             parse_chat, parse_completion, usage_body)
+
+log = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/metrics")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    pass
+
+
+def error_response(e: RouterError) -> JSONResponse:
+    headers = {"Retry-After": str(int(e.retry_after_s))} if e.retry_after_s is not None else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class Guard:
+    """Pure ASGI middleware: X-Request-Id (accept a sane one or assign), echoed on every
+    response; API key on every route but the open ones."""
+
+    def __init__(self, app: Any, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            got = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = Unauthorized("missing or invalid API key (Authorization: Bearer <key>)")
+                return await error_response(err)(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(core: RouterCore, api_key: str | None = None,
+               max_body_bytes: int = 8 * 1024 * 1024) -> Any:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    fe = core.frontend
+    created = int(time.time())
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, e: RouterError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse({"error": {"message": str(e.detail), "type": kind, "param": None,
+                                       "code": None}}, status_code=e.status_code)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was cancelled
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse({"error": {"message": f"internal error: {type(e).__name__}",
+                                       "type": "internal_error", "param": None, "code": None}},
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = [{"worker_id": w.worker_id, "role": w.role, "up": w.up,
+                    "incarnation": w.incarnation,
+                    "metrics_address": w.endpoints.get("metrics_address", "")}
+                   for w in core.pool.workers.values()]
+        serving = any(w["up"] for w in workers if w["role"] in ("decode", "colocated"))
+        status = "draining" if core.draining else "ok" if all(w["up"] for w in workers) \
+            else "degraded" if serving else "unavailable"
+        code = 200 if status in ("ok", "degraded") else 503
+        headers = {"Retry-After": str(core.cfg.retry_after_s)} if code == 503 else None
+        return JSONResponse({"status": status, "workers": workers}, status_code=code,
+                            headers=headers)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": fe.model_id, "object": "model",
+                                            "created": created, "owned_by": "pdserve",
+                                            "max_model_len": fe.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        parsed = parse_completion(await read_json(request, max_body_bytes), fe)
+        return await _serve(request, parsed)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await read_json(request, max_body_bytes)
+        parsed = parse_chat(body, fe, core.max_tokens_default)
+        return await _serve(request, parsed)
+
+    async def _serve(request: Request, parsed: ParsedRequest) -> Response:
+        rid = request.state.request_id
+        job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", parsed.prompts, parsed.params)
+        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+        head = {"id": prefix + rid, "created": int(time.time()), "model": parsed.model}
+        gen = core.generate(job)
+        n = len(parsed.prompts) * parsed.params.n
+        if not parsed.stream:
+            async with contextlib.aclosing(gen):
+                deltas = await _unless_gone(collect(gen, n), request)
+            return JSONResponse(_full_body(parsed, head, deltas, fe))
+        try:
+            first = await _unless_gone(anext(gen), request)  # errors here get a real status
+        except BaseException:
+            await gen.aclose()
+            raise
+        return StreamingResponse(_sse(parsed, head, gen, first, fe),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    return Guard(app, api_key)
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"body: {length} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body: exceeds the limit of {limit} bytes")
+    try:
+        data = json.loads(bytes(body))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError (invalid UTF-8)
+        raise BadRequest(f"body: malformed JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise BadRequest("body: must be a JSON object")
+    return data
+
+
+async def _unless_gone(aw: Awaitable[T], request: Request) -> T:
+    """Await `aw`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> dict:
+    if parsed.kind == "chat":
+        choices = [chat_choice(d, fe, parsed.logprobs) for d in deltas]
+        obj = "chat.completion"
+    else:
+        choices = [completion_choice(d, fe, parsed.logprobs) for d in deltas]
+        obj = "text_completion"
+    prompt_tokens = sum(len(p) for p in parsed.prompts)
+    return {**head, "object": obj, "choices": choices, "usage": usage_body(prompt_tokens, deltas)}
+
+
+async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], first: Delta,
+               fe) -> AsyncIterator[str]:
+    chat = parsed.kind == "chat"
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    seen: set[int] = set()
+    offsets: dict[int, int] = {}
+    finals: list[Delta] = []
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {**head, "choices": choices}
+        if parsed.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async with contextlib.aclosing(gen):
+        try:
+            delta: Delta | None = first
+            while delta is not None:
+                if chat:
+                    if delta.index not in seen:
+                        seen.add(delta.index)
+                        yield chunk([{"index": delta.index, "logprobs": None, "finish_reason": None,
+                                      "delta": {"role": "assistant", "content": ""}}])
+                    yield chunk([chat_chunk_choice(delta, fe, parsed.logprobs)])
+                else:
+                    off = offsets.get(delta.index, 0)
+                    offsets[delta.index] = off + len(delta.text)
+                    yield chunk([completion_choice(delta, fe, parsed.logprobs, off)])
+                if delta.finish_reason:
+                    finals.append(delta)
+                delta = await anext(gen, None)
+            if parsed.include_usage:
+                prompt_tokens = sum(len(p) for p in parsed.prompts)
+                yield chunk([], usage_body(prompt_tokens, finals))
+        except RouterError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,359 @@
+"""Worker registry: endpoints, gRPC channels, health polling, peer introduction, breakers.
+
+Each worker is reached through a `WorkerRef` (a Ray actor in production; a fixed address in
+unit tests) that says where its gRPC service listens and under which incarnation. The pool:
+  * polls every worker's Health RPC; a failure opens the worker's breaker (routing skips it);
+    while open, probes re-read its endpoints (a Ray actor that restarted has a new
+    incarnation and port), reconnect, re-introduce peers, and close the breaker on a good
+    Health reply (half-open -> closed), so a transient failure never sticks (ANCHORS #4);
+  * introduces every prefill worker to every decode worker (GetPeerInfo -> AddPeer), keyed
+    by (worker id, incarnation): a restarted prefill worker is a new peer (ANCHORS #3);
+  * caps the requests the router keeps on one worker (`capacity`) so a worker's gRPC thread
+    pool never fills with streams; requests beyond wait in the router queue.
+Client errors (4xx) are never reported here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pbg
+from proto.rpc import MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRef(Protocol):
+    worker_id: str
+    role: str
+
+    async def endpoints(self) -> dict: ...  # grpc_address, incarnation, metrics_address, ...
+
+    async def alive(self) -> bool | None: ...  # process liveness apart from gRPC (None = unknown)
+
+    async def shutdown(self) -> None: ...
+
+
+class StaticWorkerRef:
+    """A worker at a fixed address (tests, or workers started outside Ray)."""
+
+    def __init__(self, worker_id: str, role: str, grpc_address: str, incarnation: str = "",
+                 metrics_address: str = "") -> None:
+        self.worker_id, self.role = worker_id, role
+        self.info = {"worker_id": worker_id, "role": role, "grpc_address": grpc_address,
+                     "incarnation": incarnation, "metrics_address": metrics_address}
+
+    async def endpoints(self) -> dict:
+        return dict(self.info)
+
+    async def alive(self) -> bool | None:
+        return None
+
+    async def shutdown(self) -> None:
+        return None
+
+
+class RayWorkerRef:
+    """A worker actor (worker/actor.py): Ray tells where it listens and whether it lives."""
+
+    def __init__(self, actor, worker_id: str, role: str) -> None:
+        self.actor, self.worker_id, self.role = actor, worker_id, role
+
+    async def endpoints(self) -> dict:
+        return await self.actor.endpoints.remote()  # waits while Ray restarts the actor
+
+    async def alive(self) -> bool | None:
+        await self.actor.ping.remote()
+        return True
+
+    async def shutdown(self) -> None:
+        import ray
+
+        try:
+            await self.actor.shutdown.remote()
+        finally:
+            ray.kill(self.actor, no_restart=True)
+
+
+class Breaker:
+    """closed -> (failure) open -> (backoff elapsed) probe -> closed | open, longer backoff."""
+
+    def __init__(self, base_s: float = 0.5, max_s: float = 10.0, soft_threshold: int = 3) -> None:
+        self.base_s, self.max_s, self.soft_threshold = base_s, max_s, soft_threshold
+        self.open = False
+        self.soft_failures = 0
+        self.backoff_s = base_s
+        self.retry_at = 0.0
+
+    def failure(self, hard: bool) -> None:
+        """hard: the worker is unreachable; soft (timeouts, internal errors) opens after a run."""
+        self.soft_failures = 0 if hard else self.soft_failures + 1
+        if hard or self.soft_failures >= self.soft_threshold:
+            if self.open:
+                self.backoff_s = min(self.max_s, self.backoff_s * 2)
+            self.open = True
+            self.retry_at = time.monotonic() + self.backoff_s
+
+    def success(self) -> None:
+        self.open = False
+        self.soft_failures = 0
+        self.backoff_s = self.base_s
+
+    def probe_due(self) -> bool:
+        return self.open and time.monotonic() >= self.retry_at
+
+
+HARD_CODES = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class WorkerState:
+    """One worker as the router sees it."""
+
+    def __init__(self, ref: WorkerRef, capacity: int) -> None:
+        self.ref = ref
+        self.worker_id, self.role = ref.worker_id, ref.role
+        self.capacity = capacity
+        self.endpoints: dict = {}
+        self.incarnation = ""
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: pbg.WorkerStub | None = None
+        self.health: pb.HealthResponse | None = None
+        self.breaker = Breaker()
+        self.inflight = 0
+        self.peers: set[tuple[str, str]] = set()  # decode: (prefill id, incarnation) accepted
+        self.refused: dict[tuple[str, str], str] = {}  # decode: peers refused, with the reason
+        self._pending_blocks = 0  # reserved since the last health poll
+
+    @property
+    def up(self) -> bool:
+        """Connected, breaker closed, not draining."""
+        draining = self.health is not None and self.health.status == "draining"
+        return self.stub is not None and not self.breaker.open and not draining
+
+    @property
+    def usable(self) -> bool:
+        """Up and with room for one more request."""
+        return self.up and self.inflight < self.capacity
+
+    @property
+    def load(self) -> int:
+        return self.inflight + (self.health.num_waiting if self.health else 0)
+
+    @property
+    def free_blocks(self) -> int:
+        if self.health is None:
+            return 0
+        return self.health.num_free_blocks - self._pending_blocks
+
+    @property
+    def total_blocks(self) -> int:
+        return self.health.num_total_blocks if self.health else 0
+
+    def reserve(self, blocks: int) -> None:
+        self.inflight += 1
+        self._pending_blocks += blocks
+
+    def unreserve(self) -> None:
+        self.inflight -= 1
+
+
+class WorkerPool:
+    def __init__(self, refs: list[WorkerRef], *, capacity: int = 64,
+                 poll_interval_s: float = 0.5, rpc_timeout_s: float = 5.0,
+                 on_change: Callable[[WorkerState], None] | None = None,
+                 on_health: Callable[[WorkerState], None] | None = None) -> None:
+        self.workers = {r.worker_id: WorkerState(r, capacity) for r in refs}
+        self.poll_interval_s = poll_interval_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.on_change = on_change  # a worker came back as a new incarnation (forget its cache)
+        self.on_health = on_health  # after each poll of a worker (metrics)
+        self._changed = asyncio.Event()  # replaced on each notify (see changed_event)
+        self._task: asyncio.Task | None = None
+        self._intro_lock = asyncio.Lock()
+
+    # -- views ---------------------------------------------------------------------------
+    def by_role(self, *roles: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role in roles]
+
+    def usable(self, *roles: str) -> list[WorkerState]:
+        return [w for w in self.by_role(*roles) if w.usable]
+
+    def release(self, w: WorkerState) -> None:
+        w.unreserve()
+        self._notify()
+
+    def changed_event(self) -> asyncio.Event:
+        """Set at the next change (capacity freed, worker back). Take it before checking the
+        pool, then wait on it: a change between the check and the wait is not lost."""
+        return self._changed
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self, deadline_s: float = 600.0,
+                    progress: Callable[[int, int], None] | None = None) -> None:
+        """Connect to every worker (waiting for it to come up), introduce peers, poll once."""
+        end = time.monotonic() + deadline_s
+        pending = set(self.workers)
+        while pending:
+            for wid in list(pending):
+                w = self.workers[wid]
+                if await self._refresh(w, timeout_s=max(0.1, min(5.0, end - time.monotonic()))):
+                    pending.discard(wid)
+                    if progress:
+                        progress(len(self.workers) - len(pending), len(self.workers))
+            if pending and time.monotonic() > end:
+                raise TimeoutError(f"workers not ready within {deadline_s:.0f} s: {sorted(pending)}")
+            if pending:
+                await asyncio.sleep(0.2)
+        for d in self.by_role("decode"):
+            for p in self.by_role("prefill"):
+                await self.ensure_peer(p, d)
+        self._task = asyncio.create_task(self._poll_forever(), name="pool-poll")
+
+    async def close(self, shutdown_workers: bool = False, timeout_s: float = 10.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if shutdown_workers:
+            await asyncio.gather(*(asyncio.wait_for(w.ref.shutdown(), timeout_s)
+                                   for w in self.workers.values()), return_exceptions=True)
+        for w in self.workers.values():
+            if w.channel is not None:
+                await w.channel.close()
+
+    # -- connect / re-wire -----------------------------------------------------------------
+    async def _refresh(self, w: WorkerState, timeout_s: float) -> bool:
+        """Re-read endpoints; reconnect on a new incarnation; close the breaker on good health."""
+        try:
+            ep = await asyncio.wait_for(w.ref.endpoints(), timeout_s)
+        except Exception as e:  # noqa: BLE001 - actor restarting or dead: stay down, probe later
+            log.info("worker %s: endpoints unavailable: %r", w.worker_id, e)
+            return False
+        if ep.get("incarnation") != w.incarnation or ep.get("grpc_address") != \
+                w.endpoints.get("grpc_address") or w.channel is None:
+            await self._connect(w, ep)
+        return await self.poll(w)
+
+    async def _connect(self, w: WorkerState, ep: dict) -> None:
+        old = w.channel
+        w.endpoints, w.incarnation = ep, ep.get("incarnation", "")
+        w.channel = _aio_channel(ep["grpc_address"])
+        w.stub = pbg.WorkerStub(w.channel)
+        w.peers.clear()  # a new decode incarnation knows no peers
+        w.refused.clear()
+        if old is not None:
+            await old.close()
+            log.warning("worker %s rejoined as incarnation %s at %s", w.worker_id,
+                        w.incarnation, ep["grpc_address"])
+            if self.on_change:
+                self.on_change(w)
+        if w.role == "prefill":  # decode workers learn the new incarnation lazily + here
+            for d in self.by_role("decode"):
+                d.peers = {pair for pair in d.peers if pair[0] != w.worker_id}
+        self._notify()
+
+    async def ensure_peer(self, p: WorkerState, d: WorkerState) -> bool:
+        """Introduce prefill worker p to decode worker d unless d already accepted this incarnation."""
+        key = (p.worker_id, p.incarnation)
+        if key in d.peers:
+            return True
+        if key in d.refused or p.stub is None or d.stub is None:
+            return False
+        async with self._intro_lock:
+            if key in d.peers:
+                return True
+            try:
+                info = await p.stub.GetPeerInfo(pb.GetPeerInfoRequest(), timeout=self.rpc_timeout_s)
+                if info.incarnation != p.incarnation:  # restarted under us: re-read endpoints
+                    return False
+                reply = await d.stub.AddPeer(info, timeout=self.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.warning("introducing %s to %s failed: %s", p.worker_id, d.worker_id, e.details())
+                return False
+            if not reply.accepted:  # incompatible pair (ANCHORS #8): never route across it
+                log.error("decode %s refused prefill %s: %s", d.worker_id, p.worker_id, reply.reason)
+                d.refused[key] = reply.reason
+                return False
+            d.peers.add(key)
+            return True
+
+    # -- health --------------------------------------------------------------------------
+    async def poll(self, w: WorkerState) -> bool:
+        if w.stub is None:
+            return False
+        try:
+            h = await w.stub.Health(pb.HealthRequest(), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            await self._health_failed(w, e.code())
+            return False
+        ok = h.status == "ok"
+        if h.incarnation and h.incarnation != w.incarnation:
+            w.breaker.failure(hard=True)  # a different process answers: re-read endpoints
+            ok = False
+        w.health, w._pending_blocks = h, 0
+        was_open = w.breaker.open
+        if ok:
+            w.breaker.success()
+            if was_open:
+                self._notify()
+        if self.on_health:
+            self.on_health(w)
+        return ok
+
+    async def _health_failed(self, w: WorkerState, code: grpc.StatusCode) -> None:
+        hard = code in HARD_CODES
+        if not hard and await _safe_alive(w.ref) is True:
+            return  # busy, not dead: its process answers Ray; keep routing to it
+        self.report_failure(w, code)
+        if self.on_health:
+            self.on_health(w)
+
+    def report_failure(self, w: WorkerState, code: grpc.StatusCode) -> None:
+        """A worker-side failure (never a client error) seen by a request or a poll."""
+        was_open = w.breaker.open
+        w.breaker.failure(hard=code in HARD_CODES)
+        if w.breaker.open and not was_open:
+            log.warning("worker %s marked down (%s)", w.worker_id, code.name)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self._poll_one(w) for w in self.workers.values()),
+                                 return_exceptions=True)
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
+
+    async def _poll_one(self, w: WorkerState) -> None:
+        if w.breaker.open:
+            if w.breaker.probe_due() and not await self._refresh(w, timeout_s=10.0):
+                w.breaker.failure(hard=True)  # still down: back off further
+        else:
+            await self.poll(w)
+        if w.role == "decode" and not w.breaker.open:
+            for p in self.by_role("prefill"):
+                if not p.breaker.open:
+                    await self.ensure_peer(p, w)
+
+
+async def _safe_alive(ref: WorkerRef) -> bool | None:
+    try:
+        return await asyncio.wait_for(ref.alive(), 5.0)
+    except Exception:  # noqa: BLE001 - dead or restarting
+        return False
+
+
+_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def _aio_channel(address: str) -> grpc.aio.Channel:
+    # worker services listen on the cluster's private side without TLS (worker/runtime.py)
+    return grpc.aio.insecure_channel(address, options=_OPTIONS)

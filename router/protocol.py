@@ -1,0 +1,262 @@
+"""OpenAI request bodies -> validated core jobs, and core deltas -> OpenAI response bodies.
+
+Validation is explicit: every field is type-checked by hand and a bad one raises BadRequest
+naming it (`param`), so wrong types give 400, never a 500. Sampling ranges are checked by
+engine.sampling_params.SamplingParams, whose errors name the field too.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from router.dispatch import Delta
+from router.errors import BadRequest
+from router.frontend import CHAT_ROLES, Frontend
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+_INT, _NUM, _STR, _BOOL = "an integer", "a number", "a string", "a boolean"
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "completion" | "chat"
+    model: str
+    prompts: list[list[int]]  # token ids; completions may batch several prompts
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+
+
+def _get(body: dict, name: str, what: str, default: object = None) -> object:
+    """body[name] checked against `what` (None / missing -> default)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = {_INT: isinstance(v, int) and not isinstance(v, bool),
+          _NUM: isinstance(v, (int, float)) and not isinstance(v, bool)
+          and math.isfinite(v),
+          _STR: isinstance(v, str), _BOOL: isinstance(v, bool)}[what]
+    if not ok:
+        raise BadRequest(f"{name}: must be {what}, got {v!r}"[:300], param=name)
+    return v
+
+
+def _sampling_kwargs(body: dict) -> dict:
+    kw: dict[str, object] = {}
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        if body.get(name) is not None:
+            kw[name] = _get(body, name, _NUM)
+    for name in ("n", "top_k", "seed"):
+        if body.get(name) is not None:
+            kw[name] = _get(body, name, _INT)
+    if kw.get("n", 1) > MAX_N:
+        raise BadRequest(f"n: must be <= {MAX_N}, got {kw['n']}", param="n")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        kw["stop"] = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        kw["stop"] = tuple(stop)
+    elif stop is not None:
+        raise BadRequest("stop: must be a string or a list of strings", param="stop")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise BadRequest("stop_token_ids: must be a list of integers", param="stop_token_ids")
+        kw["stop_token_ids"] = tuple(ids)
+    kw["ignore_eos"] = _get(body, "ignore_eos", _BOOL, False)
+    policy = _get(body, "transfer_failure_policy", _STR)
+    if policy is not None:
+        kw["transfer_failure_policy"] = policy
+    return kw
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", _BOOL, False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict):
+        raise BadRequest("stream_options: must be an object", param="stream_options")
+    if not stream:
+        raise BadRequest("stream_options: only allowed when stream is true", param="stream_options")
+    return stream, _get(opts, "include_usage", _BOOL, False)
+
+
+def _build_params(kw: dict, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    except InvalidRequestError as e:
+        raise BadRequest.from_invalid(e) from e
+
+
+def _check_unsupported(body: dict) -> None:
+    if body.get("echo"):
+        raise BadRequest("echo: not supported", param="echo")
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise BadRequest("best_of: not supported (use n)", param="best_of")
+    if body.get("suffix"):
+        raise BadRequest("suffix: not supported", param="suffix")
+    if body.get("tools"):
+        raise BadRequest("tools: tool calling is not supported", param="tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise BadRequest("response_format: only {\"type\": \"text\"} is supported",
+                         param="response_format")
+
+
+def _model(body: dict, fe: Frontend) -> str:
+    name = body.get("model")
+    fe.check_model(name)
+    return name if isinstance(name, str) else fe.model_id
+
+
+# -- completions ------------------------------------------------------------------------------
+
+def _prompts(body: dict, fe: Frontend) -> list[list[int]]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise BadRequest("prompt: is required", param="prompt")
+    p = body["prompt"]
+    if isinstance(p, str):
+        return [fe.encode_prompt(p)]
+    if not isinstance(p, list) or not p:
+        raise BadRequest("prompt: must be a non-empty string, a list of strings, a list of token "
+                         "ids or a list of lists of token ids", param="prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return [fe.encode_prompt(p)]
+    if all(isinstance(x, (str, list)) for x in p):
+        return [fe.encode_prompt(x) for x in p]
+    raise BadRequest("prompt: must be a string, a list of strings or token ids", param="prompt")
+
+
+def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
+    model = _model(body, fe)
+    _check_unsupported(body)
+    prompts = _prompts(body, fe)
+    kw = _sampling_kwargs(body)
+    lp = _get(body, "logprobs", _INT)
+    if lp is not None:
+        if not 0 <= lp <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {lp}", param="logprobs")
+        kw["logprobs"] = lp
+    stream, usage = _stream_flags(body)
+    max_tokens = _get(body, "max_tokens", _INT, 16)
+    params = _build_params(kw, max_tokens)
+    return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None)
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise BadRequest("messages: is required", param="messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages: must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where}: must be an object", param=where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise BadRequest(f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                             param=f"{where}.role")
+        out.append({"role": role, "content": content_text(m.get("content"), f"{where}.content", role)})
+    return out
+
+
+def content_text(c: object, where: str, role: str) -> str:
+    if isinstance(c, str):
+        return c
+    if c is None and role == "assistant":
+        return ""
+    if isinstance(c, list):
+        texts = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                 "are supported", param=where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRequest(f"{where}: must be a string or a list of text parts", param=where)
+
+
+def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int]) -> ParsedRequest:
+    model = _model(body, fe)
+    _check_unsupported(body)
+    ids = fe.encode_chat(_messages(body))
+    kw = _sampling_kwargs(body)
+    want = _get(body, "logprobs", _BOOL, False)
+    top = _get(body, "top_logprobs", _INT)
+    if top is not None and not want:
+        raise BadRequest("top_logprobs: requires logprobs to be true", param="top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise BadRequest(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}",
+                         param="top_logprobs")
+    if want:
+        kw["logprobs"] = top or 0
+    stream, usage = _stream_flags(body)
+    max_tokens = _get(body, "max_completion_tokens", _INT)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", _INT)
+    if max_tokens is None:
+        max_tokens = default_max_tokens(len(ids))
+    params = _build_params(kw, max_tokens)
+    return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want))
+
+
+# -- responses --------------------------------------------------------------------------------
+
+def usage_body(prompt_tokens: int, deltas: list[Delta]) -> dict:
+    completion = sum(d.completion_tokens or len(d.token_ids) for d in deltas)
+    cached = max((d.cached_tokens for d in deltas), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_logprobs(d: Delta, fe: Frontend, offset: int) -> dict:
+    """Legacy completions shape; `offset` is the choice's text length before this delta."""
+    tokens, offsets = [], []
+    for tok, _, _ in d.logprobs:
+        text = fe.token_text(tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in d.logprobs],
+            "top_logprobs": [{fe.token_text(t): v for t, v in top} for _, _, top in d.logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(d: Delta, fe: Frontend) -> dict:
+    def entry(tok: int, lp: float) -> dict:
+        text = fe.token_text(tok)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [dict(entry(tok, lp), top_logprobs=[entry(t, v) for t, v in top])
+                        for tok, lp, top in d.logprobs]}
+
+
+def completion_choice(d: Delta, fe: Frontend, want_lp: bool, offset: int = 0) -> dict:
+    return {"index": d.index, "text": d.text,
+            "logprobs": completion_logprobs(d, fe, offset) if want_lp else None,
+            "finish_reason": d.finish_reason}
+
+
+def chat_choice(d: Delta, fe: Frontend, want_lp: bool) -> dict:
+    return {"index": d.index, "message": {"role": "assistant", "content": d.text},
+            "logprobs": chat_logprobs(d, fe) if want_lp else None,
+            "finish_reason": d.finish_reason}
+
+
+def chat_chunk_choice(d: Delta, fe: Frontend, want_lp: bool) -> dict:
+    delta = {"content": d.text} if d.text or not d.finish_reason else {}
+    return {"index": d.index, "delta": delta,
+            "logprobs": chat_logprobs(d, fe) if want_lp and d.logprobs else None,
+            "finish_reason": d.finish_reason}

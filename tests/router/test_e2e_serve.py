@@ -1,0 +1,247 @@
+"""End to end: `pdserve serve` (1 prefill + 1 decode CPU workers on a local Ray) as a
+subprocess, driven by the official `openai` client, raw HTTP and a gRPC client from proto/.
+
+One cluster for the whole file (a start loads the model three times on 2 cores).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pbg
+from proto.rpc import auth_metadata, make_channel
+from tests.router.harness import ServeProcess, wait_until
+from tests.router.test_http_fake import BAD
+
+pytestmark = pytest.mark.slow
+KEY = "e2e-key"
+# every name DESIGN.md (Observability) lists, prefixed pdserve:
+DESIGN_NAMES = (
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "num_requests_running", "num_requests_waiting",
+    "kv_cache_usage_perc", "prefix_cache_queries", "prefix_cache_hits",
+    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos", "stage_router_queue_seconds",
+    "stage_prefill_queue_seconds", "stage_prefill_seconds", "stage_kv_transfer_seconds",
+    "stage_decode_queue_seconds", "kv_transfer_bytes", "kv_transfer_failures", "kv_lease_expired",
+    "router_retries")
+ROUTER_NAMES = ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                "e2e_request_latency_seconds", "request_queue_time_seconds", "num_requests_running",
+                "num_requests_waiting", "stage_router_queue_seconds", "stage_prefill_queue_seconds",
+                "stage_prefill_seconds", "stage_kv_transfer_seconds", "stage_decode_queue_seconds",
+                "router_retries", "request_success", "prompt_tokens", "generation_tokens")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServeProcess(["--prefill", "1", "--decode", "1", "--max-num-seqs", "64"], api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def workers(server) -> dict[str, dict]:
+    """worker id -> {role, grpc, metrics} as printed by `pdserve serve`, refreshed by /health."""
+    out = {}
+    for m in re.finditer(r"worker (\S+)\s+(\w+)\s+grpc (\S+)\s+metrics http://(\S+)/metrics",
+                         server.output()):
+        out[m.group(1)] = {"role": m.group(2), "grpc": m.group(3), "metrics": m.group(4)}
+    return out
+
+
+def worker_health(address: str) -> pb.HealthResponse:
+    with make_channel(address) as ch:
+        return pbg.WorkerStub(ch).Health(pb.HealthRequest(), timeout=10)
+
+
+def idle(server) -> bool:
+    """Nothing running, nothing pinned or held, every KV block free (cached counts as free)."""
+    for w in workers(server).values():
+        h = worker_health(w["grpc"])
+        if h.num_running or h.num_waiting or h.num_pinned_blocks or h.num_held_requests \
+                or h.num_free_blocks != h.num_total_blocks:
+            return False
+    return True
+
+
+def test_openai_completions_and_chat(client):
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=48, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.usage.completion_tokens == chat.usage.total_tokens - chat.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=48, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content  # greedy: streamed == not streamed
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    comp = client.completions.create(model=model, prompt="The capital of France is",
+                                     max_tokens=12, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=12, temperature=0, stream=True))
+    assert comp.choices[0].text == streamed and comp.usage.completion_tokens <= 12
+
+
+def test_openai_n_stop_and_logprobs(client):
+    model = client.models.list().data[0].id
+    two = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, n=2,
+                                    temperature=1.0, seed=3)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert 2 <= two.usage.completion_tokens <= 16
+    full = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=16,
+                                     temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    cut = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=16,
+                                    temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    lp = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0,
+                                   logprobs=2).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 3 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and len(content[0].top_logprobs) <= 2
+
+
+def test_grpc_streams_the_same_greedy_tokens(server, client):
+    model = client.models.list().data[0].id
+    http = client.completions.create(model=model, prompt="The capital of France is",
+                                     max_tokens=10, temperature=0)
+    with make_channel(server.grpc_address) as ch:
+        stub = pbg.PdserveStub(ch)
+        req = pb.GenerateRequest(prompt="The capital of France is",
+                                 params=pb.SamplingParams(max_tokens=10, temperature=0))
+        msgs = list(stub.Generate(req, metadata=auth_metadata(KEY), timeout=120))
+        again = list(stub.Generate(req, metadata=auth_metadata(KEY), timeout=120))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "".join(m.text for m in msgs) == http.choices[0].text
+    ids = [t for m in msgs for t in m.token_ids]
+    assert ids == [t for m in again for t in m.token_ids]
+    assert len(ids) == msgs[-1].usage.completion_tokens == http.usage.completion_tokens
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_input_statuses(server, path, body, status, param):
+    headers = {**server.headers(), "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_size_limit_auth_and_still_serving(server, client):
+    big = json.dumps({"prompt": "x" * (9 << 20)}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=big, headers=server.headers(), timeout=60)
+    assert r.status_code == 413
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    out = client.completions.create(model=client.models.list().data[0].id, prompt="hi",
+                                    max_tokens=2)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_disconnect_mid_stream_frees_both_sides(server):
+    wait_until(lambda: idle(server), 60, "cluster idle before the test")
+    d = next(w for w in workers(server).values() if w["role"] == "decode")
+    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body,
+                      headers=server.headers()) as r:
+            seen = []
+            for line in r.iter_lines():  # leaving this loop closes the connection
+                seen += [line] if line else []
+                if len(seen) >= 3:
+                    assert all('"error"' not in x for x in seen), seen
+                    assert worker_health(d["grpc"]).num_running == 1, seen
+                    break
+    closed = time.monotonic()
+    wait_until(lambda: worker_health(d["grpc"]).num_running == 0, 5, "decode to stop")
+    stopped_after = time.monotonic() - closed
+    assert stopped_after < 1.0, f"decode ran on {stopped_after:.2f} s after the client left"
+    wait_until(lambda: idle(server), 10, "pinned/used blocks back to idle on both sides")
+
+
+def test_200_concurrent_streams_complete(server):
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[str, str]:
+        body = {"prompt": f"Count to {i}:", "max_tokens": 6, "temperature": 0, "stream": True}
+        reason, done = "", False
+        async with c.stream("POST", server.url + "/v1/completions", json=body,
+                            headers=server.headers()) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    reason = event["choices"][0]["finish_reason"] or reason
+        return reason, "done" if done else "no [DONE]"
+
+    async def main():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert len(results) == 200
+    assert all(reason in ("length", "stop") and done == "done" for reason, done in results), results
+    wait_until(lambda: idle(server), 30, "no blocks left after the burst")
+
+
+def test_metrics_expose_every_design_name(server):
+    def names(url: str) -> set[str]:
+        text = httpx.get(url, timeout=10).text
+        # counters are typed under their sample name (x_total); compare base names
+        return {re.sub(r"_total$", "", m.group(1))
+                for m in re.finditer(r"^# TYPE pdserve:(\S+)", text, re.M)}
+    router = names(server.url + "/metrics")
+    assert not set(ROUTER_NAMES) - router, f"router lacks {set(ROUTER_NAMES) - router}"
+    seen = set(router)
+    for wid, w in workers(server).items():
+        got = names(f"http://{w['metrics']}/metrics")
+        seen |= got
+        need = {"time_to_first_token_seconds", "num_requests_running", "kv_cache_usage_perc",
+                "prefix_cache_queries", "prefix_cache_hits", "kv_lease_expired"}
+        assert not need - got, f"{wid} lacks {need - got}"
+    missing = set(DESIGN_NAMES) - seen
+    assert not missing, f"no process exports {sorted(missing)}"
+
+
+def test_sigterm_drains_then_exits(server):
+    """Last test: a request in flight at SIGTERM finishes; new ones get 503; exit code 0."""
+    body = {"prompt": "Write a poem.", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body,
+                      headers=server.headers()) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server.proc.send_signal(15)
+            wait_until(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503, 10,
+                       "/health to report draining")
+            late = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
+                              headers=server.headers(), timeout=10)
+            assert late.status_code == 503 and "retry-after" in late.headers
+            rest = [x for x in lines if x]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in x for x in rest)
+    assert server.proc.wait(120) == 0
+    assert "draining" in server.output()

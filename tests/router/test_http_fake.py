@@ -1,0 +1,232 @@
+"""The HTTP face against in-process fake workers (real gRPC, real HTTP, fake model):
+OpenAI shapes, streaming, n, logprobs, usage, request ids, auth, bad input, overload, drain."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+
+import httpx
+import pytest
+
+from router.core import RouterConfig
+from tests.router.fake_worker import FakeRef, FakeWorker
+from tests.router.harness import RouterThread, wait_until
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def cluster(frontend):
+    ws = {wid: FakeWorker(wid, role).start()
+          for wid, role in (("hp0", "prefill"), ("hp1", "prefill"), ("hd0", "decode"))}
+    cfg = RouterConfig(block_size=16, retry_budget=2, router_id="router-http")
+    rt = RouterThread([FakeRef(w) for w in ws.values()], frontend, cfg, api_key=KEY,
+                      max_body_bytes=64 * 1024)
+    client = httpx.Client(base_url=rt.url, headers=AUTH, timeout=30)
+    yield rt, ws, client
+    client.close()
+    rt.stop()
+    for w in ws.values():
+        w.stop()
+
+
+def expected_text(frontend, prompt: str, n: int) -> str:
+    last = frontend.encode_prompt(prompt)[-1]
+    return "".join(f" t{last + 1 + i}" for i in range(n))
+
+
+def sse_events(resp: httpx.Response) -> list:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_completion_shape_usage_and_request_id(cluster, frontend):
+    rt, ws, client = cluster
+    r = client.post("/v1/completions", headers={"X-Request-Id": "my-req-1"},
+                    json={"model": frontend.model_id, "prompt": "Hello there", "max_tokens": 5,
+                          "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "my-req-1"
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-my-req-1"
+    [choice] = body["choices"]
+    assert choice["text"] == expected_text(frontend, "Hello there", 5)
+    assert choice["finish_reason"] == "length"
+    n_prompt = len(frontend.encode_prompt("Hello there"))
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 5,
+                             "total_tokens": n_prompt + 5, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert r2_id(client) != r2_id(client)  # assigned ids are unique
+    assert all(not w.held for w in ws.values())  # prefill blocks released
+
+
+def r2_id(client) -> str:
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    return r.headers["x-request-id"]
+
+
+def test_streaming_completion_ends_with_done_and_usage(cluster, frontend):
+    _, _, client = cluster
+    body = {"prompt": "Hello there", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert text == expected_text(frontend, "Hello there", 4)
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_stream_role_first_then_content(cluster):
+    _, _, client = cluster
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r)
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "usage" not in events[0]  # only with stream_options.include_usage
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1])
+    assert content.count(" t") == 3 and events[-1] == "[DONE]"
+
+
+def test_n2_seeded_choices_differ_and_logprobs(cluster):
+    _, _, client = cluster
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "n": 2,
+                                             "seed": 7, "logprobs": 1})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    texts = [c["text"] for c in body["choices"]]
+    assert texts[0] != texts[1] and texts[0] == " t8 t9 t10"
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3 and lp["token_logprobs"] == [-0.5] * 3
+    assert lp["text_offset"] == [0, len(lp["tokens"][0]), len(lp["tokens"][0]) + len(lp["tokens"][1])]
+    assert body["usage"]["completion_tokens"] == 6
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": 1}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and content[0]["top_logprobs"][0]["logprob"] == -0.5
+
+
+BAD = [
+    # (path, body or raw bytes, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b"\xff\xfe{}", 400, None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000_000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_input_gets_4xx_naming_the_field(cluster, path, body, status, param):
+    _, _, client = cluster
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    ok = client.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_oversized_bodies_get_413_by_header_and_by_stream(cluster):
+    _, _, client = cluster
+    big = json.dumps({"prompt": "x" * 100_000}).encode()
+    assert client.post("/v1/completions", content=big).status_code == 413
+
+    def chunks():
+        for _ in range(100):
+            yield b" " * 1024
+    r = client.post("/v1/completions", content=chunks())  # chunked: no Content-Length
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_api_key_guards_all_but_health_and_metrics(cluster):
+    rt, _, _ = cluster
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
+        method = httpx.get if path == "/v1/models" else httpx.post
+        r = method(rt.url + path, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert method(rt.url + path).status_code == 401
+    assert httpx.get(rt.url + "/health").status_code == 200
+    metrics = httpx.get(rt.url + "/metrics").text
+    assert "pdserve:time_to_first_token_seconds" in metrics
+    assert httpx.get(rt.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def test_overload_429_and_drain_503_with_retry_after(cluster):
+    rt, ws, client = cluster
+    core = rt.core
+    ws["hd0"].token_delay_s = 0.1
+    core.cfg = dataclasses.replace(core.cfg, max_inflight=1)
+    try:
+        started = threading.Event()
+
+        def slow():
+            with client.stream("POST", "/v1/completions",
+                               json={"prompt": "slow", "max_tokens": 20, "stream": True}) as r:
+                for _ in r.iter_lines():
+                    started.set()
+        t = threading.Thread(target=slow)
+        t.start()
+        started.wait(10)
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        t.join(30)
+    finally:
+        core.cfg = dataclasses.replace(core.cfg, max_inflight=1024)
+        ws["hd0"].token_delay_s = 0.0
+    core.draining = True
+    try:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "retry-after" in r.headers
+        h = httpx.get(rt.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "draining"
+    finally:
+        core.draining = False
+    wait_until(lambda: core.inflight == 0, 10, "in-flight count back to 0")
+
+
+def test_stage_histograms_add_up_to_end_to_end(cluster):
+    rt, _, client = cluster
+    for i in range(3):
+        client.post("/v1/completions", json={"prompt": f"stages {i}", "max_tokens": 3})
+    text = httpx.get(rt.url + "/metrics").text
+
+    def total(name: str) -> float:
+        m = re.search(rf'^pdserve:{name}_sum\{{[^}}]*\}} (\S+)$', text, re.M)
+        return float(m.group(1))
+    stages = sum(total(f"stage_{s}_seconds") for s in
+                 ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode"))
+    assert total("stage_kv_transfer_seconds") > 0 and total("stage_prefill_seconds") > 0
+    assert stages == pytest.approx(total("e2e_request_latency_seconds"), rel=1e-6)
+    assert re.search(r'^pdserve:num_requests_running\{[^}]*\} 0\.0$', text, re.M)
