@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import threading
 import time
 
 import grpc
@@ -42,6 +43,9 @@ class PrefillService:
         wants_decode = params.max_tokens > 1
         local = dataclasses.replace(params, max_tokens=1, n=1)
         q = loop.subscribe(rid)
+        # the caller gone (cancelled, timed out, died) before the handle reached it: free
+        handed_over = threading.Event()
+        context.add_callback(lambda: None if handed_over.is_set() else self._abandon(rid))
         try:
             try:
                 loop.call(lambda e: e.add_request(list(req.prompt_token_ids), local,
@@ -52,7 +56,17 @@ class PrefillService:
             out = self._wait_finished(q, rid, deadline, context)
         finally:
             loop.unsubscribe(rid)
-        return self._result(rid, out, params, wants_decode, arrival)
+        if not context.is_active():  # nobody will read these blocks
+            self._abandon(rid)
+            context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} cancelled")
+        result = self._result(rid, out, params, wants_decode, arrival)
+        handed_over.set()  # from here the lease (or the reader's Release) owns the blocks
+        return result
+
+    def _abandon(self, rid: str) -> None:
+        """Free whatever the request holds, whether it is running, held or leased."""
+        self.rt.leases.release(rid)
+        self.rt.loop.submit(lambda e: e.abort_request(rid))
 
     def _wait_finished(self, q: queue.Queue, rid: str, deadline: float,
                        context: grpc.ServicerContext) -> RequestOutput:
@@ -80,7 +94,10 @@ class PrefillService:
             res.last_hidden_state = out.hidden.numpy().astype("<f4").tobytes()
         res.stages.prefill = time.monotonic() - arrival
         if out.finish_reason == "stop" or not wants_decode:
-            # the first token ends it: nothing to hand over (blocks already freed)
+            # the first token ends it (EOS / stop token, or max_tokens 1): nothing to hand
+            # over; a request that was held for a reader is released here
+            if wants_decode:
+                self.rt.loop.call(lambda e: e.release_held(rid), timeout_s=10)
             res.finish_reason = out.finish_reason or "length"
             return res
         blocks = self.rt.loop.call(lambda e: _held_blocks(e, rid), timeout_s=10)

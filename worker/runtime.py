@@ -54,7 +54,7 @@ class WorkerRuntime:
         ec = self.engine.config
         self.faults = FaultInjector(cfg.faults)
         self.transport = NixlKVTransport(self.engine.runner.kv_cache, cfg.worker_id,
-                                         compat_config(ec.model, ec.cache), faults=self.faults,
+                                         compat_config(ec.model, ec.cache, self.engine.compat_extra()), faults=self.faults,
                                          role=cfg.role, metrics=self.kv_metrics)
         # a restart makes a new transport, hence a new incarnation (ANCHORS #3)
         self.incarnation = self.transport.incarnation
@@ -74,7 +74,9 @@ class WorkerRuntime:
         self.loop.start()
         self.prefill = PrefillService(self)
         self.decode = DecodeService(self)
-        self.server, port = make_server(self.cfg.host, self.cfg.grpc_port)
+        # one thread per open Prefill/Decode stream, plus room for Health/Release/Abort
+        self.server, port = make_server(self.cfg.host, self.cfg.grpc_port,
+                                        max_workers=max(64, self.cfg.max_num_seqs + 16))
         pbg.add_WorkerServicer_to_server(WorkerServicer(self), self.server)
         self.server.start()
         self.address = f"{self.cfg.host}:{port}"
