@@ -2,6 +2,8 @@
 
 Each is the plain torch reference; the Triton kernels in kernels/ compute the same functions
 (fused residual-add + RMSNorm, QK-norm + RoPE, SiLU-and-mul) and are checked against these.
+A module whose `fused` flag is set (Model.use_fused_ops) calls the kernel instead; the flag is
+off by default, so the torch path is exactly what it was without kernels/ installed.
 """
 from __future__ import annotations
 
@@ -13,18 +15,32 @@ from torch import nn
 
 from engine.config import RopeScaling
 
+_KERNELS = None
+
+
+def fused_kernels():
+    """The kernels package, imported on first use: the torch path never needs triton."""
+    global _KERNELS
+    if _KERNELS is None:
+        import kernels
+
+        _KERNELS = kernels
+    return _KERNELS
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back to the input dtype.
 
     forward(x, residual) fuses the residual add that precedes every norm in the decoder:
     it returns (norm(x + residual), x + residual), so the caller carries the un-normed sum on.
+    With `fused`, rows [T, dim] go through one Triton kernel (add + norm in a single pass).
     """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -35,6 +51,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused and x.dim() == 2:
+            normed, new_residual = fused_kernels().fused_add_rmsnorm(x, residual, self.weight,
+                                                                     self.eps)
+            return normed if residual is None else (normed, new_residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -108,12 +128,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up merged into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up merged into one matmul.
+    With `fused`, silu-and-mul is one Triton kernel instead of three torch ops."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        act = fused_kernels().silu_and_mul(gate_up) if self.fused else silu_and_mul(gate_up)
+        return self.down_proj(act)

@@ -5,6 +5,12 @@ writes its new K/V into the paged cache and attends over each sequence's blocks.
 attention calls go through `backend` (write_kv, attend), so a Triton backend replaces the
 torch one without touching this file.
 
+Fast path (Model.use_fused_ops, with kernels.TritonAttentionBackend): the residual-add + norm
+pairs, SiLU-and-mul and the attention prologue (QK-norm + RoPE + KV write, one kernel) run as
+Triton kernels; a decode layer is then 2 norms + 4 matmuls + prologue + attention + SiLU-mul.
+Nothing in that path reads device values on the host, so it can be captured in a CUDA graph
+(engine/cuda_graphs.py).
+
 Parameter names follow Hugging Face's Llama/Qwen3 modules (minus the `model.` prefix), except
 that q/k/v and gate/up are merged into qkv_proj and gate_up_proj (one matmul each);
 engine/weights.py maps checkpoints onto them.
@@ -16,7 +22,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, TorchAttentionBackend
 from engine.config import ModelConfig
-from engine.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from engine.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, fused_kernels
 
 
 class Attention(nn.Module):
@@ -34,6 +40,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
+        self.fused = False  # one Triton kernel for QK-norm + RoPE + KV write
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -42,12 +49,19 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # this layer's views [num_blocks, block_size, Hkv, D] of the all-layers cache
         k_cache, v_cache = kv_cache[:, self.kv_layer, 0], kv_cache[:, self.kv_layer, 1]
-        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        if self.fused:  # q/k/v stay strided views of the qkv output; rotated k goes to the cache
+            q = fused_kernels().fused_qk_norm_rope_kv(
+                q, k, v, None, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight,
+                self.q_norm.eps if self.q_norm is not None else 1e-6)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            self.backend.write_kv(k, v, k_cache, v_cache, meta)
         o = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -86,6 +100,15 @@ class Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+    def use_fused_ops(self, enabled: bool = True) -> "Model":
+        """Switch every norm, MLP and attention prologue (MTP modules included, when they are
+        submodules) to the Triton kernels, or back to torch. Pair it with
+        backend=kernels.TritonAttentionBackend() so attention runs as Triton kernels too."""
+        for module in self.modules():
+            if hasattr(module, "fused") and isinstance(module.fused, bool):
+                module.fused = enabled
+        return self
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config says so. Call again after
