@@ -170,7 +170,8 @@ class DecodeService:
                           f"KV compatibility hash differs: {kv.compat_hash} != {self.rt.compat_hash}")
         try:
             blocks, first = self.rt.loop.call(lambda e: e.add_remote_request(
-                req.request_id, list(req.prompt_token_ids), req.prefill.first_token_id, params))
+                req.request_id, list(req.prompt_token_ids), req.prefill.first_token_id, params,
+                hidden=_hidden_state(req.prefill)))  # MTP drafts from it once the KV lands
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if req.prefill.HasField("first_logprob"):
@@ -268,3 +269,13 @@ class DecodeService:
         if stages is not None:
             msg.stages.CopyFrom(stages)
         return msg
+
+
+def _hidden_state(result: pb.PrefillResult) -> "torch.Tensor | None":
+    """The prefill worker's last pre-norm hidden state (float32 little-endian), if shipped."""
+    if not result.last_hidden_state:
+        return None
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.frombuffer(result.last_hidden_state, dtype="<f4").copy())

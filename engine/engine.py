@@ -5,6 +5,10 @@
              updated = scheduler.update_from_output(out, result.sampled)
              return postprocess(updated)          # detokenize, stop strings, outputs
 
+With MTP speculation (LLMEngine(..., spec=SpecConfig(), mtp_head=...)) the runner also
+returns drafts for each running request; they go to the scheduler, which verifies them in
+the request's next step (engine/spec_decode.py). k per step follows the batch size.
+
 The engine is synchronous and owns no threads or sockets; workers drive it from a loop.
 """
 from __future__ import annotations
@@ -15,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import DetokResult, IncrementalDetokenizer
 from engine.model import Model
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, StepResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import SpecConfig, SpecStats
 
 
 @dataclass
@@ -47,11 +52,19 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: Model, tokenizer=None):
+    def __init__(self, config: EngineConfig, model: Model, tokenizer=None,
+                 spec: SpecConfig | None = None, mtp_head: object | None = None,
+                 mtp_head_id: str = "") -> None:
+        """spec + mtp_head (engine.mtp.MTPHead; config.model.num_mtp_layers >= 1) turn MTP
+        speculation on; mtp_head_id names the head's weights in the compatibility hash."""
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config, model)
-        self.scheduler = Scheduler(config.scheduler, config.cache, config.model.eos_token_ids)
+        self.spec = spec
+        self.mtp_head_id = mtp_head_id
+        self.runner = ModelRunner(config, model, spec=spec, mtp_head=mtp_head)
+        lookahead = spec.num_speculative_tokens - 1 if spec is not None else 0
+        self.scheduler = Scheduler(config.scheduler, config.cache, config.model.eos_token_ids,
+                                   num_lookahead_tokens=lookahead)
         self.stats = EngineStats()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -59,6 +72,18 @@ class LLMEngine:
         self.last_step: StepResult | None = None
         self.idle = True
         self.keep_hidden = False  # prefill role: ship the last hidden state (MTP drafting)
+        self._remote_hidden: dict = {}  # decode role: request -> prefill's last hidden [H]
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Draft/acceptance counters (None without speculation)."""
+        return self.runner.spec.stats if self.runner.spec is not None else None
+
+    def compat_extra(self) -> dict:
+        """The speculation part of the KV compatibility hash (MTP KV is in every block)."""
+        if self.spec is None:
+            return {}
+        return {"speculative": self.spec.compat(self.mtp_head_id)}
 
     # -- admission -----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -93,13 +118,18 @@ class LLMEngine:
 
     # -- disaggregation (decode role): a request whose prompt KV comes from a remote read --
     def add_remote_request(self, request_id: str, prompt_ids: list[int], first_token: int,
-                           params: SamplingParams) -> tuple[list[int], RequestOutput]:
+                           params: SamplingParams, hidden: object | None = None,
+                           ) -> tuple[list[int], RequestOutput]:
         """Admit a prefilled request: allocate blocks for its prompt KV (to be read into),
-        park it WAITING_FOR_KV, and return those block ids plus the first token's output."""
+        park it WAITING_FOR_KV, and return those block ids plus the first token's output.
+        hidden: the prefill worker's last pre-norm hidden state (torch [H]); with MTP the
+        first drafts come from it once the KV has arrived."""
         ids = self.tokenize(prompt_ids)
         req = Request(request_id, ids, params)
         req.append_token(first_token)
         blocks = self.scheduler.add_remote_request(req)
+        if hidden is not None and self.spec is not None:
+            self._remote_hidden[request_id] = hidden
         text = ""
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
@@ -113,7 +143,21 @@ class LLMEngine:
         return blocks, first
 
     def kv_arrived(self, request_id: str) -> None:
-        self.scheduler.kv_arrived(request_id)
+        arrived = self.scheduler.kv_arrived(request_id)
+        hidden = self._remote_hidden.pop(request_id, None)
+        if arrived and hidden is not None:
+            self._draft_remote(request_id, hidden)
+
+    def _draft_remote(self, request_id: str, hidden: object) -> None:
+        """Draft a just-arrived request's first verify from the shipped hidden state; the
+        chain writes MTP KV up to position L + k - 2, so reserve those slots first."""
+        req = self.scheduler.get_request(request_id)
+        k = self.spec.k_for_batch(self.scheduler.num_running)
+        if req is None or k == 0:
+            return
+        if k > 1 and not self.scheduler.block_manager.append_slots(req, k - 1):
+            return  # no room to draft now: the first step decodes plainly
+        self.scheduler.set_spec_tokens(request_id, self.runner.propose_remote(req, hidden, k))
 
     def kv_failed(self, request_id: str) -> None:
         """Fall back to computing the prompt locally (counted by the scheduler)."""
@@ -141,9 +185,12 @@ class LLMEngine:
         self.idle = not out.scheduled  # nothing runnable (e.g. all waiting for remote KV)
         if not out.scheduled:
             return []
-        result = self.runner.run(out, want_hidden=self.keep_hidden)
+        k = self.spec.k_for_batch(len(out.scheduled)) if self.spec is not None else 0
+        result = self.runner.run(out, want_hidden=self.keep_hidden, num_spec=k)
         self.last_step = result
         updated = self.scheduler.update_from_output(out, result.sampled)
+        for rid, drafts in result.drafts.items():  # verified in the request's next step
+            self.scheduler.set_spec_tokens(rid, drafts)
         self.stats.steps += 1
         return [self._postprocess(req, result) for req in updated]
 
@@ -151,13 +198,11 @@ class LLMEngine:
         rid = req.request_id
         start = self._reported.get(rid, 0)
         new_ids = req.output_token_ids[start:]  # what the scheduler accepted this step
-        self._reported[rid] = len(req.output_token_ids)
-        self.runner.observe(req, new_ids)
-        self.stats.generation_tokens += len(new_ids)
         text = ""
         detok = self._detok.get(rid)
         if detok is not None:
-            res = detok.add(new_ids) if new_ids else None
+            res = self._detokenize(req, detok, start, new_ids) if new_ids else None
+            new_ids = req.output_token_ids[start:]  # a stop string may have cut some
             text = res.new_text if res else ""
             if res is not None and res.stopped:
                 if not req.is_finished:
@@ -165,6 +210,9 @@ class LLMEngine:
                                                   res.stop_string)
             elif req.is_finished:
                 text += detok.flush()  # no stop string matched: release held-back text
+        self._reported[rid] = len(req.output_token_ids)
+        self.runner.observe(req, new_ids)
+        self.stats.generation_tokens += len(new_ids)
         lp = result.logprobs.get(rid)
         if lp is not None:
             req.output_logprobs.append(lp)
@@ -176,8 +224,26 @@ class LLMEngine:
             self._forget(rid)
         return output
 
+    @staticmethod
+    def _detokenize(req: Request, detok: IncrementalDetokenizer, start: int,
+                    new_ids: list[int]) -> DetokResult:
+        """Feed this step's tokens. Several at once (speculation) with stop strings go one by
+        one, and tokens after the one that completes a stop string are dropped from the
+        request, exactly as one-token steps would have stopped."""
+        if len(new_ids) == 1 or not detok.stop:
+            return detok.add(new_ids)
+        parts: list[str] = []
+        for n, token in enumerate(new_ids):
+            res = detok.add([token])
+            parts.append(res.new_text)
+            if res.stopped:
+                del req.output_token_ids[start + n + 1:]
+                break
+        return DetokResult("".join(parts), res.stopped, res.stop_string)
+
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
+        self._remote_hidden.pop(request_id, None)
         self._reported.pop(request_id, None)
         self.runner.free_request(request_id)
 

@@ -3,18 +3,23 @@
     llm = LLM()                                   # embedded SmolLM2-135M-Instruct
     [out] = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))
     print(out.outputs[0].text)
+    LLM(speculative="mtp", num_speculative_tokens=2)  # MTP drafting with the trained head
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine, RequestOutput
 from engine.model_source import load_model, resolve_model
+from engine.mtp import resolve_mtp_head, with_mtp_layers
 from engine.sampling_params import SamplingParams
+from engine.spec_decode import SpecConfig
+from engine.weights import as_dtype
 
 
 @dataclass
@@ -42,12 +47,38 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
                  num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, use_triton: bool = False,
-                 seed: int = 0) -> LLMEngine:
-    """Load a model (path, preset name or None = embedded default) and wrap it in an engine."""
+                 use_cuda_graphs: bool = False, seed: int = 0,
+                 speculative: str | SpecConfig | None = None,
+                 num_speculative_tokens: int | None = None,
+                 mtp_head: str | None = None) -> LLMEngine:
+    """Load a model (path, preset name or None = embedded default) and wrap it in an engine.
+
+    use_triton: Triton kernels (fused norms, SiLU-mul, attention prologue, paged attention);
+    on CPU they run in Triton's interpreter (tests). use_cuda_graphs (CUDA, needs use_triton):
+    decode steps replay graphs captured when the engine is built (engine/cuda_graphs.py).
+
+    speculative="mtp" (or a SpecConfig): MTP speculative decoding with the model's MTP head:
+    `mtp_head` (a train-mtp file), the checkpoint's MTP layers, random for presets, or the
+    trained head shipped for the default model. num_speculative_tokens overrides k."""
     device = device or default_device()
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     source = resolve_model(model)
-    net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=seed)
+    backend = None
+    if use_triton:
+        from kernels import TritonAttentionBackend  # triton only when asked for
+
+        backend = TritonAttentionBackend()
+    net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=seed,
+                                           backend=backend)
+    net.use_fused_ops(use_triton)
+    spec = _spec_config(speculative, num_speculative_tokens)
+    head, head_id = None, ""
+    if spec is not None:  # the KV cache gets one more layer per MTP layer
+        head, model_cfg, head_id = resolve_mtp_head(source, model_cfg, as_dtype(dtype), device,
+                                                    net.backend, seed, mtp_head)
+        head.set_fused(use_triton)
+    else:
+        model_cfg = with_mtp_layers(model_cfg, 0)  # a checkpoint's MTP layers stay unused
     max_len = min(max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
     if num_blocks is None:  # enough for a few full-length sequences; modest on CPU
@@ -60,8 +91,21 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_len),
-        device=device, dtype=dtype, use_triton=use_triton, seed=seed)
-    return LLMEngine(config, net, tokenizer)
+        device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
+        seed=seed)
+    return LLMEngine(config, net, tokenizer, spec=spec, mtp_head=head, mtp_head_id=head_id)
+
+
+def _spec_config(speculative: str | SpecConfig | None, k: int | None) -> SpecConfig | None:
+    if speculative is None or speculative == "none":
+        return None
+    if isinstance(speculative, SpecConfig):
+        spec = speculative
+    elif isinstance(speculative, str):
+        spec = SpecConfig(method=speculative)
+    else:
+        raise ConfigError(f"speculative: expected 'mtp' or a SpecConfig, got {speculative!r}")
+    return dataclasses.replace(spec, num_speculative_tokens=k) if k is not None else spec
 
 
 class LLM:

@@ -3,19 +3,27 @@
 It turns a SchedulerOutput (which requests, how many new tokens each) into flat varlen
 tensors, runs the model over the paged KV cache, and samples one token for every request
 that reached its end this step. It owns the KV cache tensor and per-request sampler state.
+
+With MTP speculation (engine/spec_decode.py) a request may bring drafts: its k+1 rows are
+verified instead of sampled (1 to k+1 tokens come back), and after sampling the MTP head
+catches up on this step's positions and drafts the next step's tokens (StepResult.drafts).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import maybe_decode_graphs
 from engine.model import Model
 from engine.request import Request
 from engine.sampler import Sampler, SamplerState
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode import DraftJob, SpecConfig, SpecDecoder
+from engine.spec_graphs import maybe_verify_graphs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,10 +46,12 @@ class StepResult:
     sampled: dict[str, list[int]]
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
     hidden: dict[str, torch.Tensor]  # pre-norm last hidden state, [hidden] (prefill role / MTP)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # next step's drafts (MTP)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Model, kv_cache: torch.Tensor | None = None):
+    def __init__(self, config: EngineConfig, model: Model, kv_cache: torch.Tensor | None = None,
+                 spec: SpecConfig | None = None, mtp_head: torch.nn.Module | None = None):
         self.config = config
         self.model = model
         self.device = torch.device(config.device)
@@ -51,6 +61,19 @@ class ModelRunner:
             config.model, cache.num_blocks, cache.block_size, torch_dtype(cache.kv_dtype), self.device)
         self.sampler = Sampler(config.seed)
         self._states: dict[str, SamplerState] = {}
+        self.cuda_graphs = maybe_decode_graphs(config, model, self.kv_cache)  # decode steps
+        self.spec: SpecDecoder | None = None
+        if spec is not None:
+            if mtp_head is None or config.model.num_mtp_layers < 1:
+                raise ValueError("speculative: MTP needs an MTP head and num_mtp_layers >= 1")
+            self.spec = SpecDecoder(spec, mtp_head, model, self.kv_cache, self.block_size,
+                                    self.sampler, config.scheduler.max_model_len,
+                                    config.model.eos_token_ids)
+        # verify steps (k+1 tokens per sequence) replay graphs too, up to the largest batch
+        # that still drafts
+        self.verify_graphs = {} if spec is None else maybe_verify_graphs(
+            config, model, self.kv_cache, spec.num_speculative_tokens,
+            _max_spec_batch(spec, config.scheduler.max_num_seqs))
 
     # -- per-request sampler state -------------------------------------------------------
     def _state(self, req: Request) -> SamplerState:
@@ -62,6 +85,8 @@ class ModelRunner:
 
     def free_request(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.free_request(request_id)
 
     def observe(self, req: Request, token_ids: list[int]) -> None:
         """Feed accepted tokens to the request's incremental penalty state."""
@@ -83,7 +108,7 @@ class ModelRunner:
         for s in out.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
-            ids += req.all_token_ids[start:end]
+            ids += s.token_ids  # drafts last
             pos += range(start, end)
             table = req.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -107,29 +132,102 @@ class ModelRunner:
                 torch.tensor(pos, dtype=torch.int64, device=dev), meta)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, want_hidden: bool = False) -> StepResult:
+    def run(self, out: SchedulerOutput, want_hidden: bool = False,
+            num_spec: int = 0) -> StepResult:
+        """One step. num_spec: drafts to make per request for the next step (MTP only)."""
         input_ids, positions, meta = self.prepare(out)
-        hidden, prenorm = self.model(input_ids, positions, meta, self.kv_cache, return_prenorm=True)
+        hidden, prenorm = self._forward(out, input_ids, positions, meta)
         # last row of each sequence that samples this step
-        last_rows = [int(meta.query_start_loc[i + 1]) - 1 for i, s in enumerate(out.scheduled)
-                     if s.samples]
-        sampling = [s.request for s in out.scheduled if s.samples]
+        ends = list(itertools.accumulate(meta.query_lens_cpu))  # host-side: no device reads
+        plain = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
+                 if s.samples and not s.spec_token_ids]
+        verify = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
+                  if s.samples and s.spec_token_ids]
         result = StepResult({}, {}, {})
-        if not sampling:
-            return result
-        rows = torch.tensor(last_rows, device=self.device)
+        if plain:
+            self._sample(plain, hidden, result)
+        if verify:
+            items = [(s.request, s.spec_token_ids, last) for s, last in verify]
+            states = [self._state(s.request) for s, _ in verify]
+            result.sampled.update(self.spec.verify(items, hidden, states))
+        if want_hidden:  # the last computed position's state (the last accepted row)
+            for s, last in plain + verify:
+                rid = s.request.request_id
+                row = last - len(s.spec_token_ids) + len(result.sampled[rid]) - 1
+                result.hidden[rid] = prenorm[row].float().cpu()
+        if self.spec is not None and (num_spec > 0 or self.spec.spec.maintain_mtp_kv):
+            jobs = self._draft_jobs(out, ends, result.sampled, num_spec)
+            states = {j.request.request_id: self._state(j.request) for j in jobs if j.k > 0}
+            result.drafts = self.spec.propose(jobs, hidden, states)
+        return result
+
+    def _forward(self, out: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, prenorm) [T, H]: a captured graph for a decode step or a uniform verify
+        step (every request verifying the same k drafts), else the eager model."""
+        graphed = self.cuda_graphs.run(input_ids, positions, meta) if self.cuda_graphs else None
+        k = meta.max_query_len - 1
+        if graphed is None and k in self.verify_graphs and all(
+                len(s.spec_token_ids) == k for s in out.scheduled):
+            graphed = self.verify_graphs[k].run(input_ids, positions, meta)
+        if graphed is not None:
+            return graphed
+        return self.model(input_ids, positions, meta, self.kv_cache, return_prenorm=True)
+
+    def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
+                result: StepResult) -> None:
+        """One token per request from its last row's logits (no drafts to verify)."""
+        rows = torch.tensor([last for _, last in plain], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
+        sampling = [s.request for s, _ in plain]
         states = [self._state(r) for r in sampling]
         sample = self.sampler(logits, sampling, states)
         for i, req in enumerate(sampling):
             result.sampled[req.request_id] = [sample.token_ids[i]]
             if sample.logprobs[i] is not None:
                 result.logprobs[req.request_id] = sample.logprobs[i]
-            if want_hidden:
-                result.hidden[req.request_id] = prenorm[last_rows[i]].float().cpu()
-        return result
+
+    def _draft_jobs(self, out: SchedulerOutput, ends: list[int],
+                    sampled: dict[str, list[int]], k: int) -> list[DraftJob]:
+        """MTP catch-up rows of every scheduled request: each computed position whose next
+        token is known now (the accepted prefix of a verify, all of a prefill chunk)."""
+        jobs: list[DraftJob] = []
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            first_row = ends[i] - s.num_new_tokens
+            if not s.samples:  # a prefill chunk: the next tokens are prompt tokens
+                nxt = req.all_token_ids[s.start_pos + 1:s.start_pos + s.num_new_tokens + 1]
+                jobs.append(DraftJob(req, s.start_pos, nxt, 0, first_row))
+                continue
+            emitted = sampled[req.request_id]
+            nxt = emitted if s.spec_token_ids else s.token_ids[1:] + emitted[:1]
+            jobs.append(DraftJob(req, s.start_pos, nxt, self.spec.cap_k(req, k, emitted),
+                                 first_row))
+        return jobs
+
+    @torch.inference_mode()
+    def propose_remote(self, req: Request, prenorm: torch.Tensor, k: int) -> list[int]:
+        """Decode role, when a prefilled request's KV has landed: draft from the prefill
+        worker's last hidden state (pre-norm, [H]) and the first token, at position L - 1."""
+        if self.spec is None or not req.output_token_ids:
+            return []
+        h = self.model.norm(prenorm.to(self.device, self.model.embed_tokens.weight.dtype)[None])
+        job = DraftJob(req, req.num_prompt_tokens - 1, [req.output_token_ids[0]],
+                       self.spec.cap_k(req, k, []), 0)
+        if job.k == 0:
+            return []
+        return self.spec.propose([job], h, {req.request_id: self._state(req)}).get(
+            req.request_id, [])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V) src -> dst; one region each."""
         for src, dst in pairs:
             self.kv_cache[dst].copy_(self.kv_cache[src])
+
+
+def _max_spec_batch(spec: SpecConfig, max_num_seqs: int) -> int:
+    """The largest batch for which the adaptive policy still drafts."""
+    drafting = [b for b, cap in spec.batch_k_caps if cap > 0]
+    if not spec.batch_k_caps:
+        return max_num_seqs
+    return min(max_num_seqs, max(drafting, default=0))

@@ -13,6 +13,12 @@ samples iff that reaches its last token.
 n > 1: siblings (parent_id = leader's id) wait until the leader's prompt KV is computed and
 in the prefix cache, then hit its full blocks, so those are allocated once.
 
+Speculative decoding: the engine hands each running request its drafts (set_spec_tokens); a
+decode step then computes [last token, d1..dk] (k + 1 tokens, capped by budget, context and
+max_tokens) and reserves `num_lookahead_tokens` more slots for the next drafts' MTP KV.
+update_from_output counts only the accepted positions (1 + accepted drafts): rejected
+positions stay beyond num_computed_tokens and are overwritten later (KV rollback).
+
 Disaggregation: a decode worker parks a prefilled request as WAITING_FOR_KV (blocks
 allocated, filled by a remote read) until kv_arrived / kv_failed; a prefill worker keeps a
 finished request's blocks (hold_blocks_on_finish) until release_held.
@@ -35,17 +41,20 @@ __all__ = ["NoFreeBlocksError", "ScheduledRequest", "Scheduler", "SchedulerOutpu
 
 @dataclass
 class ScheduledRequest:
-    """Compute tokens all_token_ids[start_pos : start_pos + num_new_tokens] of `request`."""
+    """Compute tokens all_token_ids[start_pos : start_pos + num_new_tokens] of `request`;
+    with speculation the last len(spec_token_ids) of the num_new_tokens are those drafts."""
 
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
     start_pos: int = field(init=False)  # num_computed_tokens when scheduled
     _samples: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # frozen at schedule time: update_from_output moves num_computed_tokens and num_tokens
         self.start_pos = self.request.num_computed_tokens
-        self._samples = self.start_pos + self.num_new_tokens == self.request.num_tokens
+        num_real = self.num_new_tokens - len(self.spec_token_ids)
+        self._samples = self.start_pos + num_real == self.request.num_tokens
 
     @property
     def samples(self) -> bool:
@@ -54,8 +63,10 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens to compute (valid until update_from_output appends new ones)."""
-        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_new_tokens]
+        """The tokens to compute, drafts last (valid until update_from_output appends)."""
+        num_real = self.num_new_tokens - len(self.spec_token_ids)
+        return (self.request.all_token_ids[self.start_pos:self.start_pos + num_real]
+                + self.spec_token_ids)
 
 
 @dataclass
@@ -71,7 +82,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), num_lookahead_tokens: int = 0) -> None:
         self.config = scheduler_config
         self.block_manager = BlockManager(cache_config)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -84,6 +95,8 @@ class Scheduler:
         self.num_kv_recomputes = 0
         self._quarantine: set[str] = set()
         self.num_quarantined_blocks = 0
+        self.spec_tokens: dict[str, list[int]] = {}  # drafts for each request's next step
+        self.num_lookahead_tokens = num_lookahead_tokens  # slots reserved for drafting
 
     # -- stats ----------------------------------------------------------------------------
     @property
@@ -97,6 +110,12 @@ class Scheduler:
     @property
     def num_waiting_for_kv(self) -> int:
         return len(self.waiting_for_kv)
+
+    def set_spec_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Drafts to verify in the request's next step (dropped if it stops running)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status == RequestStatus.RUNNING and token_ids:
+            self.spec_tokens[request_id] = list(token_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -174,6 +193,7 @@ class Scheduler:
         req.status = status
         req.stop_reason = stop_reason
         self.requests.pop(rid, None)
+        self.spec_tokens.pop(rid, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -251,18 +271,34 @@ class Scheduler:
             if budget == 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            ok, refund = self._append_or_preempt(req, num_new, scheduled, preempted)
+            samples = req.num_computed_tokens + num_new == req.num_tokens
+            spec = self._spec_for(req, budget - num_new) if samples else []
+            num_new += len(spec)
+            lookahead = self.num_lookahead_tokens if samples else 0
+            ok, refund = self._append_or_preempt(req, num_new, scheduled, preempted, lookahead)
             budget += refund
             if ok:
-                scheduled[req.request_id] = ScheduledRequest(req, num_new)
+                scheduled[req.request_id] = ScheduledRequest(req, num_new, spec)
                 budget -= num_new
         return budget
 
+    def _spec_for(self, req: Request, budget_left: int) -> list[int]:
+        """The request's drafts that fit the budget, the context and its max_tokens."""
+        drafts = self.spec_tokens.get(req.request_id)
+        if not drafts:
+            return []
+        cap = min(len(drafts), budget_left, self.config.max_model_len - req.num_tokens,
+                  req.sampling_params.max_tokens - len(req.output_token_ids) - 1)
+        return drafts[:max(0, cap)]
+
     def _append_or_preempt(self, req: Request, num_new: int,
                            scheduled: dict[str, ScheduledRequest],
-                           preempted: list[Request]) -> tuple[bool, int]:
+                           preempted: list[Request], lookahead: int = 0) -> tuple[bool, int]:
         """Get blocks for `req`, preempting from the newest end until it fits or is itself
-        preempted. Returns (scheduled?, budget refunded by unscheduling victims)."""
+        preempted. Returns (scheduled?, budget refunded by unscheduling victims).
+        Lookahead slots (for drafting) are taken only when free: they never preempt."""
+        if lookahead and self.block_manager.append_slots(req, num_new + lookahead):
+            return True, 0
         refund = 0
         while not self.block_manager.append_slots(req, num_new):
             victim = self.running[-1]  # the most recently admitted
@@ -277,6 +313,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.spec_tokens.pop(req.request_id, None)
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
@@ -298,7 +335,10 @@ class Scheduler:
                 continue
             computed = bm.get_computed_blocks(req)
             num_new = min(req.num_tokens - len(computed) * bm.block_size, budget)
-            if not bm.allocate(req, num_new, computed):
+            completes = len(computed) * bm.block_size + num_new == req.num_tokens
+            lookahead = self.num_lookahead_tokens if completes else 0
+            if not (lookahead and bm.allocate(req, num_new + lookahead, computed)) \
+                    and not bm.allocate(req, num_new, computed):
                 break  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -336,6 +376,17 @@ class Scheduler:
         changed: list[Request] = []
         for s in live:  # requests aborted or finished since schedule() are skipped
             req = s.request
+            self.spec_tokens.pop(req.request_id, None)  # consumed; the engine sets new ones
+            if s.spec_token_ids:  # only the accepted drafts count (rollback of the rest)
+                emitted = sampled[req.request_id]
+                req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) \
+                    + len(emitted) - 1
+                # the accepted drafts must be appended before their blocks can be hashed;
+                # a request that stops inside them finishes (and its blocks go) right here
+                self._append_tokens(req, emitted)
+                self.block_manager.cache_full_blocks(req)
+                changed.append(req)
+                continue
             req.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(req)
             if s.samples:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig, RopeScaling
 from engine.model import Model
+from engine.mtp import hf_num_mtp_layers, mtp_checkpoint_name
 from engine.presets import param_count
 
 BIG_MODEL_PARAMS = 1_000_000_000  # show progress bars from this size on
@@ -169,7 +170,8 @@ def config_from_hf(d: dict, source: str) -> ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",
             max_position_embeddings=d.get("max_position_embeddings", 4096),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids)
+            num_mtp_layers=hf_num_mtp_layers(d),  # what the checkpoint has; the engine
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids)  # keeps 0 unless MTP is on
     except KeyError as e:
         raise WeightsError(f"{source}: missing field {e.args[0]!r}") from e
     except (ConfigError, TypeError) as e:
@@ -232,6 +234,8 @@ def load_hf(folder: str | Path, dtype: torch.dtype | str = torch.float32,
     for name, tensor in _iter_safetensors(files):
         if name.endswith("rotary_emb.inv_freq"):
             continue  # old checkpoints stored the RoPE table; we compute it
+        if cfg.num_mtp_layers and mtp_checkpoint_name(name, cfg.num_layers) is not None:
+            continue  # MTP layers: engine.mtp.load_hf_mtp reads them when speculation is on
         sink.load(name.removeprefix("model."), tensor)
         bar.update()
     bar.close()

@@ -134,7 +134,8 @@ class RouterCore:
             async for delta in self._merge(out, len(tasks), job):
                 yield delta
         except RouterError as e:
-            self.metrics.failed(e.code)
+            # client errors (4xx) are the caller's, never an outage: label them apart
+            self.metrics.failed(e.code or ("invalid_request" if e.status < 500 else None))
             raise
         finally:
             # synchronous first: a cancelled caller may not get to run the await below

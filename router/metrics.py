@@ -16,6 +16,12 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LABELS = ("role", "worker")
 STAGES = ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")
+# label values exported at zero from startup, so dashboards and alerts see every series before
+# the first event (dispatch.Retry reasons; errors.RouterError codes, "internal" for code=None)
+RETRY_REASONS = ("prefill", "peer", "kv_transfer", "decode")
+FAILURE_CODES = ("internal", "overloaded", "draining", "worker_unavailable", "kv_transfer_failed",
+                 "request_timeout", "invalid_request")
+FINISH_REASONS = ("stop", "length")
 
 
 @dataclass
@@ -63,6 +69,7 @@ class RouterMetrics:
         self.waiting = g("num_requests_waiting", "admitted requests not yet dispatched")
         for gauge in (self.running, self.waiting):
             gauge.labels(**self.labels).set(0)
+        self._precreate()
         # the pool as the router's health polls see it (labels: the worker's role and id)
         self.worker_up = Gauge(P + "router_worker_up", "1 when the worker's breaker is closed",
                                LABELS, registry=reg)
@@ -70,6 +77,19 @@ class RouterMetrics:
                               LABELS, registry=reg)
         self.worker_pinned = Gauge(P + "router_worker_pinned_blocks",
                                    "blocks a prefill worker holds for readers", LABELS, registry=reg)
+
+    def _precreate(self) -> None:
+        """Create every child at zero: a labelled metric exports no sample until it has one."""
+        lb = self.labels
+        for m in (self.ttft, self.itl, self.e2e, self.queue_time, *self.stages.values(),
+                  self.fallbacks, self.prompt_tokens, self.generation_tokens):
+            m.labels(**lb)
+        for reason in RETRY_REASONS:
+            self.retries.labels(**lb, reason=reason)
+        for code in FAILURE_CODES:
+            self.failures.labels(**lb, code=code)
+        for reason in FINISH_REASONS:
+            self.success.labels(**lb, finished_reason=reason)
 
     def observe_stages(self, st: StageTimes) -> None:
         for name in STAGES:

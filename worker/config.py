@@ -26,6 +26,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     use_triton: bool = False
+    use_cuda_graphs: bool = False  # decode steps replay CUDA graphs (needs use_triton, CUDA)
     host: str = "127.0.0.1"
     grpc_port: int = 0  # 0 = pick a free port
     metrics_port: int = 0  # 0 = pick a free port; -1 = no metrics server

@@ -5,7 +5,11 @@ gauges are refreshed from the engine on the loop thread, counters advance from d
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from engine.engine import LLMEngine
 
@@ -48,6 +52,22 @@ class WorkerMetrics:
         self.e2e = h("e2e_request_latency_seconds", "arrival at this worker to finish")
         self.kv_transfer_stage = h("stage_kv_transfer_seconds", "decode side: KV read incl. release")
         self.decode_queue_stage = h("stage_decode_queue_seconds", "decode side: admit to first decode step")
+        # MTP speculative decoding (vLLM's spec_decode_* names); zero without speculation
+        self.spec_drafts = c("spec_decode_num_drafts", "verify events (a request with drafts)")
+        self.spec_draft_tokens = c("spec_decode_num_draft_tokens", "draft tokens verified")
+        self.spec_accepted = c("spec_decode_num_accepted_tokens", "draft tokens accepted")
+        self.spec_accepted_per_pos = Counter(
+            P + "spec_decode_num_accepted_tokens_per_pos", "draft tokens accepted by position",
+            LABELS + ("position",), registry=registry)
+        # every child exported at zero from the start (a labelled metric has no sample before)
+        for m in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
+                  self.generation_tokens, self.kv_recomputes, self.queue_time, self.prefill_time,
+                  self.ttft, self.itl, self.e2e, self.kv_transfer_stage, self.decode_queue_stage,
+                  self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+            m.labels(**self.labels)
+        for reason in ("stop", "length"):
+            self.request_success.labels(**self.labels, finished_reason=reason)
+        self.spec_accepted_per_pos.labels(**self.labels, position="0")
         self._last: dict[str, int] = {}
 
     def _delta(self, key: str, value: int, counter: Counter) -> None:
@@ -70,3 +90,43 @@ class WorkerMetrics:
         self._delta("rec", s.num_kv_recomputes, self.kv_recomputes)
         self._delta("pt", engine.stats.prompt_tokens, self.prompt_tokens)
         self._delta("gt", engine.stats.generation_tokens, self.generation_tokens)
+        spec = getattr(engine, "spec_stats", None)
+        if spec is not None:
+            self._delta("sd", spec.num_drafts, self.spec_drafts)
+            self._delta("sdt", spec.num_draft_tokens, self.spec_draft_tokens)
+            self._delta("sa", spec.num_accepted_tokens, self.spec_accepted)
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                child = self.spec_accepted_per_pos.labels(**lb, position=str(pos))
+                prev = self._last.get(f"sap{pos}", 0)
+                if n > prev:
+                    child.inc(n - prev)
+                self._last[f"sap{pos}"] = n
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:
+    """Serve `registry` at http://host:port/metrics (port 0 = pick one) on a daemon thread.
+
+    Always the classic text format (0.0.4), whatever the scraper's Accept header asks:
+    prometheus_client's own server answers OpenMetrics to Prometheus, and its OpenMetrics
+    writer renames the samples of `pdserve:x` to `pdserve_x` (client_python issue 1177),
+    so no dashboard or alert query would match a worker's series. Stop with .shutdown().
+    """
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404, "only /metrics is served here")
+                return
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 - base signature
+            pass  # one line per scrape would flood the worker's log
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
+    return httpd

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from engine.engine import LLMEngine, RequestOutput
 from engine.llm import build_engine
@@ -27,7 +26,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pbg
 from proto.rpc import make_server
 from worker.config import WorkerConfig
-from worker.metrics import WorkerMetrics
+from worker.metrics import WorkerMetrics, serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,8 @@ def build_worker_engine(cfg: WorkerConfig) -> LLMEngine:
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                           max_model_len=cfg.max_model_len,
                           enable_prefix_caching=cfg.enable_prefix_caching,
-                          use_triton=cfg.use_triton, seed=cfg.seed)
+                          use_triton=cfg.use_triton,
+                          use_cuda_graphs=cfg.use_cuda_graphs, seed=cfg.seed)
     engine.keep_hidden = cfg.role == "prefill"
     return engine
 
@@ -81,8 +81,7 @@ class WorkerRuntime:
         self.server.start()
         self.address = f"{self.cfg.host}:{port}"
         if self.cfg.metrics_port >= 0:
-            httpd, _ = start_http_server(self.cfg.metrics_port, addr=self.cfg.host,
-                                         registry=self.registry)
+            httpd = serve_metrics(self.registry, self.cfg.host, self.cfg.metrics_port)
             self._metrics_httpd = httpd
             self.metrics_address = f"{self.cfg.host}:{httpd.server_port}"
         log.info("worker %s (%s) gRPC %s metrics %s", self.cfg.worker_id, self.cfg.role,

@@ -1,0 +1,269 @@
+"""MTP (multi-token prediction) modules in the DeepSeek-V3 form, and where their weights come from.
+
+One MTP layer predicts token t+2 from the target's hidden state at t and the token at t+1:
+
+    x   = eh_proj(concat(enorm(embed(token[t+1])), hnorm(h[t])))     [T, 2H] -> [T, H]
+    y   = DecoderLayer(x)           its own KV cache layer: kv_layer = num_layers + i
+    out = norm(y)                   -> the target's shared lm_head gives the logits of t+2
+
+h[t] is the target's hidden state after its final norm (what its lm_head reads, and what
+vLLM feeds DeepSeek/MiMo MTP layers). Chained drafting reuses a layer: draft j+1 comes from
+(out of draft j, draft j), at the next position. The embedding, rotary table and lm_head are
+the target model's (passed in, never copied).
+
+Weights, three sources:
+  * our own safetensors (train-mtp output): this module's parameter names, merged qkv/gate_up,
+    metadata {"format": "pdserve-mtp", shapes}; save_mtp_head / load_mtp_head;
+  * Hugging Face checkpoints: DeepSeek names `model.layers.{num_layers + i}.{enorm, hnorm,
+    eh_proj, shared_head.norm, <decoder layer>}` or MiMo names `model.mtp_layers.{i}.
+    {token_layernorm, hidden_layernorm, input_proj, final_layernorm, <decoder layer>}`;
+    MiMo's input_proj reads [hidden | token], so its two column halves are swapped on load;
+  * seeded random weights (presets, benchmarks).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, TorchAttentionBackend
+from engine.config import ConfigError, ModelConfig
+from engine.layers import RMSNorm
+from engine.model import DecoderLayer, Model
+
+MTP_FORMAT = "pdserve-mtp"
+HEADS_DIR = Path(__file__).parent / "mtp_heads"  # trained heads shipped with the package
+# shape fields a head file must agree on with the target model
+_SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "intermediate_size", "qk_norm")
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, backend: object) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)  # on the embedding of token t+1
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)  # on the hidden state of position t
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)  # input: [embedding | hidden]
+        self.block = DecoderLayer(cfg, cfg.num_layers + index, backend)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)  # DeepSeek's shared_head.norm
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """embeds, hidden [T, H] -> normed output [T, H] (lm_head input, and the next draft's h)."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x, residual = self.block(x, None, cos, sin, meta, kv_cache)
+        return self.norm(x, residual)[0]
+
+
+class MTPHead(nn.Module):
+    """The MTP layers of one target model. `config` is the target's (with num_mtp_layers > 0)."""
+
+    def __init__(self, config: ModelConfig, backend: object | None = None) -> None:
+        super().__init__()
+        if config.num_mtp_layers < 1:
+            raise ConfigError("num_mtp_layers: an MTP head needs at least one layer")
+        self.config = config
+        backend = backend if backend is not None else TorchAttentionBackend()
+        self.layers = nn.ModuleList(MTPLayer(config, i, backend)
+                                    for i in range(config.num_mtp_layers))
+
+    def forward(self, target: Model, input_ids: torch.Tensor, hidden: torch.Tensor,
+                positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                step: int = 0) -> torch.Tensor:
+        """input_ids [T] (token t+1), hidden [T, H] (position t), positions [T] (= t) ->
+        normed [T, H]. Chain step `step` uses layer step % num_mtp_layers."""
+        cos, sin = target.rotary.cos_sin(positions)
+        layer = self.layers[step % len(self.layers)]
+        return layer(target.embed(input_ids), hidden.to(target.embed_tokens.weight.dtype),
+                     cos, sin, meta, kv_cache)
+
+    def set_fused(self, enabled: bool) -> "MTPHead":
+        """Same switch as Model.use_fused_ops, for this head's norms, MLP and prologue."""
+        for module in self.modules():
+            if hasattr(module, "fused") and isinstance(module.fused, bool):
+                module.fused = enabled
+        return self
+
+
+# -- building ----------------------------------------------------------------------------------
+
+def with_mtp_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The target's config with room for n MTP layers in every KV block."""
+    return replace(cfg, num_mtp_layers=n)
+
+
+def empty_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+               backend: object | None = None) -> MTPHead:
+    """An uninitialised head allocated once in dtype on device (built on meta first)."""
+    with torch.device("meta"):
+        head = MTPHead(cfg, backend)
+    return head.to(dtype).to_empty(device=torch.device(device)).requires_grad_(False).eval()
+
+
+def random_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                seed: int = 0, std: float = 0.02, backend: object | None = None) -> MTPHead:
+    """Seeded N(0, std) matrices and unit norms, like engine.weights.random_model."""
+    head = empty_head(cfg, dtype, device, backend)
+    gen = torch.Generator(device=torch.device(device)).manual_seed(seed + 7919)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return head
+
+
+# -- our own files -----------------------------------------------------------------------------
+
+def _shape_metadata(cfg: ModelConfig) -> dict[str, str]:
+    meta = {f: str(getattr(cfg, f)) for f in _SHAPE_FIELDS}
+    meta["num_mtp_layers"] = str(cfg.num_mtp_layers)
+    return meta
+
+
+def save_mtp_head(head: MTPHead, path: str | Path, dtype: torch.dtype = torch.float16,
+                  extra: dict[str, str] | None = None) -> None:
+    """Write the head as safetensors (our parameter names) with shape metadata."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
+    meta = {"format": MTP_FORMAT, **_shape_metadata(head.config), **(extra or {})}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def load_mtp_head(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+                  device: torch.device | str, backend: object | None = None) -> MTPHead:
+    """A head saved by save_mtp_head; its shape metadata must match the target `cfg`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"mtp_head: {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own types for bad headers
+        raise ConfigError(f"mtp_head: cannot read {str(path)!r}: {e}") from e
+    if meta.get("format") != MTP_FORMAT:
+        raise ConfigError(f"mtp_head: {str(path)!r} is not a {MTP_FORMAT} file")
+    want = _shape_metadata(cfg)
+    want.pop("num_mtp_layers")
+    bad = [f"{k}: {meta.get(k)!r} != {v!r}" for k, v in want.items() if meta.get(k) != v]
+    if bad:
+        raise ConfigError(f"mtp_head: {str(path)!r} was trained for another model ({'; '.join(bad)})")
+    cfg = with_mtp_layers(cfg, int(meta.get("num_mtp_layers", "1")))
+    head = empty_head(cfg, dtype, device, backend)
+    try:
+        head.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"mtp_head: {str(path)!r} does not fit this model: {e}") from e
+    return head
+
+
+# -- Hugging Face checkpoints --------------------------------------------------------------------
+
+# checkpoint module name -> ours, per naming style (anything else belongs to the decoder block)
+_DEEPSEEK_OWN = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+                 "shared_head.norm": "norm"}
+_DEEPSEEK_SHARED = ("embed_tokens", "shared_head.head")  # copies of the target's; not loaded
+_MIMO_OWN = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
+             "final_layernorm": "norm"}
+_DEEPSEEK_RE = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
+_MIMO_RE = re.compile(r"(?:model\.)?mtp_layers\.(\d+)\.(.+)")
+
+
+def mtp_checkpoint_name(name: str, num_layers: int) -> tuple[int, str | None] | None:
+    """Map a checkpoint tensor name to (MTP layer index, our name under layers.{i}.), or
+    (index, None) for a shared copy we skip; None when the tensor is not an MTP tensor.
+    MiMo's input_proj comes back as "eh_proj.weight#mimo" (its halves need swapping)."""
+    m = _MIMO_RE.fullmatch(name)
+    if m is not None:
+        index, rest = int(m.group(1)), m.group(2)
+        table, suffix = _MIMO_OWN, "#mimo"
+    else:
+        m = _DEEPSEEK_RE.fullmatch(name)
+        if m is None or int(m.group(1)) < num_layers:
+            return None
+        index, rest = int(m.group(1)) - num_layers, m.group(2)
+        if rest.startswith(_DEEPSEEK_SHARED):
+            return index, None
+        table, suffix = _DEEPSEEK_OWN, ""
+    for theirs, ours in table.items():
+        if rest.startswith(theirs + "."):
+            tail = rest[len(theirs) + 1:]
+            return index, f"{ours}.{tail}" + (suffix if ours == "eh_proj" else "")
+    return index, f"block.{rest}"
+
+
+def hf_num_mtp_layers(config_json: dict) -> int:
+    """MTP layers a config.json declares (DeepSeek / MiMo: num_nextn_predict_layers)."""
+    for key in ("num_nextn_predict_layers", "num_mtp_layers", "mtp_layers"):
+        value = config_json.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def load_hf_mtp(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+                device: torch.device | str, backend: object | None = None) -> MTPHead:
+    """The MTP layers of a Hugging Face checkpoint folder (cfg.num_mtp_layers of them)."""
+    from engine.weights import WeightsError, _iter_safetensors, _safetensors_files, _Sink
+
+    head = empty_head(cfg, dtype, device, backend)
+    sink = _Sink(head, str(folder))
+    for name, tensor in _iter_safetensors(_safetensors_files(Path(folder))):
+        mapped = mtp_checkpoint_name(name, cfg.num_layers)
+        if mapped is None or mapped[1] is None or mapped[0] >= cfg.num_mtp_layers:
+            continue
+        index, ours = mapped
+        if ours.endswith("#mimo"):  # [hidden | token] -> [token | hidden]
+            ours = ours.removesuffix("#mimo")
+            h = cfg.hidden_size
+            tensor = torch.cat([tensor[:, h:], tensor[:, :h]], dim=1)
+        sink.load(f"layers.{index}.{ours}", tensor)
+    try:
+        sink.finish()
+    except WeightsError as e:
+        raise WeightsError(f"{folder}: incomplete MTP layers: {e}") from e
+    return head
+
+
+def resolve_mtp_head(source: object, cfg: ModelConfig, dtype: torch.dtype,
+                     device: torch.device | str, backend: object | None = None, seed: int = 0,
+                     path: str | Path | None = None) -> tuple[MTPHead, ModelConfig, str]:
+    """The MTP head for a model source (engine.model_source.ModelSource): `path` if given
+    (our format), else the checkpoint's own MTP layers (Hugging Face folder), random weights
+    for a preset, or the trained head shipped in engine/mtp_heads/<model name>.safetensors.
+    Returns (head, target config with num_mtp_layers set, head id for the compat hash)."""
+    kind, name = getattr(source, "kind", None), getattr(source, "name", "")
+    if path is not None:
+        head = load_mtp_head(path, cfg, dtype, device, backend)
+        return head, head.config, f"file:{file_digest(path)}"
+    if kind == "hf" and cfg.num_mtp_layers > 0:
+        head = load_hf_mtp(source.path, cfg, dtype, device, backend)  # type: ignore[attr-defined]
+        return head, cfg, f"hf:{name}:{cfg.num_mtp_layers}"
+    if kind == "preset":
+        cfg = with_mtp_layers(cfg, max(1, cfg.num_mtp_layers))
+        return random_head(cfg, dtype, device, seed, backend=backend), cfg, f"random:{seed}"
+    shipped = HEADS_DIR / f"{name}.safetensors"
+    if shipped.is_file():
+        head = load_mtp_head(shipped, cfg, dtype, device, backend)
+        return head, head.config, f"file:{file_digest(shipped)}"
+    raise ConfigError(f"speculative: model {name!r} has no MTP layers and no trained head in "
+                      f"{HEADS_DIR}; train one with `pdserve train-mtp` and pass mtp_head=PATH")

@@ -1,0 +1,344 @@
+"""MTP speculative decoding: configuration, acceptance rules, and the draft/verify driver.
+
+One engine step with speculation (the runner calls into SpecDecoder):
+
+    verify   the target runs [last token, d1..dk] of each request as one varlen batch
+             (query_len k+1, the chunked-prefill path) and decides, per request, how many
+             drafts to accept: n in 0..k, plus one token of its own (the correction or bonus)
+    catch up the MTP layer runs over every position the target computed this step whose
+             next token is now known (accepted rows of a verify, a prefill chunk, a plain
+             decode): input (target hidden at t, token t+1) at position t. This writes the
+             MTP layer's KV for those positions, and the last row's output drafts d1 for the
+             next step
+    chain    k-1 more MTP steps, one token each: (previous MTP output, previous draft) at the
+             next position -> the next draft
+
+Rollback. Rejected positions are never counted: the scheduler advances num_computed_tokens
+by 1 + n, so the target's KV slots of rejected drafts (and the MTP slots the chain wrote past
+the accepted prefix) lie beyond the request's computed length. Nobody reads a slot beyond it
+(attention reads positions < seq_len), and the next verify / catch-up overwrites them before
+they are counted. A block enters the prefix cache only once all its positions are counted.
+
+Acceptance. Greedy requests accept while draft == argmax of the target (exact: the output
+equals non-speculative greedy decoding token for token). Random requests use rejection
+sampling: draft x drawn from q is kept with probability min(1, p(x) / q(x)); on the first
+rejection the token is drawn from norm(max(0, p - q)); after k acceptances a bonus token is
+drawn from p. The emitted tokens are distributed exactly as the target's sampling (p is the
+sampler's own processed distribution: temperature, top-k/p, min-p).
+
+Known limits: requests with penalties or logprobs are not drafted for (their MTP KV is kept
+current, they decode one token per step); the MTP KV at the last position of a prefix-cache
+hit was computed with the original request's next token (affects acceptance, never output).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import make_metadata
+from engine.config import ConfigError
+from engine.request import Request
+from engine.sampler import SAMPLING_EPS, Sampler, SamplerState, mix_seed
+
+METHODS = ("mtp",)
+_DRAFT_SALT = 0x6D7470  # draft-sampling generator seed salt ("mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "mtp"
+    num_speculative_tokens: int = 1  # k: drafts per step at most
+    # adaptive k: ascending (max batch size, k cap) pairs; a batch above the last gets k = 0
+    # (speculation stops paying once the batch already fills the GPU). () = always k.
+    batch_k_caps: tuple[tuple[int, int], ...] = ((8, 3), (24, 2), (48, 1))
+    # keep the MTP layer's KV current in steps that draft nothing (k = 0): costs one MTP
+    # layer per step; without it drafts made later attend over stale MTP KV (acceptance only)
+    maintain_mtp_kv: bool = True
+    # accept every draft (WRONG tokens): ceiling benchmarks only, never the default
+    forced_acceptance: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative.method: unknown {self.method!r}; known: {METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("speculative.num_speculative_tokens: must be in [1, 16], got "
+                              f"{self.num_speculative_tokens}")
+        prev = 0
+        for max_batch, cap in self.batch_k_caps:
+            if max_batch <= prev or cap < 0:
+                raise ConfigError("speculative.batch_k_caps: needs ascending batch sizes and "
+                                  f"caps >= 0, got {self.batch_k_caps}")
+            prev = max_batch
+
+    def k_for_batch(self, batch_size: int) -> int:
+        """Drafts per request for a step whose batch has `batch_size` running requests."""
+        if not self.batch_k_caps:
+            return self.num_speculative_tokens
+        for max_batch, cap in self.batch_k_caps:
+            if batch_size <= max_batch:
+                return min(cap, self.num_speculative_tokens)
+        return 0
+
+    def compat(self, head_id: str) -> dict:
+        """What the KV compatibility hash covers: the method and which MTP weights wrote the
+        MTP layer's KV (k and the adaptive caps are per-worker tuning, not block content)."""
+        return {"method": self.method, "head": head_id}
+
+
+@dataclass
+class SpecStats:
+    """Monotonic counters, exported as pdserve:spec_decode_* by worker/metrics.py."""
+
+    num_drafts: int = 0  # verify events (a request with >= 1 draft in a step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos += [0] * (
+                num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(1, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify: accepted drafts + the target's own token."""
+        return 1.0 + self.num_accepted_tokens / max(1, self.num_drafts)
+
+
+# -- acceptance rules (pure functions) ------------------------------------------------------------
+
+def greedy_accept(draft_ids: list[int], target_argmax: list[int]) -> list[int]:
+    """Tokens emitted for drafts d[0..k) given the target's argmax at the k+1 verify rows."""
+    n = 0
+    while n < len(draft_ids) and draft_ids[n] == target_argmax[n]:
+        n += 1
+    return draft_ids[:n] + [target_argmax[n]]
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     draft_ids: torch.Tensor, uniforms: torch.Tensor,
+                     noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling for B sequences with k drafts each (vectorised).
+
+    target_probs [B, k+1, V] (p at each verify row), draft_probs [B, k, V] (the q each draft
+    was drawn from), draft_ids [B, k] int64, uniforms [B, k] in [0, 1), noise [B, k+1, V]
+    Exp(1). Returns num_accepted [B] (the leading run of accepted drafts) and tokens [B, k+1]:
+    row b emits tokens[b, :num_accepted[b] + 1]. The recovered token at row j is an
+    exponential race over the residual max(0, p_j - q_j) (row k: over p_k, the bonus).
+    """
+    B, k = draft_ids.shape
+    p_x = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0]  # [B, k]
+    q_x = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
+    accept = uniforms * q_x < p_x  # P(accept) = min(1, p/q)
+    num_accepted = accept.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
+    residual = torch.cat([(target_probs[:, :k] - draft_probs).clamp_min(0.0),
+                          target_probs[:, k:]], dim=1)  # [B, k+1, V]
+    # p == q leaves no residual; such a row cannot reject (u * q < p always), so any
+    # fallback is unreachable: use p to stay well defined
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, target_probs, residual)
+    recovered = (residual / noise).argmax(dim=-1)  # [B, k+1]; scaling never moves argmax
+    cols = torch.arange(k + 1, device=draft_ids.device)
+    padded = torch.cat([draft_ids, recovered[:, k:]], dim=1)
+    tokens = torch.where(cols[None, :] < num_accepted[:, None], padded, recovered)
+    return num_accepted, tokens
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+@dataclass
+class DraftJob:
+    """MTP rows of one request: positions start..start+m-1, whose target hidden states are
+    rows first_row..first_row+m-1 of the hidden tensor handed to propose(), and the tokens
+    that follow each position (m = len(next_tokens))."""
+
+    request: Request
+    start: int
+    next_tokens: list[int]
+    k: int  # drafts wanted after this catch-up (0: only write the MTP KV)
+    first_row: int = 0
+
+    @property
+    def m(self) -> int:
+        return len(self.next_tokens)
+
+
+def _speculable(req: Request) -> bool:
+    p = req.sampling_params
+    return not p.has_penalties and p.logprobs is None
+
+
+class SpecDecoder:
+    """Verifies drafts against the target and drafts the next ones with the MTP head."""
+
+    def __init__(self, spec: SpecConfig, head: torch.nn.Module, model: torch.nn.Module,
+                 kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.spec, self.head, self.model = spec, head, model
+        self.kv_cache, self.block_size, self.sampler = kv_cache, block_size, sampler
+        self.max_model_len = max_model_len
+        self.eos = frozenset(eos_token_ids)
+        self.device = kv_cache.device
+        self.stats = SpecStats(num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
+        self._q: dict[str, torch.Tensor] = {}  # request -> [k, V] draft distributions (random)
+        self._gens: dict[str, torch.Generator] = {}
+
+    def free_request(self, request_id: str) -> None:
+        self._q.pop(request_id, None)
+        self._gens.pop(request_id, None)
+
+    # -- verify ------------------------------------------------------------------------------
+    def verify(self, items: list[tuple[Request, list[int], int]], hidden: torch.Tensor,
+               states: list[SamplerState]) -> dict[str, list[int]]:
+        """items: (request, its scheduled drafts, index of its last row in hidden); the k+1
+        verify rows end there. Returns the emitted tokens per request (1 to k+1 of them)."""
+        rows = [r for _, drafts, last in items for r in range(last - len(drafts), last + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        out: dict[str, list[int]] = {}
+        greedy = [i for i, (req, _, _) in enumerate(items)
+                  if req.sampling_params.temperature < SAMPLING_EPS]
+        argmax = logits.argmax(dim=-1).tolist() if greedy else []
+        offset = 0
+        for i, (req, drafts, _) in enumerate(items):
+            k = len(drafts)
+            span = slice(offset, offset + k + 1)
+            offset += k + 1
+            if req.sampling_params.temperature < SAMPLING_EPS:
+                tokens = (drafts + [argmax[span][k]] if self.spec.forced_acceptance
+                          else greedy_accept(drafts, argmax[span]))
+            else:
+                tokens = self._verify_random(req, drafts, logits[span], states[i])
+            self.stats.record(k, len(tokens) - 1)
+            out[req.request_id] = tokens
+        return out
+
+    def _verify_random(self, req: Request, drafts: list[int], logits: torch.Tensor,
+                       state: SamplerState) -> list[int]:
+        k = len(drafts)
+        p = self.sampler.probs_after_processing(logits, [req] * (k + 1), [state] * (k + 1))
+        q = self._q.get(req.request_id)
+        if q is None or q.shape[0] < k:
+            raise RuntimeError(f"request {req.request_id}: no draft distribution for its "
+                               f"{k} drafts")
+        base = len(req.output_token_ids)  # output position of the first emitted token
+        uniforms, noise = [], []
+        for j in range(k + 1):  # per-position generators: reproducible whatever the batch
+            gen = state.generator_at(base + j)
+            uniforms.append(torch.rand((), generator=gen, device=self.device))
+            noise.append(torch.empty(p.shape[-1], device=self.device).exponential_(generator=gen))
+        noise_t = torch.stack(noise).clamp_min_(torch.finfo(torch.float32).tiny)
+        ids = torch.tensor([drafts], dtype=torch.int64, device=self.device)
+        if self.spec.forced_acceptance:
+            bonus = int((p[k] / noise_t[k]).argmax())
+            return drafts + [bonus]
+        n, tokens = rejection_sample(p[None], q[None, :k].to(p.dtype), ids,
+                                     torch.stack(uniforms[:k])[None], noise_t[None])
+        n = int(n[0])
+        return tokens[0, :n + 1].tolist()
+
+    # -- draft -------------------------------------------------------------------------------
+    def cap_k(self, req: Request, k: int, emitted: list[int]) -> int:
+        """Drafts worth making for `req` after it appends `emitted`: none for requests that
+        cannot be verified exactly, that will finish, or past max_tokens / the context /
+        the blocks the scheduler reserved (the chain writes MTP KV up to position N + k - 3)."""
+        if k <= 0 or not _speculable(req):
+            return 0
+        p = req.sampling_params
+        if not p.ignore_eos and any(t in self.eos for t in emitted):
+            return 0
+        if any(t in p.stop_token_ids for t in emitted):
+            return 0
+        n_tokens = req.num_tokens + len(emitted)
+        n_out = len(req.output_token_ids) + len(emitted)
+        room = len(req.block_table) * self.block_size - n_tokens + 2
+        return max(0, min(k, p.max_tokens - n_out - 1, self.max_model_len - n_tokens, room))
+
+    def propose(self, jobs: list[DraftJob], hidden: torch.Tensor,
+                states: dict[str, SamplerState]) -> dict[str, list[int]]:
+        """Catch-up pass over all jobs' rows (hidden: the target's normed hidden states),
+        then the chain for jobs with k > 0. Returns drafts per request."""
+        jobs = [j for j in jobs if j.m > 0]
+        if not jobs:
+            return {}
+        dev = self.device
+        rows = torch.tensor([r for j in jobs for r in range(j.first_row, j.first_row + j.m)],
+                            device=dev)
+        ids = [t for j in jobs for t in j.next_tokens]
+        positions = [p for j in jobs for p in range(j.start, j.start + j.m)]
+        meta = make_metadata([j.m for j in jobs], [j.start + j.m for j in jobs],
+                             [j.request.block_table for j in jobs], self.block_size, dev)
+        g = self.head(self.model, torch.tensor(ids, device=dev), hidden[rows],
+                      torch.tensor(positions, device=dev), meta, self.kv_cache, step=0)
+        ends = torch.tensor([j.m for j in jobs]).cumsum(0) - 1
+        want = [i for i, j in enumerate(jobs) if j.k > 0]
+        if not want:
+            return {}
+        last = g[ends[want].to(dev)]
+        return self._chain([jobs[i] for i in want], last, states)
+
+    def _chain(self, jobs: list[DraftJob], g: torch.Tensor,
+               states: dict[str, SamplerState]) -> dict[str, list[int]]:
+        """g [n, H]: the catch-up output at each job's last position (drafts d1). Drafts stay
+        on the device until the chain ends: one host sync for all k steps."""
+        n = len(jobs)
+        drafts = torch.zeros((n, max(j.k for j in jobs)), dtype=torch.int64, device=self.device)
+        qs: dict[str, list[torch.Tensor]] = {j.request.request_id: [] for j in jobs}
+        active = list(range(n))
+        step = 0
+        while True:
+            logits = self.model.compute_logits(g)
+            tokens = self._draw(logits, [jobs[a] for a in active], states, qs)
+            drafts[torch.tensor(active, device=self.device), step] = tokens
+            step += 1
+            keep = [i for i, a in enumerate(active) if jobs[a].k > step]
+            if not keep:
+                break
+            active = [active[i] for i in keep]
+            g = self._chain_step([jobs[a] for a in active], g[keep], tokens[keep], step)
+        for rid, rows in qs.items():
+            if rows:
+                self._q[rid] = torch.stack(rows)
+            else:
+                self._q.pop(rid, None)
+        host = drafts.tolist()
+        return {j.request.request_id: host[i][:j.k] for i, j in enumerate(jobs)}
+
+    def _chain_step(self, jobs: list[DraftJob], g: torch.Tensor, ids: torch.Tensor,
+                    step: int) -> torch.Tensor:
+        """One token per job: (its last draft ids [n], g) at position last + step -> g [n, H]."""
+        pos = [j.start + j.m - 1 + step for j in jobs]
+        meta = make_metadata([1] * len(jobs), [p + 1 for p in pos],
+                             [j.request.block_table for j in jobs], self.block_size, self.device)
+        return self.head(self.model, ids, g, torch.tensor(pos, device=self.device), meta,
+                         self.kv_cache, step=step)
+
+    def _draw(self, logits: torch.Tensor, jobs: list[DraftJob], states: dict[str, SamplerState],
+              qs: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """One draft per row [n] (on the device): argmax for greedy requests; for random ones
+        a draw from q, the request's processed MTP distribution (kept in qs for the
+        acceptance test)."""
+        tokens = logits.argmax(dim=-1)
+        for i, job in enumerate(jobs):
+            req = job.request
+            if req.sampling_params.temperature < SAMPLING_EPS:
+                continue
+            state = states[req.request_id]
+            q = self.sampler.probs_after_processing(logits[i:i + 1], [req], [state])[0]
+            gen = self._gens.get(req.request_id)
+            if gen is None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(mix_seed(state.base_seed, _DRAFT_SALT))
+                self._gens[req.request_id] = gen
+            tokens[i] = torch.multinomial(q, 1, generator=gen)[0]
+            qs[req.request_id].append(q)
+        return tokens

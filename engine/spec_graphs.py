@@ -1,0 +1,108 @@
+"""CUDA graphs for MTP verify steps: the target forward over B sequences x (k+1) tokens.
+
+A verify step at small batch is as launch-bound as a decode step, so it replays a captured
+graph the same way (engine/cuda_graphs.py): static buffers, the batch padded up to a bucket,
+padding rows that write no KV (slot -1). The differences: every sequence brings q = k + 1
+tokens (one graph set per k), the attention takes the chunked-prefill kernel (max_query_len
+= q, fixed per graph), and a padding sequence gets seq_len q over block 0 (the prefill
+kernel needs seq_len >= query length; it reads block 0 and writes nothing).
+
+Only steps where every scheduled request verifies exactly k drafts replay; the rest (prefill
+chunks, mixed k near max_tokens) run eagerly. The MTP drafting itself stays eager.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
+from engine.model import Model
+
+log = logging.getLogger(__name__)
+
+
+class VerifyGraphs(DecodeGraphs):
+    """Captured target forwards for B sequences of q tokens each, one per batch bucket."""
+
+    def __init__(self, config: EngineConfig, model: Model, kv_cache: torch.Tensor, q: int,
+                 max_batch: int) -> None:
+        super().__init__(config, model, kv_cache)
+        self.q = q
+        self.buckets = decode_buckets(max_batch)
+        n, dev = self.buckets[-1], self.device
+        self.input_ids = torch.zeros(n * q, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n * q, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev) * q
+
+    def meta(self, bucket: int) -> AttentionMetadata:
+        q = self.q
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket * q],
+            query_start_loc=self.query_start_loc[:bucket + 1],
+            seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket],
+            max_query_len=q, max_seq_len=self.width * self.block_size,
+            query_lens_cpu=[q] * bucket, seq_lens_cpu=[q] * bucket, block_size=self.block_size)
+
+    def forward_eager(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = bucket * self.q
+        return self.model(self.input_ids[:n], self.positions[:n], self.meta(bucket),
+                          self.kv_cache, return_prenorm=True)
+
+    def _reset_padding(self, start: int, end: int) -> None:
+        self.slot_mapping[start * self.q:end * self.q].fill_(-1)
+        self.seq_lens[start:end].fill_(self.q)
+        self.block_tables[start:end].fill_(0)
+
+    def can_run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        B = meta.seq_lens.shape[0]
+        return (meta.max_query_len == self.q and input_ids.shape[0] == B * self.q
+                and all(n == self.q for n in meta.query_lens_cpu)
+                and bucket_for(B, self.buckets) is not None
+                and meta.block_tables.shape[1] <= self.width
+                and input_ids.device == self.device)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.can_run(input_ids, meta):
+            return None
+        B, n = meta.seq_lens.shape[0], input_ids.shape[0]
+        bucket = bucket_for(B, self.buckets)
+        if bucket not in self.graphs:
+            self.capture([bucket])
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:B].copy_(meta.seq_lens)
+        self.block_tables[:B].fill_(0)
+        self.block_tables[:B, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if B < bucket:
+            self._reset_padding(B, bucket)
+        graph, hidden, prenorm = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return hidden[:n], prenorm[:n].clone()
+
+
+def maybe_verify_graphs(config: EngineConfig, model: Model, kv_cache: torch.Tensor,
+                        max_k: int, max_batch: int) -> dict[int, VerifyGraphs]:
+    """{k: VerifyGraphs} for k = 1..max_k when CUDA graphs are on (as for decode steps);
+    {} otherwise, or when capture fails (verify steps then run eagerly, logged)."""
+    if not config.use_cuda_graphs or kv_cache.device.type != "cuda" or max_batch < 1:
+        return {}
+    graphs: dict[int, VerifyGraphs] = {}
+    try:
+        for k in range(1, max_k + 1):
+            g = VerifyGraphs(config, model, kv_cache, k + 1, max_batch)
+            g.capture()
+            graphs[k] = g
+    except Exception as e:  # a kernel that cannot be captured: stay correct, run eagerly
+        log.warning("verify CUDA graphs disabled (capture failed: %s: %s)", type(e).__name__, e)
+        return {}
+    return graphs

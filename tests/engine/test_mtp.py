@@ -1,0 +1,161 @@
+"""MTP heads: our safetensors format, DeepSeek / MiMo checkpoint names, random heads."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.llm import build_engine
+from engine.mtp import (MTPHead, load_mtp_head, mtp_checkpoint_name, random_head,
+                        save_mtp_head, with_mtp_layers)
+from engine.presets import get_preset
+from engine.sampling_params import SamplingParams
+from engine.weights import read_hf_config
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_checkpoint_name_mapping() -> None:
+    L = 2
+    assert mtp_checkpoint_name("model.layers.1.mlp.up_proj.weight", L) is None  # target layer
+    assert mtp_checkpoint_name("model.layers.2.enorm.weight", L) == (0, "enorm.weight")
+    assert mtp_checkpoint_name("model.layers.2.eh_proj.weight", L) == (0, "eh_proj.weight")
+    assert mtp_checkpoint_name("model.layers.2.shared_head.norm.weight", L) == (0, "norm.weight")
+    assert mtp_checkpoint_name("model.layers.2.shared_head.head.weight", L) == (0, None)
+    assert mtp_checkpoint_name("model.layers.2.embed_tokens.weight", L) == (0, None)
+    assert mtp_checkpoint_name("model.layers.3.self_attn.q_proj.weight", L) == (
+        1, "block.self_attn.q_proj.weight")
+    assert mtp_checkpoint_name("model.mtp_layers.0.input_proj.weight", L) == (
+        0, "eh_proj.weight#mimo")
+    assert mtp_checkpoint_name("model.mtp_layers.0.final_layernorm.weight", L) == (0, "norm.weight")
+    assert mtp_checkpoint_name("model.mtp_layers.0.input_layernorm.weight", L) == (
+        0, "block.input_layernorm.weight")
+    assert mtp_checkpoint_name("model.embed_tokens.weight", L) is None
+
+
+def test_save_and_load_our_format(tmp_path: Path) -> None:
+    cfg = with_mtp_layers(get_preset("tiny-qwen3"), 1)
+    head = random_head(cfg, torch.float32, "cpu", seed=3)
+    path = tmp_path / "head.safetensors"
+    save_mtp_head(head, path, dtype=torch.float32, extra={"base_model": "tiny-qwen3"})
+    back = load_mtp_head(path, get_preset("tiny-qwen3"), torch.float32, "cpu")
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+    other = get_preset("tiny-llama")  # a different target: refused, naming the fields
+    with pytest.raises(ConfigError, match="another model.*hidden_size|another model.*arch"):
+        load_mtp_head(path, other, torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_mtp_head(tmp_path / "missing.safetensors", cfg, torch.float32, "cpu")
+
+
+def test_random_head_needs_a_layer_and_uses_kv_layer_after_the_decoder() -> None:
+    with pytest.raises(ConfigError, match="num_mtp_layers"):
+        MTPHead(get_preset("tiny-qwen3"))
+    head = random_head(with_mtp_layers(get_preset("tiny-qwen3"), 2), torch.float32, "cpu")
+    assert [layer.block.self_attn.kv_layer for layer in head.layers] == [2, 3]
+
+
+def _hf_folder(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny Qwen3 checkpoint written by transformers (no MTP layers yet)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
+                    else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    hf.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+    return tmp_path, load_file(tmp_path / "model.safetensors")
+
+
+def _mtp_block_tensors(prefix: str, h: int, inter: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    return {f"{prefix}input_layernorm.weight": 1 + 0.1 * w(h),
+            f"{prefix}post_attention_layernorm.weight": 1 + 0.1 * w(h),
+            f"{prefix}self_attn.q_proj.weight": w(64, h), f"{prefix}self_attn.k_proj.weight": w(32, h),
+            f"{prefix}self_attn.v_proj.weight": w(32, h), f"{prefix}self_attn.o_proj.weight": w(h, 64),
+            f"{prefix}self_attn.q_norm.weight": 1 + 0.1 * w(16),
+            f"{prefix}self_attn.k_norm.weight": 1 + 0.1 * w(16),
+            f"{prefix}mlp.gate_proj.weight": w(inter, h), f"{prefix}mlp.up_proj.weight": w(inter, h),
+            f"{prefix}mlp.down_proj.weight": w(h, inter)}
+
+
+@pytest.mark.parametrize("style", ["deepseek", "mimo"])
+def test_hf_checkpoint_mtp_layers(style: str, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder, tensors = _hf_folder(tmp_path)
+    h, g = 64, torch.Generator().manual_seed(9)
+    proj = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
+    enorm, hnorm, fnorm = (1 + 0.1 * torch.randn(h, generator=g) for _ in range(3))
+    if style == "deepseek":
+        p = "model.layers.2."
+        mtp = {f"{p}enorm.weight": enorm, f"{p}hnorm.weight": hnorm, f"{p}eh_proj.weight": proj,
+               f"{p}shared_head.norm.weight": fnorm,
+               f"{p}shared_head.head.weight": tensors["lm_head.weight"].clone(),
+               f"{p}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
+    else:  # MiMo reads [hidden | token]: store our [token | hidden] matrix swapped
+        p = "model.mtp_layers.0."
+        mtp = {f"{p}token_layernorm.weight": enorm, f"{p}hidden_layernorm.weight": hnorm,
+               f"{p}input_proj.weight": torch.cat([proj[:, h:], proj[:, :h]], dim=1),
+               f"{p}final_layernorm.weight": fnorm}
+    block = _mtp_block_tensors(p, h, 96)
+    save_file({**tensors, **mtp, **block}, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    assert read_hf_config(folder).num_mtp_layers == 1
+
+    plain = build_engine(str(folder), device="cpu", block_size=4)  # MTP tensors skipped
+    assert plain.config.model.num_mtp_layers == 0 and plain.spec is None
+    engine = build_engine(str(folder), device="cpu", block_size=4, speculative="mtp",
+                          num_speculative_tokens=2)
+    assert engine.config.model.num_mtp_layers == 1
+    layer = engine.runner.spec.head.layers[0]
+    torch.testing.assert_close(layer.eh_proj.weight, proj)
+    torch.testing.assert_close(layer.enorm.weight, enorm)
+    torch.testing.assert_close(layer.hnorm.weight, hnorm)
+    torch.testing.assert_close(layer.norm.weight, fnorm)
+    qkv = torch.cat([block[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
+    torch.testing.assert_close(layer.block.self_attn.qkv_proj.weight, qkv)
+    # decoding with the checkpoint's head gives the plain greedy output
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    outs = []
+    for e in (plain, engine):
+        e.add_request(prompt, GREEDY, request_id="r")
+        outs.append([t for o in e.generate_until_done() for t in o.new_token_ids])
+    assert outs[0] == outs[1] and len(outs[0]) == GREEDY.max_tokens
+    assert engine.spec_stats.num_drafts > 0
+
+
+def test_hf_checkpoint_with_missing_mtp_tensor_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from engine.weights import WeightsError
+
+    folder, tensors = _hf_folder(tmp_path)
+    p = "model.layers.2."
+    save_file({**tensors, f"{p}enorm.weight": torch.ones(64)}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.raises(WeightsError, match="incomplete MTP layers.*missing"):
+        build_engine(str(folder), device="cpu", speculative="mtp")
+
+
+def test_model_without_a_head_says_how_to_get_one(tmp_path: Path) -> None:
+    folder, _ = _hf_folder(tmp_path)
+    with pytest.raises(ConfigError, match="train-mtp"):
+        build_engine(str(folder), device="cpu", speculative="mtp")
