@@ -153,8 +153,8 @@ class LLMEngine:
         chain writes MTP KV up to position L + k - 2, so reserve those slots first."""
         req = self.scheduler.get_request(request_id)
         k = self.spec.k_for_batch(self.scheduler.num_running)
-        if req is None or k == 0:
-            return
+        if req is None or k == 0 or hidden.numel() != self.config.model.hidden_size:
+            return  # (a malformed hidden state only costs the first drafts)
         if k > 1 and not self.scheduler.block_manager.append_slots(req, k - 1):
             return  # no room to draft now: the first step decodes plainly
         self.scheduler.set_spec_tokens(request_id, self.runner.propose_remote(req, hidden, k))

@@ -166,7 +166,8 @@ def load_mtp_head(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     want.pop("num_mtp_layers")
     bad = [f"{k}: {meta.get(k)!r} != {v!r}" for k, v in want.items() if meta.get(k) != v]
     if bad:
-        raise ConfigError(f"mtp_head: {str(path)!r} was trained for another model ({'; '.join(bad)})")
+        raise ConfigError(f"mtp_head: {str(path)!r} was trained for another model "
+                          f"({'; '.join(bad)})")
     cfg = with_mtp_layers(cfg, int(meta.get("num_mtp_layers", "1")))
     head = empty_head(cfg, dtype, device, backend)
     try:

@@ -290,15 +290,14 @@ class SpecDecoder:
                states: dict[str, SamplerState]) -> dict[str, list[int]]:
         """g [n, H]: the catch-up output at each job's last position (drafts d1). Drafts stay
         on the device until the chain ends: one host sync for all k steps."""
-        n = len(jobs)
-        drafts = torch.zeros((n, max(j.k for j in jobs)), dtype=torch.int64, device=self.device)
         qs: dict[str, list[torch.Tensor]] = {j.request.request_id: [] for j in jobs}
-        active = list(range(n))
+        active = list(range(len(jobs)))
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (jobs drafting, their tokens)
         step = 0
         while True:
             logits = self.model.compute_logits(g)
             tokens = self._draw(logits, [jobs[a] for a in active], states, qs)
-            drafts[torch.tensor(active, device=self.device), step] = tokens
+            steps.append((active, tokens))
             step += 1
             keep = [i for i, a in enumerate(active) if jobs[a].k > step]
             if not keep:
@@ -310,8 +309,14 @@ class SpecDecoder:
                 self._q[rid] = torch.stack(rows)
             else:
                 self._q.pop(rid, None)
-        host = drafts.tolist()
-        return {j.request.request_id: host[i][:j.k] for i, j in enumerate(jobs)}
+        host = torch.cat([t for _, t in steps]).tolist()  # the one sync of the chain
+        drafts: dict[str, list[int]] = {j.request.request_id: [] for j in jobs}
+        offset = 0
+        for rows, _ in steps:
+            for i, a in enumerate(rows):
+                drafts[jobs[a].request.request_id].append(host[offset + i])
+            offset += len(rows)
+        return drafts
 
     def _chain_step(self, jobs: list[DraftJob], g: torch.Tensor, ids: torch.Tensor,
                     step: int) -> torch.Tensor:

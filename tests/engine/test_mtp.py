@@ -85,11 +85,14 @@ def _mtp_block_tensors(prefix: str, h: int, inter: int) -> dict[str, torch.Tenso
 
     return {f"{prefix}input_layernorm.weight": 1 + 0.1 * w(h),
             f"{prefix}post_attention_layernorm.weight": 1 + 0.1 * w(h),
-            f"{prefix}self_attn.q_proj.weight": w(64, h), f"{prefix}self_attn.k_proj.weight": w(32, h),
-            f"{prefix}self_attn.v_proj.weight": w(32, h), f"{prefix}self_attn.o_proj.weight": w(h, 64),
+            f"{prefix}self_attn.q_proj.weight": w(64, h),
+            f"{prefix}self_attn.k_proj.weight": w(32, h),
+            f"{prefix}self_attn.v_proj.weight": w(32, h),
+            f"{prefix}self_attn.o_proj.weight": w(h, 64),
             f"{prefix}self_attn.q_norm.weight": 1 + 0.1 * w(16),
             f"{prefix}self_attn.k_norm.weight": 1 + 0.1 * w(16),
-            f"{prefix}mlp.gate_proj.weight": w(inter, h), f"{prefix}mlp.up_proj.weight": w(inter, h),
+            f"{prefix}mlp.gate_proj.weight": w(inter, h),
+            f"{prefix}mlp.up_proj.weight": w(inter, h),
             f"{prefix}mlp.down_proj.weight": w(h, inter)}
 
 
@@ -159,3 +162,53 @@ def test_model_without_a_head_says_how_to_get_one(tmp_path: Path) -> None:
     folder, _ = _hf_folder(tmp_path)
     with pytest.raises(ConfigError, match="train-mtp"):
         build_engine(str(folder), device="cpu", speculative="mtp")
+
+
+# -- train-mtp ---------------------------------------------------------------------------------
+
+def test_heldout_prompts_are_never_trained_on() -> None:
+    from engine.train_mtp import (HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
+                                  TRAIN_TOPICS, heldout_prompts, training_prompts)
+
+    assert not set(TRAIN_TOPICS) & set(HELDOUT_TOPICS)
+    assert not set(TRAIN_TEMPLATES) & set(HELDOUT_TEMPLATES)
+    every = set(training_prompts(2 * len(TRAIN_TEMPLATES) * len(TRAIN_TOPICS)))
+    assert len(every) == len(TRAIN_TEMPLATES) * len(TRAIN_TOPICS)
+    assert not every & set(heldout_prompts(len(HELDOUT_TEMPLATES) * len(HELDOUT_TOPICS)))
+
+
+def test_recipe_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
+    """Corpus from the engine (hidden states recorded from its own steps), training (loss
+    goes down), the saved head loads into an engine whose greedy output is unchanged."""
+    from engine.attention import make_metadata
+    from engine.runner import allocate_kv_cache
+    from engine.train_mtp import generate_corpus, generation_engine, train_head
+
+    engine = generation_engine("tiny-qwen3", "cpu", seed=0)
+    prompts = [[7, 8, 9, 10 + i, 11] * 3 for i in range(6)]
+    samples = generate_corpus(engine, prompts, 12, [0.0, 0.9] * 3, seed=0, top_k=8)
+    model = engine.runner.model
+    s = samples[1]
+    assert len(s.tokens) == 15 + 12 and s.hidden.shape == (26, 64) and s.top_ids.shape == (26, 8)
+    n = len(s.tokens) - 1  # the recorded states are what a teacher-forced pass computes
+    kv = allocate_kv_cache(model.config, 16, 4, torch.float32, "cpu")
+    with torch.no_grad():
+        meta = make_metadata([n], [n], [list(range(16))], 4)
+        ref = model(s.tokens[:n], torch.arange(n), meta, kv)
+    torch.testing.assert_close(s.hidden, ref, atol=1e-4, rtol=1e-4)
+
+    head, losses = train_head(model, samples, torch.device("cpu"), epochs=100, batch_size=3,
+                              lr=1e-2, time_budget_s=120, chain_weight=0.5, seed=0,
+                              vocab_subset=128)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0  # a random target: high entropy
+    path = tmp_path / "head.safetensors"
+    save_mtp_head(head, path)
+    spec = build_engine("tiny-qwen3", device="cpu", block_size=4, speculative="mtp",
+                        mtp_head=str(path), num_speculative_tokens=2)
+    plain = build_engine("tiny-qwen3", device="cpu", block_size=4)
+    outs = []
+    for e in (plain, spec):
+        e.add_request(prompts[0], GREEDY, request_id="r")
+        outs.append([t for o in e.generate_until_done() for t in o.new_token_ids])
+    assert outs[0] == outs[1]
+    assert spec.compat_extra()["speculative"]["head"].startswith("file:")

@@ -277,3 +277,38 @@ def test_verify_steps_replay_cuda_graphs() -> None:
     graphs = llm.engine.runner.verify_graphs
     assert sorted(graphs) == [1, 2] and sum(g.replays for g in graphs.values()) > 0
     assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_verify_graph_buffers_reproduce_the_eager_forward() -> None:
+    """What a verify graph replays, run eagerly (Triton interpreter on CPU): a batch of 3
+    verifying sequences copied into the static buffers of a bucket of 4, the padding row
+    writing no KV, gives the eager forward's hidden states exactly."""
+    from engine.spec_graphs import VerifyGraphs
+
+    llm = LLM("tiny-qwen3", device="cpu", block_size=4, num_blocks=64, max_num_seqs=4,
+              use_triton=True, speculative=SpecConfig(num_speculative_tokens=2, batch_k_caps=()))
+    engine, runner = llm.engine, llm.engine.runner
+    for i in range(3):
+        engine.add_request([5 + i, 6, 7, 8, 9, 10, 11], GREEDY)
+    engine.step()
+    engine.step()
+    out = engine.scheduler.schedule()
+    assert [len(s.spec_token_ids) for s in out.scheduled] == [2, 2, 2]
+    ids, pos, meta = runner.prepare(out)
+    kv_before = runner.kv_cache.clone()
+    want = runner.model(ids, pos, meta, runner.kv_cache, return_prenorm=True)
+    graphs = VerifyGraphs(engine.config, runner.model, runner.kv_cache, 3, 4)
+    assert graphs.can_run(ids, meta) and not graphs.can_run(ids[:-1], meta)
+    n = ids.shape[0]
+    graphs.input_ids[:n].copy_(ids)
+    graphs.positions[:n].copy_(pos)
+    graphs.slot_mapping[:n].copy_(meta.slot_mapping)
+    graphs.seq_lens[:3].copy_(meta.seq_lens)
+    graphs.block_tables[:3, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+    graphs._reset_padding(3, 4)
+    runner.kv_cache.copy_(kv_before)
+    got = graphs.forward_eager(4)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a[:n], b, atol=0, rtol=0)
+    touched = (runner.kv_cache != kv_before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(touched) <= {b for s in out.scheduled for b in s.request.block_table}
