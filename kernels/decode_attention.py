@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor,
                              dot_dtype, dot_precision, interpreting, jit, next_pow2, num_sms)
-from kernels.kv_write import check_cache_pair
+from kernels.kv_write import check_cache_pair, check_q_and_cache
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -129,15 +129,7 @@ def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        scale: float) -> tuple[int, int]:
     """Returns (block_size, Hkv)."""
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
-    check_launchable("q", q)
-    B, HQ, D = q.shape
-    check_head_dim("q", D)
-    bs, HKV = check_cache_pair(k_cache, v_cache, None, D, q.device)
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache: dtype {k_cache.dtype} != q dtype {q.dtype}")
-    if HQ % HKV:
-        raise ValueError(f"q: {HQ} heads is not a multiple of the cache's {HKV} kv heads")
+    B, HQ, D, bs, HKV = check_q_and_cache(q, k_cache, v_cache)
     check_tensor("block_tables", block_tables, shape=(B, None), dtypes=(torch.int32,),
                  device=q.device)
     check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=(torch.int32,), device=q.device)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor,
                              dot_dtype, dot_precision, interpreting, jit, next_pow2)
-from kernels.kv_write import check_cache_pair
+from kernels.kv_write import check_cache_pair, check_q_and_cache
 
 LOG2E = 1.4426950408889634
 
@@ -157,15 +157,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     that already hold this step's K/V. max_query_len (host int) only sizes the tiles.
     Returns a new [T, Hq, D] tensor.
     """
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
-    check_launchable("q", q)
-    T, HQ, D = q.shape
-    check_head_dim("q", D)
-    bs, HKV = check_cache_pair(k_cache, v_cache, None, D, q.device)
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache: dtype {k_cache.dtype} != q dtype {q.dtype}")
-    if HQ % HKV:
-        raise ValueError(f"q: {HQ} heads is not a multiple of the cache's {HKV} kv heads")
+    T, HQ, D, bs, HKV = check_q_and_cache(q, k_cache, v_cache)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,),
                  device=q.device)
     B = query_start_loc.shape[0] - 1
