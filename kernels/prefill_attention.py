@@ -23,9 +23,8 @@ import math
 import torch
 import triton.language as tl
 
-from kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor,
-                             dot_dtype, dot_precision, interpreting, jit, next_pow2)
-from kernels.kv_write import check_cache_pair, check_q_and_cache
+from kernels._triton import (check_tensor, dot_dtype, dot_precision, interpreting, jit, next_pow2)
+from kernels.kv_write import check_q_and_cache
 
 LOG2E = 1.4426950408889634
 
