@@ -163,7 +163,11 @@ def weight_bytes_per_token(model) -> int:
 def bench_decode_batch1(engine, graphs, plan: Plan, bw: float, wbytes: int, kvb: int) -> dict:
     vocab = engine.config.model.vocab_size
     drive(engine, random_prompts(1, plan.decode_prompt, vocab, 1), 8)  # warm-up
+    engine.stats.host_s.clear()
+    steps0 = engine.stats.steps
     steps = drive(engine, random_prompts(1, plan.decode_prompt, vocab, 2), plan.decode_tokens + 1)
+    n_steps = max(1, engine.stats.steps - steps0)
+    host_ms = {k: round(1e3 * v / n_steps, 4) for k, v in engine.stats.host_s.items()}
     dec = [s for s in steps if s["decode"]]
     tok_s = sum(s["tokens"] for s in dec) / sum(s["s"] for s in dec)
     mid_ctx = plan.decode_prompt + plan.decode_tokens // 2
@@ -177,7 +181,10 @@ def bench_decode_batch1(engine, graphs, plan: Plan, bw: float, wbytes: int, kvb:
             "gpu_only_pct_of_roofline": 100e3 / gpu_ms / roofline,
             "roofline_with_kv_tok_s": roofline_kv,
             "roofline_note": "weight bytes per token / measured copy bandwidth; _with_kv adds "
-                             "the KV bytes of the mean context", "target_tok_s": 180}
+                             "the KV bytes of the mean context", "target_tok_s": 180,
+            "step_phases_ms": host_ms,
+            "step_phases_note": "mean host time per engine step by phase (EngineStats.host_s); "
+                                "'sample' includes waiting for the GPU to finish the step"}
 
 
 def bench_ttft(engine, plan: Plan, flops_per_token: float, attn_flops, tflops: float) -> list:

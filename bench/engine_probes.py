@@ -104,21 +104,38 @@ def gemv_bandwidth(model, dev: torch.device) -> list[dict]:
               "gate_up_proj": [l.mlp.gate_up_proj.weight for l in layers],
               "down_proj": [l.mlp.down_proj.weight for l in layers],
               "lm_head": [model.lm_head.weight]}
+    from kernels import gemv
+
+    prologues = {"qkv_proj": "norm", "gate_up_proj": "norm", "down_proj": "silu"}
     rows = []
     with torch.inference_mode():
         for name, weights in shapes.items():
-            x = torch.randn(1, weights[0].shape[1], device=dev, dtype=dtype)
-            run = lambda: [torch.nn.functional.linear(x, w) for w in weights]  # noqa: E731
-            run()
-            sync(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            ms = time_ms(graph.replay, dev)
-            nbytes = sum(w.numel() * w.element_size() for w in weights)
-            rows.append({"weight": name, "shape": list(weights[0].shape), "count": len(weights),
-                         "us_each": 1e3 * ms / len(weights), "GBps": nbytes / ms / 1e6})
+            K = weights[0].shape[1]
+            x = torch.randn(1, K, device=dev, dtype=dtype)
+            pro = prologues.get(name, "none")
+            xin = torch.randn(1, 2 * K, device=dev, dtype=dtype) if pro == "silu" else x
+            kw = ({"residual": x, "norm_weight": torch.ones(K, device=dev, dtype=dtype)}
+                  if pro == "norm" else {})
+            row = {"weight": name, "shape": list(weights[0].shape), "count": len(weights),
+                   "pdserve_prologue": pro}
+            for label, fn in (("cublas", lambda w: torch.nn.functional.linear(x, w)),
+                              ("pdserve_gemv", lambda w: gemv(xin, w, pro, **kw))):
+                ms = _graph_ms(lambda: [fn(w) for w in weights], dev)
+                nbytes = sum(w.numel() * w.element_size() for w in weights)
+                row[f"{label}_us_each"] = 1e3 * ms / len(weights)
+                row[f"{label}_GBps"] = nbytes / ms / 1e6
+            rows.append(row)
     return rows
+
+
+def _graph_ms(run, dev: torch.device) -> float:
+    """Median ms of a CUDA-graph replay of run()."""
+    run()
+    sync(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return time_ms(graph.replay, dev)
 
 
 # -- transformers peer ---------------------------------------------------------------------

@@ -36,6 +36,40 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass
+class HostBatch:
+    """One step's flat inputs while still on the host (ModelRunner builds it from the
+    scheduler's output). CUDA-graph steps stage it into the graphs' static buffers through
+    pinned memory; other steps turn it into device tensors with to_device()."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slots: list[int]  # [T] cache slot of each new token
+    query_lens: list[int]  # [B]
+    seq_lens: list[int]  # [B] context length after this step
+    block_tables: list[list[int]]  # [B][blocks needed], unpadded
+    block_size: int
+
+    def to_device(self, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids [T] int64, positions [T] int64, metadata) on `device`."""
+        width = max(len(t) for t in self.block_tables)
+        padded = [t + [0] * (width - len(t)) for t in self.block_tables]
+        qsl = [0]
+        for q in self.query_lens:
+            qsl.append(qsl[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(self.slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            max_query_len=max(self.query_lens), max_seq_len=max(self.seq_lens),
+            query_lens_cpu=self.query_lens, seq_lens_cpu=self.seq_lens,
+            block_size=self.block_size)
+        return (torch.tensor(self.input_ids, dtype=torch.int64, device=device),
+                torch.tensor(self.positions, dtype=torch.int64, device=device), meta)
+
+
 # --------------------------------------------------------------------------------------------
 # Torch reference path. The Triton kernels (kernels/) replace write_kv and paged_attention_torch
 # through an attention backend with the same two methods (see TorchAttentionBackend).

@@ -5,7 +5,8 @@ they take longer than the GPU needs to run them. A graph replays the whole step 
 launch. What a replay needs:
 
 - Static inputs. Every graph reads the same buffers (input_ids, positions, slot_mapping,
-  seq_lens, block_tables); a step copies its own values into their first B rows.
+  seq_lens, block_tables); a step copies its own values into their first B rows, from
+  pinned host mirrors (one async copy per field, straight from the scheduler's lists).
 - A fixed shape per graph. The batch is padded up to the next bucket (1, 2, 4, ... 256, up
   to max_num_seqs) with dummy rows: slot -1 (the KV write skips it) and seq_len 0 (the
   decode kernel writes a zero row and reads no keys), so padding touches no cache block.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, HostBatch
 from engine.config import ConfigError, EngineConfig
 from engine.model import Model
 
@@ -56,6 +57,7 @@ class DecodeGraphs:
         self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.device
         self.block_size = config.cache.block_size
+        self.q = 1  # tokens per sequence (VerifyGraphs: k + 1)
         self.buckets = decode_buckets(config.scheduler.max_num_seqs)
         n = self.buckets[-1]
         self.width = -(-config.scheduler.max_model_len // self.block_size)  # fixed table width
@@ -109,33 +111,65 @@ class DecodeGraphs:
         self.slot_mapping[start:end].fill_(-1)
         self.seq_lens[start:end].fill_(0)
 
-    def can_run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        B = meta.seq_lens.shape[0]
-        return (meta.is_decode_only and input_ids.shape[0] == B
-                and bucket_for(B, self.buckets) is not None
-                and meta.block_tables.shape[1] <= self.width
-                and input_ids.device == self.device)
+    def _host_buffers(self) -> None:
+        """Host mirrors of the static inputs, pinned on CUDA so each step's inputs go over in
+        one async copy per field (no pageable-memory staging, no device tensors built)."""
+        pin = self.device.type == "cuda"
+        self.h_ids, self.h_pos, self.h_slots = (
+            torch.zeros(t.shape, dtype=torch.int64, pin_memory=pin)
+            for t in (self.input_ids, self.positions, self.slot_mapping))
+        self.h_seq = torch.zeros(self.seq_lens.shape, dtype=torch.int32, pin_memory=pin)
+        self.h_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None  # host buffers free again
 
-    @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self.can_run(input_ids, meta):
+    def fits(self, batch: HostBatch) -> int | None:
+        """The bucket that replays this step, or None when it must run eagerly."""
+        widest = max(len(t) for t in batch.block_tables)
+        if any(q != self.q for q in batch.query_lens) or widest > self.width:
             return None
-        B = input_ids.shape[0]
-        bucket = bucket_for(B, self.buckets)
-        if bucket not in self.graphs:  # a bucket not captured up front: capture it now
-            self.capture([bucket])
-        self.input_ids[:B].copy_(input_ids)
-        self.positions[:B].copy_(positions)
-        self.slot_mapping[:B].copy_(meta.slot_mapping)
-        self.seq_lens[:B].copy_(meta.seq_lens)
-        self.block_tables[:B, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        return bucket_for(len(batch.seq_lens), self.buckets)
+
+    def stage(self, batch: HostBatch, bucket: int) -> None:
+        """Copy the step's inputs into the first rows of the static buffers (tables as whole
+        rows: entries past a sequence's last block are never read) and re-pad the rest."""
+        if not hasattr(self, "h_ids"):
+            self._host_buffers()
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have left the buffers
+        B, T = len(batch.seq_lens), len(batch.input_ids)
+        width = max(len(t) for t in batch.block_tables)
+        self.h_ids[:T] = torch.tensor(batch.input_ids)
+        self.h_pos[:T] = torch.tensor(batch.positions)
+        self.h_slots[:T] = torch.tensor(batch.slots)
+        self.h_seq[:B] = torch.tensor(batch.seq_lens, dtype=torch.int32)
+        self.h_tables[:B, :width] = torch.tensor(
+            [t + [0] * (width - len(t)) for t in batch.block_tables], dtype=torch.int32)
+        for dst, src, n in ((self.input_ids, self.h_ids, T), (self.positions, self.h_pos, T),
+                            (self.slot_mapping, self.h_slots, T), (self.seq_lens, self.h_seq, B),
+                            (self.block_tables, self.h_tables, B)):
+            dst[:n].copy_(src[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if B < bucket:  # rows left over from a larger earlier step must be padding again
             self._reset_padding(B, bucket)
+
+    @torch.inference_mode()
+    def run_host(self, batch: HostBatch, keep_prenorm: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replay the bucket's graph for this step: (hidden, prenorm) [T, H] views of the
+        graph's outputs (valid until the next replay; keep_prenorm returns a copy of prenorm,
+        for MTP drafting, which keeps it), or None when the step must run eagerly."""
+        bucket = self.fits(batch)
+        if bucket is None:
+            return None
+        if bucket not in self.graphs:  # a bucket not captured up front: capture it now
+            self.capture([bucket])
+        self.stage(batch, bucket)
         graph, hidden, prenorm = self.graphs[bucket]
         graph.replay()
         self.replays += 1
-        return hidden[:B], prenorm[:B].clone()
+        T = len(batch.input_ids)
+        return hidden[:T], (prenorm[:T].clone() if keep_prenorm else prenorm[:T])
 
 
 def maybe_decode_graphs(config: EngineConfig, model: Model,

@@ -49,6 +49,12 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    # seconds per step phase, summed: schedule, launch (inputs + forward launch), sample
+    # (logits + sampling, incl. waiting for the GPU), draft, update, postprocess
+    host_s: dict[str, float] = field(default_factory=dict)
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
 
 
 class LLMEngine:
@@ -181,18 +187,34 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.idle = not out.scheduled  # nothing runnable (e.g. all waiting for remote KV)
         if not out.scheduled:
             return []
         k = self.spec.k_for_batch(len(out.scheduled)) if self.spec is not None else 0
+        t1 = time.perf_counter()
         result = self.runner.run(out, want_hidden=self.keep_hidden, num_spec=k)
+        t2 = time.perf_counter()
         self.last_step = result
         updated = self.scheduler.update_from_output(out, result.sampled)
         for rid, drafts in result.drafts.items():  # verified in the request's next step
             self.scheduler.set_spec_tokens(rid, drafts)
         self.stats.steps += 1
-        return [self._postprocess(req, result) for req in updated]
+        t3 = time.perf_counter()
+        outputs = [self._postprocess(req, result) for req in updated]
+        self._time_step(t0, t1, t2, t3)
+        return outputs
+
+    def _time_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        """Account the step's host phases (runner.timing splits the runner's share)."""
+        add, runner = self.stats.add_time, self.runner.timing
+        add("schedule", t1 - t0)
+        for phase, seconds in runner.items():
+            add(phase, seconds)
+        add("draft", max(0.0, (t2 - t1) - sum(runner.values())))
+        add("update", t3 - t2)
+        add("postprocess", time.perf_counter() - t3)
 
     def _postprocess(self, req: Request, result: StepResult) -> RequestOutput:
         rid = req.request_id

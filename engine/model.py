@@ -7,7 +7,9 @@ torch one without touching this file.
 
 Fast path (Model.use_fused_ops, with kernels.TritonAttentionBackend): the residual-add + norm
 pairs, SiLU-and-mul and the attention prologue (QK-norm + RoPE + KV write, one kernel) run as
-Triton kernels; a decode layer is then 2 norms + 4 matmuls + prologue + attention + SiLU-mul.
+Triton kernels; at batch-1 decode (T = 1) each norm and SiLU-mul also folds into the GEMV
+kernel of the projection after it (kernels/gemv.py), so a decode layer is 4 GEMVs + the
+attention prologue + split-K attention and its reduce: 7 kernels.
 Nothing in that path reads device values on the host, so it can be captured in a CUDA graph
 (engine/cuda_graphs.py).
 
@@ -44,8 +46,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        o = self.attend_qkv(self.qkv_proj(x), cos, sin, meta, kv_cache)
+        return self.o_proj(o)
+
+    def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj); writes
+        this step's K/V into the cache."""
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -63,7 +72,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self.backend.write_kv(k, v, k_cache, v_cache, meta)
         o = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, self.q_size))
+        return o.reshape(T, self.q_size)
 
 
 class DecoderLayer(nn.Module):
@@ -75,10 +84,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, kv_layer, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.fused = False  # decode-sized batches: 4 prologue-fused GEMV kernels (kernels.gemv)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused and 0 < x.shape[0] <= fused_kernels().GEMV_ROWS:
+            return self._forward_gemv(x, residual, cos, sin, meta, kv_cache)
         if residual is None:  # first layer: the embedding is the residual stream
             residual, x = x, self.input_layernorm(x)
         else:
@@ -86,6 +98,20 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, cos, sin, meta, kv_cache)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer as 7 kernels at batch 1: each norm (and the residual add before
+        it) rides in the next projection's prologue, SiLU-and-mul in down_proj's."""
+        gemv = fused_kernels().gemv
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = gemv(x, attn.qkv_proj.weight, "norm", residual, ln1.weight, ln1.eps)
+        o = gemv(attn.attend_qkv(qkv, cos, sin, meta, kv_cache), attn.o_proj.weight)
+        gate_up, residual = gemv(o, mlp.gate_up_proj.weight, "norm", residual, ln2.weight,
+                                 ln2.eps)
+        return gemv(gate_up, mlp.down_proj.weight, "silu"), residual
 
 
 class Model(nn.Module):
@@ -137,4 +163,6 @@ class Model(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (only the rows that sample, to save the big matmul)."""
+        if self.norm.fused and 0 < hidden.shape[0] <= fused_kernels().GEMV_ROWS:
+            return fused_kernels().gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()

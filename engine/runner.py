@@ -11,11 +11,12 @@ catches up on this step's positions and drafts the next step's tokens (StepResul
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import HostBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import maybe_decode_graphs
 from engine.model import Model
@@ -62,6 +63,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self._states: dict[str, SamplerState] = {}
         self.cuda_graphs = maybe_decode_graphs(config, model, self.kv_cache)  # decode steps
+        self.timing: dict[str, float] = {}  # the last step's host phases (see run)
         self.spec: SpecDecoder | None = None
         if spec is not None:
             if mtp_head is None or config.model.num_mtp_layers < 1:
@@ -96,8 +98,9 @@ class ModelRunner:
                 state.observe(t)
 
     # -- one step ------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the scheduled tokens: input_ids [T], positions [T], attention metadata."""
+    def flatten(self, out: SchedulerOutput) -> HostBatch:
+        """The scheduled tokens as host lists: ids and positions [T], slots, per-sequence
+        lengths and block tables (drafts, when verifying, follow each sequence's token)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -115,30 +118,18 @@ class ModelRunner:
             qlens.append(s.num_new_tokens)
             slens.append(end)
             tables.append(table[: (end + bs - 1) // bs])
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
-        qsl = [0]
-        for q in qlens:
-            qsl.append(qsl[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            max_query_len=max(qlens), max_seq_len=max(slens),
-            query_lens_cpu=qlens, seq_lens_cpu=slens, block_size=bs)
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(pos, dtype=torch.int64, device=dev), meta)
+        return HostBatch(ids, pos, slots, qlens, slens, tables, bs)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, want_hidden: bool = False,
             num_spec: int = 0) -> StepResult:
         """One step. num_spec: drafts to make per request for the next step (MTP only)."""
-        input_ids, positions, meta = self.prepare(out)
-        hidden, prenorm = self._forward(out, input_ids, positions, meta)
+        t0 = time.perf_counter()
+        batch = self.flatten(out)
+        hidden, prenorm = self._forward(out, batch)
+        t1 = time.perf_counter()
         # last row of each sequence that samples this step
-        ends = list(itertools.accumulate(meta.query_lens_cpu))  # host-side: no device reads
+        ends = list(itertools.accumulate(batch.query_lens))  # host-side: no device reads
         plain = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
                  if s.samples and not s.spec_token_ids]
         verify = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
@@ -150,6 +141,9 @@ class ModelRunner:
             items = [(s.request, s.spec_token_ids, last) for s, last in verify]
             states = [self._state(s.request) for s, _ in verify]
             result.sampled.update(self.spec.verify(items, hidden, states))
+        # host seconds: inputs + launch (the GPU runs on), then logits + sampling, which
+        # waits for the GPU (the engine adds these up in EngineStats.host_s)
+        self.timing = {"launch": t1 - t0, "sample": time.perf_counter() - t1}
         if want_hidden:  # the last computed position's state (the last accepted row)
             for s, last in plain + verify:
                 rid = s.request.request_id
@@ -161,24 +155,29 @@ class ModelRunner:
             result.drafts = self.spec.propose(jobs, hidden, states)
         return result
 
-    def _forward(self, out: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, out: SchedulerOutput, batch: HostBatch
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, prenorm) [T, H]: a captured graph for a decode step or a uniform verify
         step (every request verifying the same k drafts), else the eager model."""
-        graphed = self.cuda_graphs.run(input_ids, positions, meta) if self.cuda_graphs else None
-        k = meta.max_query_len - 1
-        if graphed is None and k in self.verify_graphs and all(
-                len(s.spec_token_ids) == k for s in out.scheduled):
-            graphed = self.verify_graphs[k].run(input_ids, positions, meta)
-        if graphed is not None:
-            return graphed
+        k = max(batch.query_lens) - 1
+        graphs = self.cuda_graphs if k == 0 else self.verify_graphs.get(k)
+        if graphs is not None and (k == 0 or all(len(s.spec_token_ids) == k
+                                                 for s in out.scheduled)):
+            graphed = graphs.run_host(batch, keep_prenorm=self.spec is not None)
+            if graphed is not None:
+                return graphed
+        input_ids, positions, meta = batch.to_device(self.device)
         return self.model(input_ids, positions, meta, self.kv_cache, return_prenorm=True)
 
     def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
                 result: StepResult) -> None:
         """One token per request from its last row's logits (no drafts to verify)."""
-        rows = torch.tensor([last for _, last in plain], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        last = [row for _, row in plain]
+        if last == list(range(len(last))) and len(last) == hidden.shape[0]:
+            rows = hidden  # a decode step where every row samples: no gather
+        else:
+            rows = hidden[torch.tensor(last, device=self.device)]
+        logits = self.model.compute_logits(rows)
         sampling = [s.request for s, _ in plain]
         states = [self._state(r) for r in sampling]
         sample = self.sampler(logits, sampling, states)

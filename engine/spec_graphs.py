@@ -18,7 +18,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
+from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.model import Model
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class VerifyGraphs(DecodeGraphs):
     def __init__(self, config: EngineConfig, model: Model, kv_cache: torch.Tensor, q: int,
                  max_batch: int) -> None:
         super().__init__(config, model, kv_cache)
-        self.q = q
+        self.q = q  # tokens per sequence: the last accepted one + k drafts
         self.buckets = decode_buckets(max_batch)
         n, dev = self.buckets[-1], self.device
         self.input_ids = torch.zeros(n * q, dtype=torch.int64, device=dev)
@@ -58,37 +58,6 @@ class VerifyGraphs(DecodeGraphs):
         self.slot_mapping[start * self.q:end * self.q].fill_(-1)
         self.seq_lens[start:end].fill_(self.q)
         self.block_tables[start:end].fill_(0)
-
-    def can_run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        B = meta.seq_lens.shape[0]
-        return (meta.max_query_len == self.q and input_ids.shape[0] == B * self.q
-                and all(n == self.q for n in meta.query_lens_cpu)
-                and bucket_for(B, self.buckets) is not None
-                and meta.block_tables.shape[1] <= self.width
-                and input_ids.device == self.device)
-
-    @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self.can_run(input_ids, meta):
-            return None
-        B, n = meta.seq_lens.shape[0], input_ids.shape[0]
-        bucket = bucket_for(B, self.buckets)
-        if bucket not in self.graphs:
-            self.capture([bucket])
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:B].copy_(meta.seq_lens)
-        self.block_tables[:B].fill_(0)
-        self.block_tables[:B, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        if B < bucket:
-            self._reset_padding(B, bucket)
-        graph, hidden, prenorm = self.graphs[bucket]
-        graph.replay()
-        self.replays += 1
-        return hidden[:n], prenorm[:n].clone()
-
 
 def maybe_verify_graphs(config: EngineConfig, model: Model, kv_cache: torch.Tensor,
                         max_k: int, max_batch: int) -> dict[int, VerifyGraphs]:

@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels import sdpa_prefill
 from kernels.attn_prologue import fused_qk_norm_rope_kv
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.gemv import MODEL_ROWS as GEMV_ROWS
+from kernels.gemv import gemv
 from kernels.kv_write import write_kv
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import fused_add_rmsnorm
@@ -28,9 +31,9 @@ if TYPE_CHECKING:  # the arrows point engine -> kernels; no runtime import back
     from engine.attention import AttentionMetadata
 
 __all__ = [
-    "TritonAttentionBackend", "attention", "choose_num_splits", "fused_add_rmsnorm",
-    "fused_qk_norm_rope_kv", "paged_decode_attention", "paged_prefill_attention",
-    "silu_and_mul", "write_kv",
+    "GEMV_ROWS", "TritonAttentionBackend", "attention", "choose_num_splits",
+    "fused_add_rmsnorm", "fused_qk_norm_rope_kv", "gemv", "paged_decode_attention",
+    "paged_prefill_attention", "silu_and_mul", "write_kv",
 ]
 
 
@@ -53,8 +56,10 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, fresh_prefill_sdpa: bool = True) -> None:
         self.num_splits = num_splits  # fixed decode split count (None: chosen per shape)
+        # one fresh long prompt -> SDPA's cuDNN/flash kernels (kernels/sdpa_prefill.py)
+        self.fresh_prefill_sdpa = fresh_prefill_sdpa
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -62,4 +67,10 @@ class TritonAttentionBackend:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.fresh_prefill_sdpa and sdpa_prefill.applies(q, meta):
+            try:
+                return sdpa_prefill.fresh_prefill_attention(q, k_cache, v_cache, meta, scale)
+            except RuntimeError as e:  # no SDPA backend takes this shape: stay on Triton
+                sdpa_prefill.log.warning("fresh-prefill SDPA disabled: %s", e)
+                self.fresh_prefill_sdpa = False
         return attention(q, k_cache, v_cache, meta, scale, num_splits=self.num_splits)

@@ -25,6 +25,25 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
+             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-6) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """prologue(x) [T, K] @ weight [N, K]^T in fp32 -> x.dtype. "silu" rounds its output to
+    x.dtype first, as the unfused model stores it; "norm" keeps rmsnorm(h) in fp32 (the
+    kernel applies rstd after the dot product) and returns (y, h)."""
+    h = None
+    if prologue == "norm":
+        h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+        hf = h.float()
+        a = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    elif prologue == "silu":
+        a = silu_and_mul_ref(x)
+    else:
+        a = x
+    y = (a.float() @ weight.float().t()).to(x.dtype)
+    return (y, h) if prologue == "norm" else y
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_pos, D/2] (fp32) from inv_freq [D/2] (already scaled, e.g. llama3)."""
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32, device=inv_freq.device),

@@ -6,6 +6,8 @@ continuation cut at a random point, so acceptance is partial and rollback is exe
 """
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -294,18 +296,16 @@ def test_verify_graph_buffers_reproduce_the_eager_forward() -> None:
     engine.step()
     out = engine.scheduler.schedule()
     assert [len(s.spec_token_ids) for s in out.scheduled] == [2, 2, 2]
-    ids, pos, meta = runner.prepare(out)
+    batch = runner.flatten(out)
+    ids, pos, meta = batch.to_device(runner.device)
     kv_before = runner.kv_cache.clone()
     want = runner.model(ids, pos, meta, runner.kv_cache, return_prenorm=True)
     graphs = VerifyGraphs(engine.config, runner.model, runner.kv_cache, 3, 4)
-    assert graphs.can_run(ids, meta) and not graphs.can_run(ids[:-1], meta)
+    assert graphs.fits(batch) == 4
+    short = dataclasses.replace(batch, query_lens=[3, 3, 2])
+    assert graphs.fits(short) is None  # not every sequence verifies k = 2 drafts
     n = ids.shape[0]
-    graphs.input_ids[:n].copy_(ids)
-    graphs.positions[:n].copy_(pos)
-    graphs.slot_mapping[:n].copy_(meta.slot_mapping)
-    graphs.seq_lens[:3].copy_(meta.seq_lens)
-    graphs.block_tables[:3, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-    graphs._reset_padding(3, 4)
+    graphs.stage(batch, 4)
     runner.kv_cache.copy_(kv_before)
     got = graphs.forward_eager(4)
     for a, b in zip(got, want):

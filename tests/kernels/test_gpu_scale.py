@@ -57,3 +57,46 @@ def test_decode_under_cuda_graph_replay(paged_cache, close):
         want = paged_attention_ref(q, cache.k, cache.v, qsl, lens, cache.block_tables,
                                    D ** -0.5)
         close(out, want, torch.bfloat16)
+
+
+def test_fresh_prefill_sdpa_matches_the_paged_kernel(paged_cache, close):
+    """The SDPA path the backend takes for one fresh 3001-token prompt (blocks scattered in the
+    cache, last block partial) computes what the paged Triton kernel does."""
+    from engine.attention import AttentionMetadata
+    from kernels import TritonAttentionBackend, sdpa_prefill
+
+    S, dtype = 3001, torch.bfloat16
+    cache = paged_cache([S], 16, HKV, D, dtype)
+    q = torch.randn(S, HQ, D, device="cuda", dtype=dtype)
+    qsl = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(slot_mapping=torch.zeros(S, dtype=torch.int64, device="cuda"),
+                             query_start_loc=qsl, seq_lens=cache.seq_lens,
+                             block_tables=cache.block_tables, max_query_len=S, max_seq_len=S,
+                             query_lens_cpu=[S], seq_lens_cpu=[S], block_size=16)
+    assert sdpa_prefill.applies(q, meta)
+    backend = TritonAttentionBackend()
+    got = backend.attend(q, cache.k, cache.v, meta, D ** -0.5)
+    assert backend.fresh_prefill_sdpa  # the SDPA path ran (it switches itself off on failure)
+    want = paged_prefill_attention(q, cache.k, cache.v, qsl, cache.seq_lens, cache.block_tables,
+                                   S, D ** -0.5)
+    close(got, want, dtype)
+
+
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_gemv_at_8b_shapes(T, close):
+    """The decode GEMVs at Qwen3-8B's widest shapes (tiles from pick_config, not the
+    interpreter's), against the fp32 reference."""
+    from kernels import gemv
+    from kernels.reference import gemv_ref
+
+    for N, K, prologue in ((6144, 4096, "norm"), (4096, 12288, "silu"), (151936, 4096, "none")):
+        k_in = 2 * K if prologue == "silu" else K
+        x = torch.randn(T, k_in, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        kw = ({"residual": torch.randn_like(x), "norm_weight": torch.rand(K, device="cuda",
+               dtype=torch.bfloat16)} if prologue == "norm" else {})
+        got, want = gemv(x, w, prologue, **kw), gemv_ref(x, w, prologue, **kw)
+        if prologue == "norm":
+            close(got[1], want[1], torch.bfloat16)
+            got, want = got[0], want[0]
+        close(got, want, torch.bfloat16)

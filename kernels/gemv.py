@@ -1,0 +1,176 @@
+"""Skinny matmul (GEMV) for decode-sized batches, with the op before it fused in.
+
+At batch 1 a decode step is a chain of matrix-vector products, each bound by reading its
+weight once. cuBLAS runs the small ones (q/k/v, o) at 65-75% of copy bandwidth and adds a
+split-K reduce kernel; the norm and SiLU-and-mul before them are kernels of their own. Here one
+kernel per projection streams W [N, K] once and computes, for T <= MAX_ROWS rows,
+
+    y[T, N] = prologue(x)[T, K] @ W[N, K]^T            (fp32 accumulate, y in x.dtype)
+
+with the prologue one of
+    "none":  a = x
+    "norm":  h = x + residual (stored once, rounded to x.dtype), a = rmsnorm(h) * norm_weight;
+             one pass: the loop accumulates (h * norm_weight) . W and sum(h^2) together and
+             scales by rsqrt(mean(h^2) + eps) at the end (so, unlike the unfused layer, the
+             normalised activation is never rounded to x.dtype: slightly more exact)
+    "silu":  x = [gate | up] [T, 2K], a = silu(gate) * up, as kernels.silu_and_mul
+so a decoder layer's batch-1 decode step is 4 of these + the attention prologue + split-K
+attention (+ its reduce): 7 kernels, where it was 12.
+
+Tile choice: one program owns BLOCK_N output columns for all T rows and walks K in BLOCK_K
+steps, accumulating a [T, BLOCK_N, BLOCK_K] fp32 tile that is reduced once at the end (no
+cross-lane shuffles inside the loop). Enough programs must be in flight to cover HBM latency,
+so BLOCK_N shrinks for narrow matrices (see pick_config; the table comes from a sweep on an
+H100, bench/results/gemv_sweep_*.json).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, interpreting, jit,
+                             next_pow2)
+
+MAX_ROWS = 4  # the kernel's limit
+# What the model sends here: from the H100 sweep, at 2+ rows cuBLAS's tensor-core kernels
+# beat this one on the wide projections, so only batch-1 decode steps take it.
+MODEL_ROWS = 1
+PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@jit
+def _activation(x, x_ptr, nw_ptr, rows, row_ok, offs_k, K, stride_x, PROLOGUE: tl.constexpr):
+    """The prologue's output a[TP, BLOCK_K] in fp32 from the loaded input tile x (for "norm":
+    h = x + residual, already summed and rounded, times the norm weight, without rstd)."""
+    k_ok = offs_k < K
+    m = row_ok[:, None] & k_ok[None, :]
+    io = x_ptr.dtype.element_ty
+    if PROLOGUE == 2:  # silu(gate) * up; up sits K columns right of gate
+        up = tl.load(x_ptr + rows[:, None] * stride_x + K + offs_k[None, :], mask=m, other=0.0)
+        g = x.to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(io).to(tl.float32)
+    elif PROLOGUE == 1:  # h * norm_weight; the row's rstd is applied to the dot products
+        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        a = x.to(tl.float32) * nw[None, :]
+    else:
+        a = x.to(tl.float32)
+    return a
+
+
+@jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, N, K, stride_x, stride_res,
+                 stride_w, stride_y, stride_ro, eps, T: tl.constexpr, TP: tl.constexpr,
+                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, TP)
+    row_ok = rows < T
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k0 = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([TP], tl.float32)  # "norm": sum of h^2 per row, for rstd at the end
+    acc = tl.zeros([TP, BLOCK_N, BLOCK_K], tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        m = row_ok[:, None] & (offs_k < K)[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
+                    other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m, other=0.0)
+        if PROLOGUE == 1:
+            if HAS_RESIDUAL:  # h = x + residual, rounded as stored; program 0 stores it
+                r = tl.load(res_ptr + rows[:, None] * stride_res + offs_k[None, :], mask=m,
+                            other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+                tl.store(res_out_ptr + rows[:, None] * stride_ro + offs_k[None, :], x,
+                         mask=m & (pid == 0))
+            hf = x.to(tl.float32)
+            ss += tl.sum(hf * hf, axis=1)
+        a = _activation(x, x_ptr, nw_ptr, rows, row_ok, offs_k, K, stride_x, PROLOGUE)
+        acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)
+    if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
+        y = y * tl.rsqrt(ss / K + eps)[:, None]
+    tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], y,
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def pick_config(N: int, K: int, T: int) -> GemvConfig:
+    """Tile for y[T, N] = a[T, K] @ W[N, K]^T, from a sweep on an H100 at Qwen3-8B's shapes
+    (bench/results/gemv_sweep_h100_2026-11-22.json): 1024-wide K steps and 4 warps won
+    everywhere, pipelining stages made no difference, 8 output columns per program won on the
+    big matrices (gate_up, down, lm_head) and 4 on the small (q/k/v, o). Narrow matrices
+    shrink BLOCK_N further so at least ~2 programs per SM exist; more rows shrink BLOCK_K so
+    the [T, BN, BK] accumulator stays at <= 64 fp32 registers per thread.
+    The CPU interpreter runs one program at a time, so there few big tiles are fastest."""
+    if interpreting():
+        return GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
+    block_k = min(1024, next_pow2(K))
+    block_n = 8 if N * K >= (32 << 20) else 4
+    while block_n > 1 and triton.cdiv(N, block_n) < 264:
+        block_n //= 2
+    while T * block_n * block_k > 8192 and block_k > 64:
+        block_k //= 2
+    return GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
+         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+         eps: float = 1e-6, config: GemvConfig | None = None
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y = prologue(x) @ weight.T for x [T, K_in] with T <= MAX_ROWS, weight [N, K].
+
+    prologue "none": K_in = K. "silu": K_in = 2K ([gate | up]). "norm": K_in = K, needs
+    norm_weight [K]; returns (y, new_residual) where new_residual = x + residual (a new tensor)
+    or x itself when residual is None. Rows of x may be strided; the last dims must be
+    contiguous. y is a new contiguous [T, N] tensor in x.dtype.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_launchable("x", x)
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device,
+                 last_contiguous=True)
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue: {prologue!r} not in {sorted(PROLOGUES)}")
+    T, k_in = x.shape
+    N, K = weight.shape
+    if not 1 <= T <= MAX_ROWS:
+        raise ValueError(f"x: {T} rows; gemv takes 1..{MAX_ROWS} (use a matmul above that)")
+    if k_in != (2 * K if prologue == "silu" else K):
+        raise ValueError(f"x: last dim {k_in} does not fit weight [N, K] = {tuple(weight.shape)} "
+                         f"with prologue {prologue!r}")
+    res_out = x
+    if prologue == "norm":
+        if norm_weight is None:
+            raise ValueError("norm_weight: required with prologue 'norm'")
+        check_tensor("norm_weight", norm_weight, shape=(K,), dtypes=FLOAT_DTYPES,
+                     device=x.device, last_contiguous=True)
+        if residual is not None:
+            check_tensor("residual", residual, shape=(T, K), dtypes=(x.dtype,), device=x.device,
+                         last_contiguous=True)
+            res_out = torch.empty((T, K), dtype=x.dtype, device=x.device)
+        if not eps > 0:
+            raise ValueError(f"eps: must be > 0, got {eps}")
+    elif residual is not None or norm_weight is not None:
+        raise ValueError("residual: only used with prologue 'norm'")
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    cfg = config or pick_config(N, K, T)
+    res = residual if residual is not None else x
+    nw = norm_weight if norm_weight is not None else weight
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, res, nw, weight, y, res_out, N, K, x.stride(0), res.stride(0), weight.stride(0),
+        y.stride(0), res_out.stride(0), float(eps), T=T, TP=next_pow2(T),
+        PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return (y, res_out) if prologue == "norm" else y

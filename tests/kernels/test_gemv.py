@@ -1,0 +1,82 @@
+"""gemv (decode-sized matmul with a fused prologue) against kernels.reference.gemv_ref."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import gemv
+from kernels.gemv import GemvConfig
+from kernels.reference import gemv_ref
+
+
+def _data(T: int, N: int, K: int, dtype: torch.dtype, device, k_in: int | None = None,
+          stride_pad: int = 0):
+    gen = torch.Generator().manual_seed(T * 7919 + N * 31 + K)
+    k_in = k_in or K
+    # rows of a wider buffer: the row stride is k_in + stride_pad (non-contiguous x)
+    x = torch.randn(T, k_in + stride_pad, generator=gen)[:, :k_in].to(device, dtype)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device, dtype)
+    return x, w, gen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,N,K", [(1, 37, 96), (2, 100, 200), (3, 13, 300), (4, 64, 129)])
+def test_plain_matches_reference(dtype, T, N, K, device, close):
+    x, w, _ = _data(T, N, K, dtype, device, stride_pad=5)
+    y = gemv(x, w)
+    assert y.shape == (T, N) and y.dtype == dtype and y.is_contiguous()
+    close(y, gemv_ref(x, w), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,N,K", [(1, 50, 96), (3, 70, 576), (4, 9, 130)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_prologue_matches_reference(dtype, T, N, K, with_residual, device, close):
+    x, w, gen = _data(T, N, K, dtype, device, stride_pad=3)
+    res = torch.randn(T, K, generator=gen).to(device, dtype) if with_residual else None
+    nw = (torch.rand(K, generator=gen) + 0.5).to(device, dtype)
+    y, h = gemv(x, w, "norm", residual=res, norm_weight=nw, eps=1e-5)
+    y_ref, h_ref = gemv_ref(x, w, "norm", residual=res, norm_weight=nw, eps=1e-5)
+    close(h, h_ref, dtype)
+    close(y, y_ref, dtype)
+    if not with_residual:
+        assert h is x  # the residual stream is x itself, as fused_add_rmsnorm returns it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,N,K", [(1, 33, 64), (2, 17, 250), (4, 40, 96)])
+def test_silu_prologue_matches_reference(dtype, T, N, K, device, close):
+    x, w, _ = _data(T, N, K, dtype, device, k_in=2 * K, stride_pad=7)
+    close(gemv(x, w, "silu"), gemv_ref(x, w, "silu"), dtype)
+
+
+@pytest.mark.parametrize("cfg", [GemvConfig(2, 32), GemvConfig(8, 64, num_warps=2),
+                                 GemvConfig(16, 128, num_warps=8, num_stages=2)])
+def test_every_tile_shape_covers_ragged_edges(cfg, device, close):
+    """N and K not multiples of the tile: masked tails in both dims."""
+    x, w, gen = _data(3, 45, 157, torch.float32, device)
+    res = torch.randn(3, 157, generator=gen).to(device)
+    nw = torch.rand(157, generator=gen).to(device)
+    y, h = gemv(x, w, "norm", residual=res, norm_weight=nw, config=cfg)
+    y_ref, h_ref = gemv_ref(x, w, "norm", residual=res, norm_weight=nw)
+    close(y, y_ref, torch.float32)
+    close(h, h_ref, torch.float32)
+
+
+def test_bad_arguments_name_the_field(device):
+    x = torch.randn(2, 64, device=device)
+    w = torch.randn(8, 64, device=device)
+    with pytest.raises(ValueError, match="x: 5 rows"):
+        gemv(torch.randn(5, 64, device=device), w)
+    with pytest.raises(ValueError, match="prologue"):
+        gemv(x, w, "gelu")
+    with pytest.raises(ValueError, match="x: last dim 64"):
+        gemv(x, w, "silu")
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, "norm")
+    with pytest.raises(TypeError, match="weight: dtype"):
+        gemv(x, w.double())
+    with pytest.raises(ValueError, match="residual"):
+        gemv(x, w, residual=x)
+    with pytest.raises(ValueError, match="x: last dim must be contiguous"):
+        gemv(torch.randn(64, 2, device=device).t(), w)
