@@ -121,6 +121,9 @@ class DecodeGraphs:
         self.h_seq = torch.zeros(self.seq_lens.shape, dtype=torch.int32, pin_memory=pin)
         self.h_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None  # host buffers free again
+        # numpy views of the same memory: filling them from lists skips torch's dispatcher
+        self.np_ids, self.np_pos, self.np_slots, self.np_seq, self.np_tables = (
+            t.numpy() for t in (self.h_ids, self.h_pos, self.h_slots, self.h_seq, self.h_tables))
 
     def fits(self, batch: HostBatch) -> int | None:
         """The bucket that replays this step, or None when it must run eagerly."""
@@ -138,12 +141,11 @@ class DecodeGraphs:
             self._copied.synchronize()  # the previous step's copies have left the buffers
         B, T = len(batch.seq_lens), len(batch.input_ids)
         width = max(len(t) for t in batch.block_tables)
-        self.h_ids[:T] = torch.tensor(batch.input_ids)
-        self.h_pos[:T] = torch.tensor(batch.positions)
-        self.h_slots[:T] = torch.tensor(batch.slots)
-        self.h_seq[:B] = torch.tensor(batch.seq_lens, dtype=torch.int32)
-        self.h_tables[:B, :width] = torch.tensor(
-            [t + [0] * (width - len(t)) for t in batch.block_tables], dtype=torch.int32)
+        self.np_ids[:T] = batch.input_ids
+        self.np_pos[:T] = batch.positions
+        self.np_slots[:T] = batch.slots
+        self.np_seq[:B] = batch.seq_lens
+        self.np_tables[:B, :width] = [t + [0] * (width - len(t)) for t in batch.block_tables]
         for dst, src, n in ((self.input_ids, self.h_ids, T), (self.positions, self.h_pos, T),
                             (self.slot_mapping, self.h_slots, T), (self.seq_lens, self.h_seq, B),
                             (self.block_tables, self.h_tables, B)):

@@ -76,7 +76,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block. The residual add is folded into the next norm: (x, residual) in and out."""
+    """Pre-norm block. The residual add is folded into the next norm: (x, residual) in and out
+    (residual None: x is the whole residual stream, as for the first layer)."""
 
     def __init__(self, cfg: ModelConfig, kv_layer: int, backend: object) -> None:
         super().__init__()
@@ -88,7 +89,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.fused and 0 < x.shape[0] <= fused_kernels().GEMV_ROWS:
             return self._forward_gemv(x, residual, cos, sin, meta, kv_cache)
         if residual is None:  # first layer: the embedding is the residual stream
@@ -101,17 +102,18 @@ class DecoderLayer(nn.Module):
 
     def _forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, meta: AttentionMetadata,
-                      kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer as 7 kernels at batch 1: each norm (and the residual add before
-        it) rides in the next projection's prologue, SiLU-and-mul in down_proj's."""
+                      kv_cache: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The same layer as 7 kernels at batch 1: each norm rides in the next projection's
+        prologue, SiLU-and-mul in down_proj's, and both residual adds in the epilogues of
+        o_proj and down_proj. Returns (the residual stream after the layer, None): the adds
+        are done, so the next layer (or final norm) takes x alone."""
         gemv = fused_kernels().gemv
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = gemv(x, attn.qkv_proj.weight, "norm", residual, ln1.weight, ln1.eps)
-        o = gemv(attn.attend_qkv(qkv, cos, sin, meta, kv_cache), attn.o_proj.weight)
-        gate_up, residual = gemv(o, mlp.gate_up_proj.weight, "norm", residual, ln2.weight,
-                                 ln2.eps)
-        return gemv(gate_up, mlp.down_proj.weight, "silu"), residual
+        qkv, h = gemv(x, attn.qkv_proj.weight, "norm", residual, ln1.weight, ln1.eps)
+        h = gemv(attn.attend_qkv(qkv, cos, sin, meta, kv_cache), attn.o_proj.weight, add=h)
+        gate_up, _ = gemv(h, mlp.gate_up_proj.weight, "norm", None, ln2.weight, ln2.eps)
+        return gemv(gate_up, mlp.down_proj.weight, "silu", add=h), None
 
 
 class Model(nn.Module):
@@ -158,7 +160,10 @@ class Model(nn.Module):
         x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, meta, kv_cache)
-        hidden, prenorm = self.norm(x, residual)
+        if residual is None:  # the batch-1 fused layers add the residual themselves
+            hidden, prenorm = self.norm(x), x
+        else:
+            hidden, prenorm = self.norm(x, residual)
         return (hidden, prenorm) if return_prenorm else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

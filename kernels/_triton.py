@@ -63,6 +63,28 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch arguments for programmatic dependent launch (Hopper+; CUDA graphs keep it): the
+    kernel may be scheduled while the previous one drains, and waits for it (gdc_wait) at
+    entry, before touching memory, so correctness never depends on what came before. Kernels
+    take a USE_PDL constexpr and call pdl_enter(USE_PDL) first."""
+    on = not INTERPRET and t.is_cuda and _pdl_capable(t.device.index or 0)
+    return {"USE_PDL": on, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+@jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel's memory, then let the next kernel get scheduled."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs must not silently drop to TF32 in tl.dot (10-bit mantissa breaks 1e-4 checks)."""
     return "ieee" if dtype == torch.float32 else "tf32"

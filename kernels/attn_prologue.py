@@ -16,7 +16,7 @@ import torch
 import triton.language as tl
 
 from kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor, jit,
-                             next_pow2)
+                             next_pow2, pdl_enter, pdl_launch)
 from kernels.kv_write import check_cache_pair
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -49,7 +49,8 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
                      stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
                      HQ, HKV, block_size, eps, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
                      BLOCK_HKV: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
-                     HAS_POS: tl.constexpr):
+                     HAS_POS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     if HAS_POS:  # cos/sin are tables indexed by position
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -127,5 +128,5 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HQ, HKV, k_cache.shape[1], float(eps), HALF=D // 2, BLOCK_HQ=next_pow2(HQ),
         BLOCK_HKV=next_pow2(HKV), Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
-        HAS_POS=positions is not None, num_warps=4)
+        HAS_POS=positions is not None, num_warps=4, **pdl_launch(q))
     return q_out

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (check_tensor, dot_dtype, dot_precision, interpreting, jit, next_pow2, num_sms)
+from kernels._triton import (check_tensor, dot_dtype, dot_precision, interpreting, jit, next_pow2,
+                             num_sms, pdl_enter, pdl_launch)
 from kernels.kv_write import check_q_and_cache
 
 LOG2E = 1.4426950408889634
@@ -30,7 +31,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
                          stride_vc_b, stride_vc_o, stride_vc_h, stride_bt, stride_ob, stride_oh,
                          scale_log2, block_size, HQ, num_splits, GROUP: tl.constexpr,
                          BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DIRECT: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                         DIRECT: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,7 +86,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
 
 @jit
 def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, HQ, num_splits,
-                          BLOCK_S: tl.constexpr, D: tl.constexpr):
+                          BLOCK_S: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -172,9 +176,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), float(scale) * LOG2E, bs, HQ, num_splits,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), D=D, BLOCK_N=block_n,
         DIRECT=num_splits == 1, PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype),
-        num_warps=num_warps, num_stages=1 if interpreting() else num_stages)
+        num_warps=num_warps, num_stages=1 if interpreting() else num_stages, **pdl_launch(q))
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), HQ, num_splits,
-            BLOCK_S=next_pow2(num_splits), D=D, num_warps=4)
+            BLOCK_S=next_pow2(num_splits), D=D, num_warps=4, **pdl_launch(q))
     return out

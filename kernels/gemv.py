@@ -14,8 +14,9 @@ with the prologue one of
              scales by rsqrt(mean(h^2) + eps) at the end (so, unlike the unfused layer, the
              normalised activation is never rounded to x.dtype: slightly more exact)
     "silu":  x = [gate | up] [T, 2K], a = silu(gate) * up, as kernels.silu_and_mul
-so a decoder layer's batch-1 decode step is 4 of these + the attention prologue + split-K
-attention (+ its reduce): 7 kernels, where it was 12.
+and, optionally, an epilogue that adds the residual stream (o_proj and down_proj end the two
+residual branches), so a decoder layer's batch-1 decode step is 4 of these + the attention
+prologue + split-K attention (+ its reduce): 7 kernels, where it was 12.
 
 Tile choice: one program owns BLOCK_N output columns for all T rows and walks K in BLOCK_K
 steps, accumulating a [T, BLOCK_N, BLOCK_K] fp32 tile that is reduced once at the end (no
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, interpreting, jit,
-                             next_pow2)
+                             next_pow2, pdl_enter, pdl_launch)
 
 MAX_ROWS = 4  # the kernel's limit
 # What the model sends here: from the H100 sweep, at 2+ rows cuBLAS's tensor-core kernels
@@ -69,10 +70,12 @@ def _activation(x, x_ptr, nw_ptr, rows, row_ok, offs_k, K, stride_x, PROLOGUE: t
 
 
 @jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, N, K, stride_x, stride_res,
-                 stride_w, stride_y, stride_ro, eps, T: tl.constexpr, TP: tl.constexpr,
-                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, K, stride_x,
+                 stride_res, stride_w, stride_y, stride_ro, stride_add, eps, T: tl.constexpr,
+                 TP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, TP)
     row_ok = rows < T
@@ -102,8 +105,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, N, K, stride
     y = tl.sum(acc, axis=2)
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
         y = y * tl.rsqrt(ss / K + eps)[:, None]
-    tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], y,
-             mask=row_ok[:, None] & n_ok[None, :])
+    out_mask = row_ok[:, None] & n_ok[None, :]
+    if HAS_ADD:  # epilogue: the residual add after this projection
+        y += tl.load(add_ptr + rows[:, None] * stride_add + offs_n[None, :], mask=out_mask,
+                     other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], y, mask=out_mask)
 
 
 def pick_config(N: int, K: int, T: int) -> GemvConfig:
@@ -127,14 +133,15 @@ def pick_config(N: int, K: int, T: int) -> GemvConfig:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, config: GemvConfig | None = None
+         eps: float = 1e-6, add: torch.Tensor | None = None, config: GemvConfig | None = None
          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """y = prologue(x) @ weight.T for x [T, K_in] with T <= MAX_ROWS, weight [N, K].
+    """y = prologue(x) @ weight.T (+ add) for x [T, K_in] with T <= MAX_ROWS, weight [N, K].
 
     prologue "none": K_in = K. "silu": K_in = 2K ([gate | up]). "norm": K_in = K, needs
     norm_weight [K]; returns (y, new_residual) where new_residual = x + residual (a new tensor)
     or x itself when residual is None. Rows of x may be strided; the last dims must be
-    contiguous. y is a new contiguous [T, N] tensor in x.dtype.
+    contiguous. add [T, N] (the residual stream) is summed in fp32 before y is rounded.
+    y is a new contiguous [T, N] tensor in x.dtype.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("x", x)
@@ -163,14 +170,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
             raise ValueError(f"eps: must be > 0, got {eps}")
     elif residual is not None or norm_weight is not None:
         raise ValueError("residual: only used with prologue 'norm'")
+    if add is not None:
+        check_tensor("add", add, shape=(T, N), dtypes=(x.dtype,), device=x.device,
+                     last_contiguous=True)
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     cfg = config or pick_config(N, K, T)
     res = residual if residual is not None else x
     nw = norm_weight if norm_weight is not None else weight
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, res, nw, weight, y, res_out, N, K, x.stride(0), res.stride(0), weight.stride(0),
-        y.stride(0), res_out.stride(0), float(eps), T=T, TP=next_pow2(T),
-        PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None,
+        x, res, nw, weight, y, res_out, y if add is None else add, N, K, x.stride(0),
+        res.stride(0), weight.stride(0), y.stride(0), res_out.stride(0),
+        y.stride(0) if add is None else add.stride(0), float(eps), T=T, TP=next_pow2(T),
+        PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None, HAS_ADD=add is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **pdl_launch(x))
     return (y, res_out) if prologue == "norm" else y

@@ -27,10 +27,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-6) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             eps: float = 1e-6, add: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """prologue(x) [T, K] @ weight [N, K]^T in fp32 -> x.dtype. "silu" rounds its output to
     x.dtype first, as the unfused model stores it; "norm" keeps rmsnorm(h) in fp32 (the
-    kernel applies rstd after the dot product) and returns (y, h)."""
+    kernel applies rstd after the dot product) and returns (y, h); add [T, N] is summed
+    before rounding."""
     h = None
     if prologue == "norm":
         h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
@@ -40,7 +42,10 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
         a = silu_and_mul_ref(x)
     else:
         a = x
-    y = (a.float() @ weight.float().t()).to(x.dtype)
+    y = a.float() @ weight.float().t()
+    if add is not None:
+        y = y + add.float()
+    y = y.to(x.dtype)
     return (y, h) if prologue == "norm" else y
 
 

@@ -80,3 +80,15 @@ def test_bad_arguments_name_the_field(device):
         gemv(x, w, residual=x)
     with pytest.raises(ValueError, match="x: last dim must be contiguous"):
         gemv(torch.randn(64, 2, device=device).t(), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prologue", ["none", "silu"])
+def test_residual_add_epilogue(dtype, prologue, device, close):
+    """add [T, N] (the residual stream) is summed before the output is rounded."""
+    K = 70
+    x, w, gen = _data(2, 33, K, dtype, device, k_in=2 * K if prologue == "silu" else K)
+    add = torch.randn(2, 33, generator=gen).to(device, dtype)
+    close(gemv(x, w, prologue, add=add), gemv_ref(x, w, prologue, add=add), dtype)
+    with pytest.raises(ValueError, match="add: expected shape"):
+        gemv(x, w, prologue, add=add[:, :5])
