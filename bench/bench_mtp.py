@@ -1,6 +1,8 @@
 """MTP speculative decoding benchmark (issue 6), one GPU.
 
     python -m bench.bench_mtp --out bench/results/mtp_h100_<date>.json
+    python -m bench.bench_mtp --smollm-model /tmp/smollm2.gguf --mtp-head /tmp/head.safetensors \
+        --out bench/results/mtp_h100_<date>.json      # SmolLM2 from a copied GGUF, a new head
     python -m bench.bench_mtp --tiny --out /tmp/mtp_tiny.json      # CPU smoke test
 
 In one run:
@@ -10,7 +12,8 @@ In one run:
      >= 2.6x at k=3);
   2. concurrency: 64 sequences decoding at once, no speculation vs adaptive k (the default
      SpecConfig caps, real acceptance of the random head; target: within 5% or better);
-  3. real acceptance: SmolLM2-135M-Instruct with the trained head in engine/mtp_heads, batch 1,
+  3. real acceptance: SmolLM2-135M-Instruct (--smollm-model, default the embedded one) with
+     its trained head (--mtp-head, default the one shipped in engine/mtp_heads), batch 1,
      greedy, held-out chat prompts: tok/s without speculation and with k = 1, 2, 3, with the
      acceptance counters.
 Decode tok/s counts the tokens of steps after every request had its first token, over those
@@ -24,6 +27,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -51,6 +55,8 @@ class Plan:
     block_size: int = 16
     use_triton: bool = True
     use_cuda_graphs: bool = True
+    smollm_model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    mtp_head: str | None = None  # None = the head shipped for it (engine/mtp_heads)
 
 
 TINY = Plan(preset="tiny-qwen3", device="cpu", prompt_len=16, decode_tokens=12, ks=(1, 3),
@@ -102,12 +108,13 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
 
 
 def engine_for(plan: Plan, model: str | None, spec: SpecConfig | None, num_seqs: int,
-               num_blocks: int):
+               num_blocks: int, mtp_head: str | None = None):
     return build_engine(model, device=plan.device, block_size=plan.block_size,
                         num_blocks=num_blocks, max_num_seqs=max(num_seqs, 1),
                         max_num_batched_tokens=max(4096, num_seqs * plan.concurrency_prompt),
                         max_model_len=plan.max_model_len, use_triton=plan.use_triton,
-                        use_cuda_graphs=plan.use_cuda_graphs, speculative=spec)
+                        use_cuda_graphs=plan.use_cuda_graphs, speculative=spec,
+                        mtp_head=mtp_head if spec is not None else None)
 
 
 def free(*objs: object) -> None:
@@ -119,18 +126,21 @@ def free(*objs: object) -> None:
 
 def run_case(plan: Plan, model: str | None, spec: SpecConfig | None,
              batches: list[list[list[int]]], max_tokens: int, label: str,
-             ignore_eos: bool = True) -> dict:
+             ignore_eos: bool = True, mtp_head: str | None = None) -> dict:
     """A fresh engine per case (the spec engine's KV has one more layer); one warm-up run
     (Triton compiles, graph capture of new shapes), then the measured batches in turn."""
     width = max(len(b) for b in batches)
     need = width * (max(len(p) for b in batches for p in b) + max_tokens + 8)
-    engine = engine_for(plan, model, spec, width, -(-need // plan.block_size) + 64)
+    t0 = time.perf_counter()
+    engine = engine_for(plan, model, spec, width, -(-need // plan.block_size) + 64, mtp_head)
+    build_s = time.perf_counter() - t0
     decode_rate(engine, [[p[:8] for p in batches[0][:2]]], 8, plan.device)
     if engine.spec_stats is not None:  # count only the measured runs
         engine.runner.spec.stats = type(engine.spec_stats)(
             num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
     res = decode_rate(engine, batches, max_tokens, plan.device, ignore_eos)
     res["case"] = label
+    res["build_s"] = round(build_s, 1)
     log(f"{label}: {res['tok_s']:.1f} tok/s, {res['ms_per_step']:.2f} ms/step"
         + (f", accepted {res['acceptance_rate']:.2f}" if "acceptance_rate" in res else ""))
     free(engine)
@@ -177,31 +187,39 @@ def smollm(plan: Plan) -> dict:
     from engine.model_source import load_tokenizer
     from engine.train_mtp import chat, heldout_prompts
 
-    tok = load_tokenizer(None)
+    tok = load_tokenizer(plan.smollm_model)
     prompts = [chat(tok, m) for m in heldout_prompts(plan.smollm_prompts)]
     cases = {"none": None} | {f"k{k}": SpecConfig(num_speculative_tokens=k, batch_k_caps=())
                               for k in plan.ks}
     out: dict = {}
     for name, spec in cases.items():  # batch 1: one prompt after another; EOS ends a reply
-        r = run_case(plan, None, spec, [[p] for p in prompts], plan.smollm_tokens,
-                     f"smollm2 {name}", ignore_eos=False)
+        r = run_case(plan, plan.smollm_model, spec, [[p] for p in prompts], plan.smollm_tokens,
+                     f"smollm2 {name}", ignore_eos=False, mtp_head=plan.mtp_head)
         out[name] = r
         if spec is not None:
             r.update(first_draft_acceptance=r["accepted_per_pos"][0] / max(r["num_drafts"], 1),
                      speedup=r["tok_s"] / out["none"]["tok_s"])
+    out["model"] = plan.smollm_model or "smollm2-135m-instruct (embedded)"
+    out["mtp_head"] = plan.mtp_head or "engine/mtp_heads/smollm2-135m-instruct.safetensors"
     return out
 
 
 def summary(result: dict) -> dict:
     s: dict = {}
     c = result.get("ceiling", {})
-    for k, target in (("k1", 1.7), ("k3", 2.6)):
+    if "none" in c:
+        s["ceiling_none_tok_s"] = c["none"]["tok_s"]
+    for k, target in (("k1", 1.7), ("k2", None), ("k3", 2.6)):
         if k in c:
-            s[f"ceiling_{k}_speedup"] = {"value": c[k]["speedup"], "target": f">= {target}",
-                                         "met": c[k]["speedup"] >= target}
+            s[f"ceiling_{k}_speedup"] = {"value": c[k]["speedup"], "tok_s": c[k]["tok_s"]}
+            if target is not None:
+                s[f"ceiling_{k}_speedup"].update(target=f">= {target}",
+                                                 met=c[k]["speedup"] >= target)
     if "adaptive" in result.get("concurrency", {}):
         r = result["concurrency"]["adaptive"]["ratio_to_none"]
         s["concurrency_ratio"] = {"value": r, "target": ">= 0.95", "met": r >= 0.95}
+    if "none" in result.get("smollm2", {}):
+        s["smollm2_none_tok_s"] = result["smollm2"]["none"]["tok_s"]
     for k in ("k1", "k2", "k3"):
         if k in result.get("smollm2", {}):
             m = result["smollm2"][k]
@@ -218,13 +236,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: "
                                                "ceiling,concurrency,smollm2")
+    ap.add_argument("--smollm-model", default=None,
+                    help="SmolLM2 for part 3: a .gguf path, e.g. a copy of the embedded file "
+                         "(default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--mtp-head", default=None,
+                    help="MTP head for part 3, from `pdserve train-mtp` (default: the head "
+                         "shipped in engine/mtp_heads)")
     args = ap.parse_args(argv)
+    for flag, path in (("--smollm-model", args.smollm_model), ("--mtp-head", args.mtp_head)):
+        if path is not None and not os.path.isfile(path):
+            ap.error(f"{flag}: no such file: {path!r}")
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     plan = TINY if args.tiny or device == "cpu" else Plan()
-    plan = dataclasses.replace(plan, device=device)
+    plan = dataclasses.replace(plan, device=device, smollm_model=args.smollm_model,
+                               mtp_head=args.mtp_head and os.path.abspath(args.mtp_head))
     if plan.use_triton:
         import kernels  # noqa: F401  picks compiled Triton before anything imports triton
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    start = time.perf_counter()
     result: dict = {"device": name, "command": " ".join([sys.executable] + sys.argv),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                         timespec="seconds"),
@@ -233,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save() -> None:
         result["summary"] = summary(result)
+        result["total_s"] = round(time.perf_counter() - start, 1)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2, default=str)
@@ -240,8 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     for part, fn in (("ceiling", ceiling), ("concurrency", concurrency), ("smollm2", smollm)):
         if part in skip:
             continue
+        t0 = time.perf_counter()
         try:
             result[part] = fn(plan)
+            result[part]["seconds"] = round(time.perf_counter() - t0, 1)
         except Exception as e:  # keep what was measured
             result[f"{part}_error"] = f"{type(e).__name__}: {e}"
             log(f"{part} failed: {result[f'{part}_error']}")

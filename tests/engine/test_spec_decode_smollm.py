@@ -53,16 +53,28 @@ def test_greedy_equals_plain_decoding(k: int, prompts, expected) -> None:
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+def _stop_past_the_middle(text: str) -> str | None:
+    """A 5-character stop string starting at a space past the middle of `text` that does not
+    occur earlier in it (repetitive answers may have none)."""
+    for i in range(len(text) // 2, len(text) - 5):
+        if text[i] == " " and text.find(text[i:i + 5]) == i:
+            return text[i:i + 5]
+    return None
+
+
 def test_stop_string_inside_a_multi_token_step(plain: LLM, prompts) -> None:
     """Several tokens accepted in one step: the tokens after the stop string are dropped, as
     one-token steps would have stopped there."""
-    [ref] = plain.generate(prompts[0], GREEDY)
-    words = ref.outputs[0].text.split()
-    stop = " " + words[len(words) // 2]
+    for prompt in prompts:  # the first whose greedy answer has a stop string past its middle
+        [ref] = plain.generate(prompt, GREEDY)
+        stop = _stop_past_the_middle(ref.outputs[0].text)
+        if stop is not None:
+            break
+    assert stop is not None
     params = SamplingParams(max_tokens=40, temperature=0.0, stop=[stop])
-    [want] = plain.generate(prompts[0], params)
+    [want] = plain.generate(prompt, params)
     llm = spec_llm(3)
-    [got] = llm.generate(prompts[0], params)
+    [got] = llm.generate(prompt, params)
     assert want.outputs[0].finish_reason == "stop"
     assert (got.outputs[0].text, got.outputs[0].token_ids, got.outputs[0].finish_reason) == (
         want.outputs[0].text, want.outputs[0].token_ids, want.outputs[0].finish_reason)
@@ -93,10 +105,9 @@ def test_heldout_first_draft_acceptance_at_k1() -> None:
     first, overall, mean_len = _heldout_acceptance(1)
     print(f"\nk=1 held-out: first-draft acceptance {first:.3f}, mean accepted length "
           f"{mean_len:.3f}")
-    # issue 6 asks for >= 0.60; the committed CPU-trained head measures ~0.34 (see
-    # engine/mtp_heads/*.json). Assert the head really predicts (far above chance for a
-    # 49K vocabulary) without claiming the target; the 60% line stays open.
-    assert first >= 0.25
+    # issue 6's line: >= 60% of first drafts accepted on prompts train-mtp never saw (the
+    # committed head, trained on an H100, measured 61.4% there; engine/mtp_heads/*.json)
+    assert first >= 0.60
 
 
 def test_heldout_mean_accepted_length_at_k3() -> None:

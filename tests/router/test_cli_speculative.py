@@ -1,0 +1,117 @@
+"""`--speculative mtp [--num-speculative-tokens K] [--mtp-head PATH]` on `pdserve generate` and
+`pdserve serve`: parse errors name the flag, WorkerConfig validates the fields, serve hands
+the setting to every worker (prefill included), and greedy output is unchanged."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from engine.mtp import HEADS_DIR
+from router.cli import main
+from tests.router.harness import REPO
+from worker.config import WorkerConfig
+
+HEAD = HEADS_DIR / "smollm2-135m-instruct.safetensors"
+QUESTION = "What is the capital of France?"
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "router.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("args, flag", [
+    (["--speculative", "eagle"], "--speculative"),
+    (["--speculative", "mtp", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+    (["--speculative", "mtp", "--num-speculative-tokens", "17"], "--num-speculative-tokens"),
+    (["--speculative", "mtp", "--num-speculative-tokens", "two"], "--num-speculative-tokens"),
+    (["--num-speculative-tokens", "2"], "--num-speculative-tokens"),
+    (["--mtp-head", str(HEAD)], "--mtp-head"),
+    (["--speculative", "mtp", "--mtp-head", "/no/such/head.safetensors"], "--mtp-head"),
+])
+def test_bad_speculative_flags_name_the_flag(command, args, flag, capsys) -> None:
+    argv = [command, *(["hello"] if command == "generate" else []), *args]
+    try:  # argparse exits on a parse error; the later checks return 2
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and flag in err, err
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(speculative="eagle"), "speculative"),
+    (dict(speculative="mtp", num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(speculative="mtp", num_speculative_tokens=17), "num_speculative_tokens"),
+    (dict(speculative="mtp", num_speculative_tokens=True), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=2), "num_speculative_tokens"),
+    (dict(mtp_head="/x.safetensors"), "mtp_head"),
+    (dict(speculative="mtp", mtp_head=""), "mtp_head"),
+])
+def test_worker_config_names_the_bad_field(kw, field) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        WorkerConfig(role="decode", worker_id="d0", **kw)
+    cfg = WorkerConfig(role="decode", worker_id="d0", speculative="mtp", num_speculative_tokens=3,
+                       mtp_head=str(HEAD))
+    assert (cfg.speculative, cfg.num_speculative_tokens) == ("mtp", 3)
+    assert WorkerConfig(role="prefill", worker_id="p0").speculative is None  # default off
+
+
+def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
+    """Prefill workers too: they run the MTP layer over the prompt so its KV travels."""
+    import ray
+
+    import worker.actor
+    from router.cli import build_parser
+    from router.serve import _check, _launch_workers
+
+    launched: list[WorkerConfig] = []
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2})
+    monkeypatch.setattr(worker.actor, "launch_worker",
+                        lambda cfg, **kw: launched.append(cfg) or types.SimpleNamespace())
+    args = build_parser().parse_args(["serve", "--prefill", "2", "--decode", "1", "--speculative",
+                                      "mtp", "--num-speculative-tokens", "3", "--mtp-head",
+                                      os.path.relpath(HEAD)])
+    assert _check(args) is None
+    _launch_workers(args)
+    assert sorted(c.role for c in launched) == ["decode", "prefill", "prefill"]
+    assert {(c.speculative, c.num_speculative_tokens, c.mtp_head) for c in launched} == {
+        ("mtp", 3, str(HEAD))}  # an absolute path: Ray workers may run elsewhere
+    launched.clear()
+    args = build_parser().parse_args(["serve"])
+    assert _check(args) is None
+    _launch_workers(args)
+    assert {(c.speculative, c.num_speculative_tokens, c.mtp_head) for c in launched} == {
+        (None, None, None)}
+
+
+def test_serve_refuses_a_head_of_another_model_before_starting_workers() -> None:
+    res = cli("serve", "--model", "tiny-qwen3", "--speculative", "mtp", "--mtp-head", str(HEAD),
+              timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "mtp_head" in res.stderr and "another model" in res.stderr
+    assert "launched" not in res.stdout  # no Ray, no workers
+
+
+@pytest.mark.slow
+def test_generate_speculative_greedy_equals_plain() -> None:
+    """`pdserve generate --speculative mtp --chat ...` (the shipped SmolLM2 head) prints what
+    plain greedy decoding prints."""
+    common = ["generate", "--device", "cpu", "--max-tokens", "48", "--chat", QUESTION]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "router.cli", *common, *extra], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for extra in ([], ["--speculative", "mtp", "--num-speculative-tokens", "2"])]
+    # both at once: loading the model dominates, and it is single-threaded
+    outs = [p.communicate(timeout=300) for p in procs]
+    plain, spec = (subprocess.CompletedProcess(p.args, p.returncode, *o)
+                   for p, o in zip(procs, outs))
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert "Paris" in plain.stdout
+    assert spec.stdout == plain.stdout
