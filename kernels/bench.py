@@ -123,10 +123,15 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "copy": bench_copy(),
               "decode": bench_decode(), "prefill": bench_prefill(),
               "elementwise": bench_elementwise()}
+    emit(result, args.out)
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print the result as JSON, and write it to `out` too when given."""
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
 
 

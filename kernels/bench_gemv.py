@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 
 import torch
+
+from kernels.bench import emit
 
 # (name, N, K, prologue): Qwen3-8B; lm_head has the shape of the tied/untied output matrix
 SHAPES = [("qkv_proj", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "none"),
@@ -121,13 +122,8 @@ def main() -> None:
             print(f"[{time.time() - t0:5.0f}s] T={T} {name}: best {row['best']} heuristic "
                   f"{row['heuristic']['GBps']} GB/s, cuBLAS {row['cublas_matmul_only']['GBps']}",
                   file=sys.stderr, flush=True)
-    text = json.dumps({"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results},
-                      indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit({"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
+          "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}, args.out)
 
 
 if __name__ == "__main__":
