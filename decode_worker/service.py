@@ -115,8 +115,10 @@ class DecodeService:
         context.add_callback(lambda: self._on_close(rid, req, state))
         try:
             if req.HasField("prefill"):
-                first, blocks = self._admit_remote(req, params, context)
-                yield self._to_proto(first, pb.StageTimes(decode_queue=time.monotonic() - start))
+                first, blocks = self._admit_remote(req, params, context, start)
+                admitted, m = time.monotonic() - start, self.rt.metrics
+                m.decode_queue_stage.labels(**m.labels).observe(admitted)
+                yield self._to_proto(first, pb.StageTimes(decode_queue=admitted))
                 with state.lock:
                     state.pulling = True
                 try:
@@ -130,7 +132,7 @@ class DecodeService:
                     return
                 yield pb.DecodeOutput(request_id=rid, stages=stages)
             else:
-                self._admit_local(req, params, context)
+                self._admit_local(req, params, context, start)
             yield from self._stream(q, rid, deadline, context, state)
         finally:
             loop.unsubscribe(rid)
@@ -150,17 +152,18 @@ class DecodeService:
             state.cancelled = True
         return True
 
-    def _admit_local(self, req: pb.DecodeRequest, params: SamplingParams, context) -> None:
+    def _admit_local(self, req: pb.DecodeRequest, params: SamplingParams, context,
+                     arrival: float) -> None:
         if params.n > 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n: the router fans n > 1 out")
         try:
-            self.rt.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params,
-                                                      request_id=req.request_id))
+            self.rt.loop.call(lambda e: self.rt.metrics.track(e, arrival, e.add_request(
+                list(req.prompt_token_ids), params, request_id=req.request_id)))
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def _admit_remote(self, req: pb.DecodeRequest, params: SamplingParams,
-                      context) -> tuple[RequestOutput, list[int]]:
+    def _admit_remote(self, req: pb.DecodeRequest, params: SamplingParams, context,
+                      arrival: float) -> tuple[RequestOutput, list[int]]:
         kv = req.prefill.kv
         if self._peer_stub(kv.worker_id, kv.incarnation) is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -168,10 +171,16 @@ class DecodeService:
         if kv.compat_hash != self.rt.compat_hash:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"KV compatibility hash differs: {kv.compat_hash} != {self.rt.compat_hash}")
-        try:
-            blocks, first = self.rt.loop.call(lambda e: e.add_remote_request(
+
+        def admit(e) -> tuple[list[int], RequestOutput]:
+            admitted = e.add_remote_request(
                 req.request_id, list(req.prompt_token_ids), req.prefill.first_token_id, params,
-                hidden=_hidden_state(req.prefill)))  # MTP drafts from it once the KV lands
+                hidden=_hidden_state(req.prefill))  # MTP drafts from it once the KV lands
+            self.rt.metrics.track(e, arrival, [req.request_id])
+            return admitted
+
+        try:
+            blocks, first = self.rt.loop.call(admit)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if req.prefill.HasField("first_logprob"):

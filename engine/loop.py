@@ -28,13 +28,16 @@ class EngineLoopError(RuntimeError):
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.01,
-                 on_tick: Callable[[LLMEngine], None] | None = None) -> None:
+                 on_tick: Callable[[LLMEngine], None] | None = None,
+                 on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
         self._subs: dict[str, queue.Queue] = {}
         self._subs_lock = threading.Lock()
         self._idle_wait_s = idle_wait_s
         self._on_tick = on_tick  # periodic housekeeping on the loop thread (lease expiry)
+        # sees each step's outputs on the loop thread before they are published (metrics)
+        self._on_step = on_step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal: BaseException | None = None
@@ -113,6 +116,8 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
                     idle = self.engine.idle
+                if outputs and self._on_step is not None:
+                    self._on_step(outputs)
                 for out in outputs:
                     self.publish(out.request_id, out)
         except BaseException as e:  # a broken engine must not leave streams waiting

@@ -278,6 +278,8 @@ class Scheduler:
             ok, refund = self._append_or_preempt(req, num_new, scheduled, preempted, lookahead)
             budget += refund
             if ok:
+                if req.first_scheduled_time is None:  # remote KV: its first decode step
+                    req.first_scheduled_time = time.monotonic()
                 scheduled[req.request_id] = ScheduledRequest(req, num_new, spec)
                 budget -= num_new
         return budget

@@ -48,8 +48,8 @@ class PrefillService:
         context.add_callback(lambda: None if handed_over.is_set() else self._abandon(rid))
         try:
             try:
-                loop.call(lambda e: e.add_request(list(req.prompt_token_ids), local,
-                                                  request_id=rid, hold_blocks=wants_decode))
+                loop.call(lambda e: self.rt.metrics.track(e, arrival, e.add_request(
+                    list(req.prompt_token_ids), local, request_id=rid, hold_blocks=wants_decode)))
             except InvalidRequestError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             deadline = arrival + (req.timeout_s or 60.0)

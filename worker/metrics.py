@@ -2,21 +2,35 @@
 
 Each worker owns a CollectorRegistry (several workers may share a process in tests); the
 gauges are refreshed from the engine on the loop thread, counters advance from deltas.
+Per-request latencies are observed on the loop thread too: a service `track`s a request
+when it admits it, and `observe_step` sees every step's outputs before they are published.
 """
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, RequestOutput
+from engine.request import Request
 
 P = "pdserve:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LABELS = ("role", "worker")
+
+
+@dataclass
+class _Timeline:
+    """One admitted request as this worker sees it (loop thread only)."""
+
+    request: Request  # the engine's object: first_scheduled_time, first_token_time
+    arrival: float  # time.monotonic() when its Prefill/Decode RPC reached this worker
+    last_emit: float | None = None  # when this worker last emitted tokens of it
 
 
 class WorkerMetrics:
@@ -45,13 +59,14 @@ class WorkerMetrics:
         self.kv_recomputes = c("kv_recompute_fallbacks", "remote KV reads replaced by local prefill")
         self.request_success = Counter(P + "request_success", "finished requests",
                                        LABELS + ("finished_reason",), registry=registry)
-        self.queue_time = h("request_queue_time_seconds", "arrival to first schedule")
-        self.prefill_time = h("request_prefill_time_seconds", "prefill compute of a request")
-        self.ttft = h("time_to_first_token_seconds", "arrival at this worker to first token")
+        self.queue_time = h("request_queue_time_seconds", "arrival here to first scheduled")
+        self.prefill_time = h("request_prefill_time_seconds", "first scheduled to first token")
+        self.ttft = h("time_to_first_token_seconds", "arrival at this worker to its first token")
         self.itl = h("inter_token_latency_seconds", "time between output tokens")
         self.e2e = h("e2e_request_latency_seconds", "arrival at this worker to finish")
         self.kv_transfer_stage = h("stage_kv_transfer_seconds", "decode side: KV read incl. release")
-        self.decode_queue_stage = h("stage_decode_queue_seconds", "decode side: admit to first decode step")
+        self.decode_queue_stage = h("stage_decode_queue_seconds",
+                                    "decode side: Decode RPC arrival to admission")
         # MTP speculative decoding (vLLM's spec_decode_* names); zero without speculation
         self.spec_drafts = c("spec_decode_num_drafts", "verify events (a request with drafts)")
         self.spec_draft_tokens = c("spec_decode_num_draft_tokens", "draft tokens verified")
@@ -69,6 +84,7 @@ class WorkerMetrics:
             self.request_success.labels(**self.labels, finished_reason=reason)
         self.spec_accepted_per_pos.labels(**self.labels, position="0")
         self._last: dict[str, int] = {}
+        self._timelines: dict[str, _Timeline] = {}  # tracked requests, until they finish
 
     def _delta(self, key: str, value: int, counter: Counter) -> None:
         prev = self._last.get(key, 0)
@@ -76,10 +92,61 @@ class WorkerMetrics:
             counter.labels(**self.labels).inc(value - prev)
         self._last[key] = value
 
+    # -- per-request latencies (loop thread) ----------------------------------------------
+    def track(self, engine: LLMEngine, arrival: float, request_ids: list[str]) -> None:
+        """Follow requests just admitted to `engine` (call in the admitting loop command)."""
+        for rid in request_ids:
+            req = engine.scheduler.get_request(rid)
+            if req is not None:
+                self._timelines[rid] = _Timeline(req, arrival)
+
+    def observe_step(self, outputs: list[RequestOutput]) -> None:
+        """Observe one engine step's outputs, before they are published to the streams.
+
+        TTFT is arrival -> the first token this worker emits. On a decode worker that got a
+        prefilled request, the prefill worker's token never passes a step here, so its TTFT
+        runs to the first token it decodes itself (KV read included); its queue time runs to
+        that first decode step and its prefill time is that step (vLLM's P/D semantics).
+        ITL: a step that emits n tokens at once (speculation) counts its gap n times, each
+        gap / n, as the router does: count = tokens, sum = decode time, so the mean is the
+        per-token latency and worker and router series compare directly.
+        """
+        now, lb = time.monotonic(), self.labels
+        for out in outputs:
+            t = self._timelines.get(out.request_id)
+            if t is None:
+                continue
+            n = len(out.new_token_ids)
+            if n and t.last_emit is None:
+                self._first_token(t, now)
+            elif n:
+                gap = (now - t.last_emit) / n
+                for _ in range(n):
+                    self.itl.labels(**lb).observe(gap)
+            if n:
+                t.last_emit = now
+            if out.finished:
+                del self._timelines[out.request_id]
+                self.e2e.labels(**lb).observe(now - t.arrival)
+                if out.finish_reason in ("stop", "length"):
+                    self.request_success.labels(**lb, finished_reason=out.finish_reason).inc()
+
+    def _first_token(self, t: _Timeline, now: float) -> None:
+        lb, req = self.labels, t.request
+        scheduled, first = req.first_scheduled_time, req.first_token_time
+        self.ttft.labels(**lb).observe(now - t.arrival)
+        if scheduled is not None:
+            self.queue_time.labels(**lb).observe(max(0.0, scheduled - t.arrival))
+            if first is not None:
+                self.prefill_time.labels(**lb).observe(max(0.0, first - scheduled))
+
     def refresh(self, engine: LLMEngine) -> None:
         """Copy the engine's counters into Prometheus (runs on the loop thread)."""
         s, bm = engine.scheduler, engine.scheduler.block_manager
         lb = self.labels
+        # aborted requests end without a step output: forget them here
+        for rid in [rid for rid, t in self._timelines.items() if t.request.is_finished]:
+            del self._timelines[rid]
         self.running.labels(**lb).set(s.num_running)
         self.waiting.labels(**lb).set(s.num_waiting)
         self.kv_usage.labels(**lb).set(bm.usage)

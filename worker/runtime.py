@@ -65,7 +65,8 @@ class WorkerRuntime:
         self.incarnation = self.transport.incarnation
         self.compat_hash = self.transport.peer_info().compat_hash
         self.leases = LeaseTable(faults=self.faults, metrics=self.kv_metrics)
-        self.loop = EngineLoop(self.engine, on_tick=self._tick)
+        self.loop = EngineLoop(self.engine, on_tick=self._tick,
+                               on_step=self.metrics.observe_step)
         self.server: grpc.Server | None = None
         self.address = ""
         self.metrics_address = ""

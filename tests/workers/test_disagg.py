@@ -61,6 +61,53 @@ def test_disaggregated_equals_colocated_and_kv_is_bitwise_equal(pair) -> None:
     wait_until(lambda: idle(p) and idle(d), 10, "both workers idle")
 
 
+LATENCY_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds",
+                      "time_to_first_token_seconds", "inter_token_latency_seconds",
+                      "e2e_request_latency_seconds", "stage_decode_queue_seconds")
+
+
+def _latency_samples(w) -> dict[str, float]:
+    """_count and _sum of each worker latency histogram, plus finished requests."""
+    text = scrape(w)
+    out = {f"{h}_{s}": metric_value(text, f"pdserve:{h}_{s}")
+           for h in LATENCY_HISTOGRAMS for s in ("count", "sum")}
+    out["success"] = metric_value(text, "pdserve:request_success_total")
+    return out
+
+
+def test_worker_latency_histograms_observe_each_request(pair) -> None:
+    """Each worker observes its own view of a request: queue, prefill, TTFT, ITL, e2e."""
+    p, d = pair
+    [prompt] = _tokenize(["Worker latency histograms count this request"])
+    params = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    p0, d0 = _latency_samples(p), _latency_samples(d)
+    colocated, _ = tokens_of(decode_stream(d, "lat-col", prompt, params))
+    res = prefill(p, "lat-dis", prompt, params)
+    disagg, _ = tokens_of(decode_stream(d, "lat-dis", prompt, params, res))
+    assert len(colocated) == len(disagg) == 6
+    p1, d1 = _latency_samples(p), _latency_samples(d)
+    dp = {k: p1[k] - p0[k] for k in p0}
+    dd = {k: d1[k] - d0[k] for k in d0}
+    # P: one prefill (max_tokens 1 there), no inter-token gaps, no decode admission
+    assert {h: dp[h + "_count"] for h in LATENCY_HISTOGRAMS} == {
+        "request_queue_time_seconds": 1, "request_prefill_time_seconds": 1,
+        "time_to_first_token_seconds": 1, "inter_token_latency_seconds": 0,
+        "e2e_request_latency_seconds": 1, "stage_decode_queue_seconds": 0}
+    # D: the colocated request (6 tokens: 5 gaps) and the disaggregated one, whose first
+    # token came from P: D's own first token is its TTFT, then 4 gaps
+    assert {h: dd[h + "_count"] for h in LATENCY_HISTOGRAMS} == {
+        "request_queue_time_seconds": 2, "request_prefill_time_seconds": 2,
+        "time_to_first_token_seconds": 2, "inter_token_latency_seconds": 5 + 4,
+        "e2e_request_latency_seconds": 2, "stage_decode_queue_seconds": 1}
+    assert dp["success"] == 1 and dd["success"] == 2
+    for delta in (dp, dd):  # queue and prefill are the first token's prefix; e2e covers it
+        assert 0 < delta["request_queue_time_seconds_sum"] + \
+            delta["request_prefill_time_seconds_sum"] <= delta["time_to_first_token_seconds_sum"]
+        assert delta["time_to_first_token_seconds_sum"] <= delta["e2e_request_latency_seconds_sum"]
+    assert dd["inter_token_latency_seconds_sum"] > 0
+    wait_until(lambda: idle(p) and idle(d), 10, "both workers idle")
+
+
 def test_lease_expiry_frees_blocks_when_decode_never_pulls(pair) -> None:
     p, _ = pair
     [prompt] = _tokenize(["A request whose decode never comes"])
