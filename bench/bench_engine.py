@@ -183,8 +183,17 @@ def bench_decode_batch1(engine, graphs, plan: Plan, bw: float, wbytes: int, kvb:
             "roofline_note": "weight bytes per token / measured copy bandwidth; _with_kv adds "
                              "the KV bytes of the mean context", "target_tok_s": 180,
             "step_phases_ms": host_ms,
+            "overlap": _overlap_counts(engine),
             "step_phases_note": "mean host time per engine step by phase (EngineStats.host_s); "
                                 "'sample' includes waiting for the GPU to finish the step"}
+
+
+def _overlap_counts(engine) -> dict:
+    """Decode steps served by a forward launched before the host read the last tokens."""
+    ahead = engine.runner.ahead
+    if ahead is None:
+        return {"enabled": False}
+    return {"enabled": True, "hits": ahead.hits, "discards": ahead.discards}
 
 
 def bench_ttft(engine, plan: Plan, flops_per_token: float, attn_flops, tflops: float) -> list:

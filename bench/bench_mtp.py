@@ -80,6 +80,8 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
     the steps after every request of the batch had its first token."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     tokens, seconds, steps = 0, 0.0, 0
+    engine.stats.host_s.clear()
+    steps0 = engine.stats.steps
     for prompts in batches:
         rids = [engine.add_request(p, params)[0] for p in prompts]
         started: set[str] = set()
@@ -95,8 +97,11 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
                 steps += 1
             started.update(o.request_id for o in outs if o.new_token_ids)
             t = now
+    n = max(1, engine.stats.steps - steps0)
     out = {"tok_s": tokens / max(seconds, 1e-9), "tokens": tokens, "steps": steps,
-           "ms_per_step": 1000 * seconds / max(steps, 1)}
+           "ms_per_step": 1000 * seconds / max(steps, 1),
+           # host ms per engine step by phase; 'sample' waits for the GPU, 'draft' is MTP
+           "step_phases_ms": {k: round(1e3 * v / n, 4) for k, v in engine.stats.host_s.items()}}
     stats = engine.spec_stats
     if stats is not None:
         out.update(num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,

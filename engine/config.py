@@ -102,7 +102,14 @@ class EngineConfig:
     dtype: str = "float32"  # weights / activations
     use_triton: bool = False  # fused Triton kernels (CUDA); False = torch reference path
     use_cuda_graphs: bool = False
+    # launch the next decode forward before reading this step's tokens (engine/overlap.py):
+    # "auto" = with CUDA graphs (where it pays), "on" = also eagerly (tests), "off"
+    overlap_decode: str = "auto"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.overlap_decode in ("auto", "on", "off"), "overlap_decode",
+                 f"must be 'auto', 'on' or 'off', got {self.overlap_decode!r}")
 
     def with_(self, **changes: object) -> "EngineConfig":
         return replace(self, **changes)

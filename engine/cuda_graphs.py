@@ -156,17 +156,22 @@ class DecodeGraphs:
             self._reset_padding(B, bucket)
 
     @torch.inference_mode()
-    def run_host(self, batch: HostBatch, keep_prenorm: bool = False
+    def run_host(self, batch: HostBatch, keep_prenorm: bool = False,
+                 input_ids: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Replay the bucket's graph for this step: (hidden, prenorm) [T, H] views of the
         graph's outputs (valid until the next replay; keep_prenorm returns a copy of prenorm,
-        for MTP drafting, which keeps it), or None when the step must run eagerly."""
+        for MTP drafting, which keeps it), or None when the step must run eagerly.
+        input_ids [T] on the device, if given, replace batch.input_ids (overlapped decode:
+        the previous step's sampled ids, not yet read by the host)."""
         bucket = self.fits(batch)
         if bucket is None:
             return None
         if bucket not in self.graphs:  # a bucket not captured up front: capture it now
             self.capture([bucket])
         self.stage(batch, bucket)
+        if input_ids is not None:
+            self.input_ids[:len(batch.input_ids)].copy_(input_ids)
         graph, hidden, prenorm = self.graphs[bucket]
         graph.replay()
         self.replays += 1

@@ -194,7 +194,9 @@ class LLMEngine:
             return []
         k = self.spec.k_for_batch(len(out.scheduled)) if self.spec is not None else 0
         t1 = time.perf_counter()
-        result = self.runner.run(out, want_hidden=self.keep_hidden, num_spec=k)
+        result = self.runner.run(out, want_hidden=self.keep_hidden, num_spec=k,
+                                 may_overlap=not (self.scheduler.waiting
+                                                  or self.scheduler.waiting_for_kv))
         t2 = time.perf_counter()
         self.last_step = result
         updated = self.scheduler.update_from_output(out, result.sampled)

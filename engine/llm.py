@@ -47,7 +47,7 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
                  num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, use_triton: bool = False,
-                 use_cuda_graphs: bool = False, seed: int = 0,
+                 use_cuda_graphs: bool = False, overlap_decode: str = "auto", seed: int = 0,
                  speculative: str | SpecConfig | None = None,
                  num_speculative_tokens: int | None = None,
                  mtp_head: str | None = None) -> LLMEngine:
@@ -56,6 +56,8 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
     use_triton: Triton kernels (fused norms, SiLU-mul, attention prologue, paged attention);
     on CPU they run in Triton's interpreter (tests). use_cuda_graphs (CUDA, needs use_triton):
     decode steps replay graphs captured when the engine is built (engine/cuda_graphs.py).
+    overlap_decode: "auto" (with CUDA graphs), "on" or "off": launch the next decode forward
+    before the host reads this step's tokens (engine/overlap.py).
 
     speculative="mtp" (or a SpecConfig): MTP speculative decoding with the model's MTP head:
     `mtp_head` (a train-mtp file), the checkpoint's MTP layers, random for presets, or the
@@ -92,7 +94,7 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_len),
         device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
-        seed=seed)
+        overlap_decode=overlap_decode, seed=seed)
     return LLMEngine(config, net, tokenizer, spec=spec, mtp_head=head, mtp_head_id=head_id)
 
 

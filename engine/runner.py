@@ -20,6 +20,7 @@ from engine.attention import HostBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import maybe_decode_graphs
 from engine.model import Model
+from engine.overlap import DecodeAhead
 from engine.request import Request
 from engine.sampler import Sampler, SamplerState
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -63,6 +64,10 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self._states: dict[str, SamplerState] = {}
         self.cuda_graphs = maybe_decode_graphs(config, model, self.kv_cache)  # decode steps
+        overlap = config.overlap_decode == "on" or (
+            config.overlap_decode == "auto" and self.cuda_graphs is not None)
+        self.ahead = DecodeAhead(model, self.kv_cache, self.cuda_graphs, self.block_size,
+                                 config.scheduler.max_model_len) if overlap else None
         self.timing: dict[str, float] = {}  # the last step's host phases (see run)
         self.spec: SpecDecoder | None = None
         if spec is not None:
@@ -122,8 +127,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, want_hidden: bool = False,
-            num_spec: int = 0) -> StepResult:
-        """One step. num_spec: drafts to make per request for the next step (MTP only)."""
+            num_spec: int = 0, may_overlap: bool = False) -> StepResult:
+        """One step. num_spec: drafts to make per request for the next step (MTP only).
+        may_overlap: the engine expects the same batch next step (no request waiting to
+        join), so a decode step may launch the next forward early (engine/overlap.py)."""
         t0 = time.perf_counter()
         batch = self.flatten(out)
         hidden, prenorm = self._forward(out, batch)
@@ -136,7 +143,10 @@ class ModelRunner:
                   if s.samples and s.spec_token_ids]
         result = StepResult({}, {}, {})
         if plain:
-            self._sample(plain, hidden, result)
+            ahead = None
+            if may_overlap and not want_hidden and len(plain) == len(out.scheduled):
+                ahead = self._ahead_batch(out)
+            self._sample(plain, hidden, result, ahead)
         if verify:
             items = [(s.request, s.spec_token_ids, last) for s, last in verify]
             states = [self._state(s.request) for s, _ in verify]
@@ -159,6 +169,10 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, prenorm) [T, H]: a captured graph for a decode step or a uniform verify
         step (every request verifying the same k drafts), else the eager model."""
+        if self.ahead is not None:
+            launched = self.ahead.take(batch)
+            if launched is not None:
+                return launched
         k = max(batch.query_lens) - 1
         graphs = self.cuda_graphs if k == 0 else self.verify_graphs.get(k)
         if graphs is not None and (k == 0 or all(len(s.spec_token_ids) == k
@@ -169,9 +183,19 @@ class ModelRunner:
         input_ids, positions, meta = batch.to_device(self.device)
         return self.model(input_ids, positions, meta, self.kv_cache, return_prenorm=True)
 
+    def _ahead_batch(self, out: SchedulerOutput) -> HostBatch | None:
+        """The next decode batch to launch early, when this is a plain decode step."""
+        if self.ahead is None or self.spec is not None:
+            return None
+        if any(s.num_new_tokens != 1 or s.spec_token_ids for s in out.scheduled):
+            return None
+        return self.ahead.next_batch(out.scheduled)
+
     def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
-                result: StepResult) -> None:
-        """One token per request from its last row's logits (no drafts to verify)."""
+                result: StepResult, ahead: HostBatch | None = None) -> None:
+        """One token per request from its last row's logits (no drafts to verify). With
+        `ahead`, the next decode forward is launched from the device ids before the host
+        reads them."""
         last = [row for _, row in plain]
         if last == list(range(len(last))) and len(last) == hidden.shape[0]:
             rows = hidden  # a decode step where every row samples: no gather
@@ -180,7 +204,10 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         sampling = [s.request for s, _ in plain]
         states = [self._state(r) for r in sampling]
-        sample = self.sampler(logits, sampling, states)
+        launch = None if ahead is None else (lambda ids: self.ahead.launch(ahead, ids))
+        sample = self.sampler(logits, sampling, states, before_sync=launch)
+        if ahead is not None:
+            self.ahead.confirm(sample.token_ids)
         for i, req in enumerate(sampling):
             result.sampled[req.request_id] = [sample.token_ids[i]]
             if sample.logprobs[i] is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -125,10 +125,40 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+class _HostCopy:
+    """An asynchronous device -> host copy of sampled ids through a reused pinned buffer, so
+    work queued after start() does not delay wait() (a plain .tolist() would queue behind it)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._n = 0
+        self._ids: list[int] | None = None
+
+    def start(self, ids: torch.Tensor) -> None:
+        self._n = ids.numel()
+        if ids.device.type != "cuda":  # nothing runs ahead of the host on a CPU
+            self._ids = ids.tolist()
+            return
+        if self._buf is None or self._buf.numel() < self._n:
+            self._buf = torch.empty(max(self._n, 256), dtype=torch.int64, pin_memory=True)
+            self._event = torch.cuda.Event()
+        self._buf[:self._n].copy_(ids, non_blocking=True)
+        self._event.record()
+        self._ids = None
+
+    def wait(self) -> list[int]:
+        if self._ids is not None:
+            return self._ids
+        self._event.synchronize()
+        return self._buf[:self._n].tolist()
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._counter = itertools.count()  # distinct streams for unseeded requests
+        self._host_copy = _HostCopy()
 
     @torch.inference_mode()
     def new_state(self, request: Request, vocab_size: int,
@@ -153,13 +183,17 @@ class Sampler:
         return state
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
-                 states: Sequence[SamplerState]) -> SampleOutput:
-        return self.sample(logits, requests, states)
+                 states: Sequence[SamplerState],
+                 before_sync: Callable[[torch.Tensor], object] | None = None) -> SampleOutput:
+        return self.sample(logits, requests, states, before_sync)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: Sequence[Request],
-               states: Sequence[SamplerState]) -> SampleOutput:
-        """Draw one token per row of logits [B, V] (float)."""
+               states: Sequence[SamplerState],
+               before_sync: Callable[[torch.Tensor], object] | None = None) -> SampleOutput:
+        """Draw one token per row of logits [B, V] (float). before_sync, if given, gets the
+        drawn ids [B] on the device before the host reads them (overlapped decode launches
+        the next forward from them)."""
         params = [r.sampling_params for r in requests]
         processed = self._process(logits, requests, states)  # [B, V], -inf outside support
         token_ids = processed.argmax(dim=-1)  # greedy rows keep this
@@ -170,7 +204,12 @@ class Sampler:
             noise = self._noise(requests, states, random_rows, logits)  # [R, V] ~ Exp(1)
             # exponential race: argmax p_i / E_i is a draw from p, using only per-row noise
             token_ids[rows] = (probs / noise).argmax(dim=-1)
-        ids = token_ids.tolist()
+        if before_sync is None:
+            ids = token_ids.tolist()
+        else:  # copy the ids out first: a read after before_sync's work would wait for it
+            self._host_copy.start(token_ids)
+            before_sync(token_ids)
+            ids = self._host_copy.wait()
         return SampleOutput(ids, self._logprobs(logits, params, ids))
 
     @torch.inference_mode()

@@ -84,18 +84,17 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
     ss = tl.zeros([TP], tl.float32)  # "norm": sum of h^2 per row, for rstd at the end
     acc = tl.zeros([TP, BLOCK_N, BLOCK_K], tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    # The first weight tile is read before waiting on the previous kernel: weights are never
-    # written, so under PDL this load overlaps the previous kernel's tail. Activations and
-    # every store come after the wait. Each step then prefetches the next tile.
-    w = tl.load(w_rows + offs_k0[None, :], mask=n_ok[:, None] & (offs_k0 < K)[None, :],
-                other=0.0)
+    # Everything after the PDL wait. Loading the first weight tile before the wait (weights
+    # are never written) with a hand-written prefetch of each next tile measured 16% SLOWER
+    # over a whole Qwen3-8B decode step on an H100 (6.96 vs 5.98 ms; loading only the first
+    # tile early: 6.88): the waiting programs hold registers the running kernel needs
+    # (bench/diag_decode.py, bench/results/diag_decode_h100_2026-11-23.json).
     pdl_enter(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs_k0
         m = row_ok[:, None] & (offs_k < K)[None, :]
-        nxt = offs_k + BLOCK_K
-        w_next = tl.load(w_rows + nxt[None, :], mask=n_ok[:, None] & (nxt < K)[None, :],
-                         other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
+                    other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m, other=0.0)
         if PROLOGUE == 1:
             if HAS_RESIDUAL:  # h = x + residual, rounded as stored; program 0 stores it
@@ -108,7 +107,6 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
             ss += tl.sum(hf * hf, axis=1)
         a = _activation(x, x_ptr, nw_ptr, rows, row_ok, offs_k, K, stride_x, PROLOGUE)
         acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
-        w = w_next
     y = tl.sum(acc, axis=2)
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
         y = y * tl.rsqrt(ss / K + eps)[:, None]
