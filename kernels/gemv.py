@@ -88,7 +88,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
     # are never written) with a hand-written prefetch of each next tile measured 16% SLOWER
     # over a whole Qwen3-8B decode step on an H100 (6.96 vs 5.98 ms; loading only the first
     # tile early: 6.88): the waiting programs hold registers the running kernel needs
-    # (bench/diag_decode.py, bench/results/diag_decode_h100_2026-11-23.json).
+    # (bench/diag_decode.py, bench/results/diag_decode_h100_2026-11-23.json). An L2-only
+    # prefetch (prefetch.global.L2) of each program's slice before the wait: 6.94 ms (_run2).
     pdl_enter(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs_k0
