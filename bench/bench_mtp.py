@@ -103,6 +103,9 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
            # host ms per engine step by phase; 'sample' waits for the GPU, 'draft' is MTP
            "step_phases_ms": {k: round(1e3 * v / n, 4) for k, v in engine.stats.host_s.items()}}
     stats = engine.spec_stats
+    static = engine.runner.spec.draft_graphs if engine.runner.spec is not None else None
+    if static is not None:
+        out.update(static_drafts=static.served, draft_graph_replays=static.replays)
     if stats is not None:
         out.update(num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
                    num_accepted_tokens=stats.num_accepted_tokens,

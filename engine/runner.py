@@ -19,6 +19,7 @@ import torch
 from engine.attention import HostBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import maybe_decode_graphs
+from engine.draft_graphs import DraftGraphs
 from engine.model import Model
 from engine.overlap import DecodeAhead
 from engine.request import Request
@@ -76,6 +77,8 @@ class ModelRunner:
             self.spec = SpecDecoder(spec, mtp_head, model, self.kv_cache, self.block_size,
                                     self.sampler, config.scheduler.max_model_len,
                                     config.model.eos_token_ids)
+            self.spec.draft_graphs = maybe_draft_graphs(config, spec, model, mtp_head,
+                                                        self.kv_cache)
         # verify steps (k+1 tokens per sequence) replay graphs too, up to the largest batch
         # that still drafts
         self.verify_graphs = {} if spec is None else maybe_verify_graphs(
@@ -223,12 +226,12 @@ class ModelRunner:
             first_row = ends[i] - s.num_new_tokens
             if not s.samples:  # a prefill chunk: the next tokens are prompt tokens
                 nxt = req.all_token_ids[s.start_pos + 1:s.start_pos + s.num_new_tokens + 1]
-                jobs.append(DraftJob(req, s.start_pos, nxt, 0, first_row))
+                jobs.append(DraftJob(req, s.start_pos, nxt, 0, first_row, s.num_new_tokens))
                 continue
             emitted = sampled[req.request_id]
             nxt = emitted if s.spec_token_ids else s.token_ids[1:] + emitted[:1]
             jobs.append(DraftJob(req, s.start_pos, nxt, self.spec.cap_k(req, k, emitted),
-                                 first_row))
+                                 first_row, s.num_new_tokens))
         return jobs
 
     @torch.inference_mode()
@@ -249,6 +252,18 @@ class ModelRunner:
         """Copy whole blocks (all layers, K and V) src -> dst; one region each."""
         for src, dst in pairs:
             self.kv_cache[dst].copy_(self.kv_cache[src])
+
+
+def maybe_draft_graphs(config: EngineConfig, spec: SpecConfig, model: Model,
+                       head: torch.nn.Module, kv_cache: torch.Tensor) -> DraftGraphs | None:
+    """Static-shape drafting per spec.draft_graphs: replayed as CUDA graphs when the engine
+    captures graphs on CUDA ("auto" or "on"), run eagerly elsewhere ("on" only)."""
+    graphs = config.use_cuda_graphs and kv_cache.device.type == "cuda"
+    if spec.draft_graphs == "off" or (spec.draft_graphs == "auto" and not graphs):
+        return None
+    return DraftGraphs(model, head, kv_cache, config.cache.block_size,
+                       config.scheduler.max_model_len, spec.num_speculative_tokens,
+                       config.scheduler.max_num_seqs, use_graphs=graphs)
 
 
 def _max_spec_batch(spec: SpecConfig, max_num_seqs: int) -> int:

@@ -38,6 +38,7 @@ import torch
 
 from engine.attention import make_metadata
 from engine.config import ConfigError
+from engine.draft_graphs import DraftGraphs, DraftRow
 from engine.request import Request
 from engine.sampler import SAMPLING_EPS, Sampler, SamplerState, mix_seed
 
@@ -57,6 +58,9 @@ class SpecConfig:
     maintain_mtp_kv: bool = True
     # accept every draft (WRONG tokens): ceiling benchmarks only, never the default
     forced_acceptance: bool = False
+    # static-shape drafting (engine/draft_graphs.py): "auto" = replayed as CUDA graphs when
+    # the engine uses them, "on" = also run eagerly elsewhere (tests of the logic), "off"
+    draft_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,6 +68,9 @@ class SpecConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("speculative.num_speculative_tokens: must be in [1, 16], got "
                               f"{self.num_speculative_tokens}")
+        if self.draft_graphs not in ("auto", "on", "off"):
+            raise ConfigError("speculative.draft_graphs: must be 'auto', 'on' or 'off', got "
+                              f"{self.draft_graphs!r}")
         prev = 0
         for max_batch, cap in self.batch_k_caps:
             if max_batch <= prev or cap < 0:
@@ -167,6 +174,7 @@ class DraftJob:
     next_tokens: list[int]
     k: int  # drafts wanted after this catch-up (0: only write the MTP KV)
     first_row: int = 0
+    rows: int = 0  # its rows in the step's hidden tensor (>= m; 0: unknown)
 
     @property
     def m(self) -> int:
@@ -192,6 +200,7 @@ class SpecDecoder:
         self.stats = SpecStats(num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
         self._q: dict[str, torch.Tensor] = {}  # request -> [k, V] draft distributions (random)
         self._gens: dict[str, torch.Generator] = {}
+        self.draft_graphs: DraftGraphs | None = None  # set by the runner (static drafting)
 
     def free_request(self, request_id: str) -> None:
         self._q.pop(request_id, None)
@@ -270,6 +279,9 @@ class SpecDecoder:
         jobs = [j for j in jobs if j.m > 0]
         if not jobs:
             return {}
+        static = self._propose_static(jobs, hidden)
+        if static is not None:
+            return static
         dev = self.device
         rows = torch.tensor([r for j in jobs for r in range(j.first_row, j.first_row + j.m)],
                             device=dev)
@@ -285,6 +297,26 @@ class SpecDecoder:
             return {}
         last = g[ends[want].to(dev)]
         return self._chain([jobs[i] for i in want], last, states)
+
+    def _propose_static(self, jobs: list[DraftJob], hidden: torch.Tensor
+                        ) -> dict[str, list[int]] | None:
+        """The same proposal through DraftGraphs when the step is uniform (every job has q
+        rows laid out in order and wants the same k) and every drafting request is greedy;
+        None otherwise (the dynamic path runs)."""
+        if self.draft_graphs is None:
+            return None
+        q, k = jobs[0].rows, jobs[0].k
+        if any(j.rows != q or j.k != k or j.first_row != i * q for i, j in enumerate(jobs)):
+            return None
+        if k > 0 and any(j.request.sampling_params.temperature >= SAMPLING_EPS for j in jobs):
+            return None
+        rows = [DraftRow(j.request, j.start, j.next_tokens) for j in jobs]
+        drafts = self.draft_graphs.propose(rows, hidden, q, k)
+        if drafts is None:
+            return None
+        for j in jobs:
+            self._q.pop(j.request.request_id, None)  # greedy drafts keep no distribution
+        return {j.request.request_id: d for j, d in zip(jobs, drafts) if d}
 
     def _chain(self, jobs: list[DraftJob], g: torch.Tensor,
                states: dict[str, SamplerState]) -> dict[str, list[int]]:

@@ -1,0 +1,195 @@
+"""Static-shape MTP drafting, replayed as CUDA graphs: catch-up + chain in one launch.
+
+Eager drafting costs ~20 kernel launches per MTP step from Python, plus the LM head each time;
+at batch 1 that made a k=1 speculative step slower than no speculation at all (bench_mtp on an
+H100). Here the whole proposal for a uniform greedy step is one captured function over static
+buffers, keyed by (batch bucket, q, k):
+
+    catch-up   the MTP layer over q rows per sequence: every row the target computed this step
+               (q = 1 after a plain decode, q = k_prev + 1 after a verify, accepted or not),
+               token t+1 and target hidden at t, positions start .. start + q - 1
+    select     each sequence's row at its last accepted position (sel), then k times:
+    draft      logits -> argmax -> the next chain step's input (positions start + m - 1 + s)
+    out        drafts [bucket, k] int64: one host read for the whole proposal
+
+Rows past a sequence's accepted prefix (m = accepted + 1 <= q) see rejected draft tokens: their
+outputs are never selected, and the MTP KV they write lies beyond the accepted length, where
+the chain and the next catch-up write again before anything reads it (the same rollback
+argument as the target's KV in engine/spec_decode.py). Padding rows write nothing (slot -1).
+
+Only greedy requests draft here (argmax drafts need no draft distribution); k = 0 replays the
+catch-up alone (the MTP KV kept current at batch sizes that no longer draft).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.cuda_graphs import bucket_for, decode_buckets
+from engine.request import Request
+
+
+@dataclass
+class DraftRow:
+    """One request's share of a static-shape proposal."""
+
+    request: Request
+    start: int  # position of the first of its q rows
+    next_tokens: list[int]  # m <= q known next tokens (the rest of the q rows are padding)
+
+
+class DraftGraphs:
+    """Buffers and captured graphs of static-shape proposals (see the module docstring).
+    With use_graphs=False the same function runs eagerly (CPU tests of the logic)."""
+
+    def __init__(self, model: torch.nn.Module, head: torch.nn.Module, kv_cache: torch.Tensor,
+                 block_size: int, max_model_len: int, max_k: int, max_batch: int,
+                 use_graphs: bool) -> None:
+        self.model, self.head, self.kv_cache = model, head, kv_cache
+        self.block_size, self.max_k, self.use_graphs = block_size, max_k, use_graphs
+        self.width = -(-max_model_len // block_size)
+        self.buckets = decode_buckets(max_batch)
+        n, Q, C, dev = self.buckets[-1], max_k + 1, max(max_k - 1, 1), kv_cache.device
+        # one flat int64 and one int32 buffer per side: a step stages in two copies
+        self._i64 = {"ids": n * Q, "pos": n * Q, "slots": n * Q, "sel": n,
+                     "cpos": C * n, "cslots": C * n}
+        self._i32 = {"seq": n, "cseq": C * n, "tables": n * self.width}
+        pin = dev.type == "cuda"
+        self.h64 = torch.zeros(sum(self._i64.values()), dtype=torch.int64, pin_memory=pin)
+        self.h32 = torch.zeros(sum(self._i32.values()), dtype=torch.int32, pin_memory=pin)
+        self.d64, self.d32 = self.h64.to(dev), self.h32.to(dev)
+        self.hid = torch.zeros(n * Q, model.config.hidden_size, device=dev,
+                               dtype=model.embed_tokens.weight.dtype)
+        self.qsl = {q: torch.arange(n + 1, dtype=torch.int32, device=dev) * q
+                    for q in range(1, Q + 1)}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.replays = 0  # graph replays
+        self.served = 0  # proposals made here (graph or eager)
+
+    def _views(self, flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for name, size in sizes.items():
+            out[name] = flat[at:at + size]
+            at += size
+        return out
+
+    # -- the captured function ---------------------------------------------------------------
+    def _meta(self, B: int, q: int, slots: torch.Tensor, seq: torch.Tensor,
+              tables: torch.Tensor, seq_cpu: list[int]) -> AttentionMetadata:
+        """seq_cpu: the staged lengths on the host, read only by the torch attention path
+        (CPU); the Triton kernels read `seq` on the device, so a graph never bakes them in."""
+        return AttentionMetadata(slot_mapping=slots, query_start_loc=self.qsl[q][:B + 1],
+                                 seq_lens=seq, block_tables=tables, max_query_len=q,
+                                 max_seq_len=self.width * self.block_size,
+                                 query_lens_cpu=[q] * B, seq_lens_cpu=seq_cpu,
+                                 block_size=self.block_size)
+
+    def forward(self, B: int, q: int, k: int) -> torch.Tensor | None:
+        """The proposal over the first B (a bucket) rows of the static buffers: drafts
+        [B, k] int64, or None for k = 0 (catch-up only)."""
+        v64, v32 = self._views(self.d64, self._i64), self._views(self.d32, self._i32)
+        n = B * q
+        tables = v32["tables"].view(-1, self.width)[:B]
+        host32 = self._views(self.h32, self._i32)
+        meta = self._meta(B, q, v64["slots"][:n], v32["seq"][:B], tables,
+                          host32["seq"][:B].tolist())
+        g = self.head(self.model, v64["ids"][:n], self.hid[:n], v64["pos"][:n], meta,
+                      self.kv_cache, step=0)  # [n, H]
+        if k == 0:
+            return None
+        g = g.index_select(0, v64["sel"][:B])  # [B, H] at each last accepted position
+        cpos, cslots = v64["cpos"].view(-1, self.buckets[-1]), v64["cslots"].view(-1, self.buckets[-1])
+        cseq = v32["cseq"].view(-1, self.buckets[-1])
+        drafts = []
+        for s in range(k):
+            tok = self.model.compute_logits(g).argmax(dim=-1)  # [B]
+            drafts.append(tok)
+            if s + 1 < k:
+                meta_s = self._meta(B, 1, cslots[s, :B], cseq[s, :B], tables,
+                                    host32["cseq"].view(-1, self.buckets[-1])[s, :B].tolist())
+                g = self.head(self.model, tok, g, cpos[s, :B], meta_s, self.kv_cache,
+                              step=s + 1)
+        return torch.stack(drafts, dim=1)
+
+    # -- a step --------------------------------------------------------------------------------
+    def fits(self, rows: list[DraftRow], q: int, k: int) -> int | None:
+        """The bucket for this proposal, or None when it must run the dynamic path."""
+        if not 1 <= q <= self.max_k + 1 or not 0 <= k <= self.max_k:
+            return None
+        bucket = bucket_for(len(rows), self.buckets)
+        if bucket is None:
+            return None
+        bs = self.block_size
+        for r in rows:
+            last = r.start + max(q, len(r.next_tokens) + k - 1) - 1  # the last slot written
+            if last // bs >= len(r.request.block_table) or -(-(last + 1) // bs) > self.width:
+                return None
+        return bucket
+
+    def stage(self, rows: list[DraftRow], hidden: torch.Tensor, B: int, q: int, k: int) -> None:
+        """Fill the host buffers for rows (bucket B), copy them and the hidden rows over."""
+        v64 = {n: t.numpy() for n, t in self._views(self.h64, self._i64).items()}
+        v32 = {n: t.numpy() for n, t in self._views(self.h32, self._i32).items()}
+        bs, nmax = self.block_size, self.buckets[-1]
+        ids, pos, slots = v64["ids"][:B * q], v64["pos"][:B * q], v64["slots"][:B * q]
+        ids[:], pos[:], slots[:] = 0, 0, -1
+        v32["seq"][:B] = q if q > 1 else 0  # padding: the prefill kernel needs seq >= q
+        v64["sel"][:B] = np.arange(B) * q
+        cpos, cslots = v64["cpos"].reshape(-1, nmax), v64["cslots"].reshape(-1, nmax)
+        cseq = v32["cseq"].reshape(-1, nmax)
+        cpos[:, :B], cslots[:, :B], cseq[:, :B] = 0, -1, 0
+        tables = v32["tables"].reshape(nmax, self.width)
+        tables[:B] = 0
+        for i, r in enumerate(rows):
+            table, m = r.request.block_table, len(r.next_tokens)
+            p = np.arange(r.start, r.start + q)
+            ids[i * q:i * q + m] = r.next_tokens
+            pos[i * q:(i + 1) * q] = p
+            slots[i * q:(i + 1) * q] = [table[x // bs] * bs + x % bs for x in p]
+            v32["seq"][i] = r.start + q
+            v64["sel"][i] = i * q + m - 1
+            for s in range(k - 1):  # chain step s + 1 at position start + m - 1 + s + 1
+                x = r.start + m + s
+                cpos[s, i], cslots[s, i], cseq[s, i] = x, table[x // bs] * bs + x % bs, x + 1
+            used = -(-(r.start + max(q, m + k - 1)) // bs)
+            tables[i, :used] = table[:used]
+        self.d64.copy_(self.h64, non_blocking=True)
+        self.d32.copy_(self.h32, non_blocking=True)
+        self.hid[:len(rows) * q].copy_(hidden[:len(rows) * q])
+
+    @torch.inference_mode()
+    def propose(self, rows: list[DraftRow], hidden: torch.Tensor, q: int,
+                k: int) -> list[list[int]] | None:
+        """Drafts per row (k each; [] for k = 0), or None when the step does not fit."""
+        B = self.fits(rows, q, k)
+        if B is None or hidden.shape[0] != len(rows) * q:
+            return None
+        self.stage(rows, hidden, B, q, k)
+        if not self.use_graphs:
+            out = self.forward(B, q, k)
+        else:
+            if (B, q, k) not in self.graphs:
+                self._capture(B, q, k)
+            graph, out = self.graphs[(B, q, k)]
+            graph.replay()
+            self.replays += 1
+        self.served += 1
+        if out is None:
+            return [[] for _ in rows]
+        return out[:len(rows)].tolist()
+
+    def _capture(self, B: int, q: int, k: int) -> None:
+        """Capture on first use, with this step's inputs staged: the warm-up run writes the
+        same MTP KV the replay will (padding rows write none)."""
+        self.forward(B, q, k)  # compile and pick kernels outside the capture
+        torch.cuda.synchronize(self.kv_cache.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.forward(B, q, k)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(B, q, k)] = (graph, out)
