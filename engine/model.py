@@ -103,7 +103,8 @@ class DecoderLayer(nn.Module):
     def _forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, meta: AttentionMetadata,
                       kv_cache: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """The same layer as 7 kernels at batch 1: each norm rides in the next projection's
+        """The same layer through kernels.gemv for 1..GEMV_ROWS rows (batch-1 decode, MTP
+        verify of a few drafts). 7 kernels at batch 1: each norm rides in the next projection's
         prologue, SiLU-and-mul in down_proj's, and both residual adds in the epilogues of
         o_proj and down_proj. Returns (the residual stream after the layer, None): the adds
         are done, so the next layer (or final norm) takes x alone."""

@@ -50,38 +50,30 @@ def _time_config(ws, x, res, nw, prologue: str, cfg) -> float:
     return _graph_us(lambda: [gemv(x, w, prologue, config=cfg, **kw) for w in ws], len(ws))
 
 
-def _candidates(T: int, seeds: list | None = None):
-    """T = 1: a grid of tiles with <= 64 fp32 accumulators per thread. T > 1: the best T = 1
-    tiles (seeds), with BLOCK_K halved until the [T, BN, BK] accumulator fits that bound."""
+def _candidates(T: int) -> list:
+    """T = 1 (CUDA-core kernel): a grid of tiles with <= 64 fp32 accumulators per thread.
+    T > 1 (tensor-core kernel): output widths, K steps and pipeline depths."""
     from kernels.gemv import GemvConfig
 
-    if seeds is None:
+    if T == 1:
         grid = itertools.product((2, 4, 8, 16, 32), (256, 512, 1024), (4, 8))
         return [GemvConfig(bn, bk, w, 1) for bn, bk, w in grid
                 if bn * bk <= 2048 * w and bn * bk >= 1024]
-    out = []
-    for c in seeds:
-        bk = c.block_k
-        while T * c.block_n * bk > 2048 * c.num_warps and bk > 64:
-            bk //= 2
-        cfg = GemvConfig(c.block_n, bk, c.num_warps, c.num_stages)
-        if cfg not in out:
-            out.append(cfg)
-    return out
+    grid = itertools.product((16, 32, 64), (64, 128, 256), (3, 4))
+    return [GemvConfig(bn, bk, 4, st) for bn, bk, st in grid]
 
 
-def sweep_shape(name: str, N: int, K: int, prologue: str, T: int,
-                seeds: list | None = None) -> tuple[dict, list]:
+def sweep_shape(name: str, N: int, K: int, prologue: str, T: int) -> dict:
     """Time every candidate tile (and 2-3 pipeline stages on the best three when T = 1);
-    returns the JSON row and the five best configs."""
+    returns the JSON row."""
     from kernels.gemv import GemvConfig, pick_config
 
     ws, x, res, nw = _setup(N, K, T, prologue)
     nbytes = N * K * 2
-    rows = [(_time_config(ws, x, res, nw, prologue, c), c) for c in _candidates(T, seeds)
+    rows = [(_time_config(ws, x, res, nw, prologue, c), c) for c in _candidates(T)
             if -(-N // c.block_n) >= 132]
     rows.sort(key=lambda r: r[0])
-    if seeds is None:
+    if T == 1:
         for _, cfg in list(rows[:3]):
             for stages in (2, 3):
                 staged = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, stages)
@@ -101,7 +93,7 @@ def sweep_shape(name: str, N: int, K: int, prologue: str, T: int,
            "top5": [vars(c) | {"us": round(u, 2)} for u, c in rows[:5]]}
     del ws
     torch.cuda.empty_cache()
-    return out, [c for _, c in rows[:5]]
+    return out
 
 
 def main() -> None:
@@ -114,10 +106,8 @@ def main() -> None:
     t0, results = time.time(), []
     rows = [int(t) for t in args.rows.split(",")]
     for name, N, K, prologue in SHAPES:
-        seeds = None
         for T in rows:
-            row, top = sweep_shape(name, N, K, prologue, T, seeds)
-            seeds = seeds or top
+            row = sweep_shape(name, N, K, prologue, T)
             results.append(row)
             print(f"[{time.time() - t0:5.0f}s] T={T} {name}: best {row['best']} heuristic "
                   f"{row['heuristic']['GBps']} GB/s, cuBLAS {row['cublas_matmul_only']['GBps']}",

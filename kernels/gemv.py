@@ -32,13 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, interpreting, jit,
-                             next_pow2, pdl_enter, pdl_launch)
+from kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, dot_dtype,
+                             dot_precision, interpreting, jit, next_pow2, pdl_enter, pdl_launch)
+from kernels.rmsnorm import fused_add_rmsnorm
+from kernels.silu_mul import silu_and_mul
 
-MAX_ROWS = 4  # the kernel's limit
-# What the model sends here: from the H100 sweep, at 2+ rows cuBLAS's tensor-core kernels
-# beat this one on the wide projections, so only batch-1 decode steps take it.
-MODEL_ROWS = 1
+MAX_ROWS = 16  # 1 row: CUDA cores; 2..16 rows: tensor cores, padded to tl.dot's M = 16
+# What the model sends here: batch-1 decode steps and MTP verify steps of up to 3 drafts
+# (2-4 rows), whose layers then run as PDL-chained Triton kernels instead of cuBLAS GEMMs
+# with separate norm / SiLU kernels between them.
+MODEL_ROWS = 4
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
 
 
@@ -118,37 +121,69 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
     tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], y, mask=out_mask)
 
 
+@jit
+def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, N, K, T, stride_x, stride_w, stride_y,
+                     stride_add, HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[T, N] = x[T, K] @ W[N, K]^T (+ add) for 2..BLOCK_M rows on the tensor cores: the rows
+    are padded to tl.dot's minimum M (16; padding rows cost no memory traffic) and each K step
+    is one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot, software-pipelined by Triton. (With a
+    norm or SiLU prologue computed inside the loop, Triton stopped pipelining the loads: 4-5x
+    slower on an H100, bench/results/gemv_dot_sweep_h100_2026-11-23.json; gemv() runs those
+    prologues as their own small kernel first.)"""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k0 = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    pdl_enter(USE_PDL)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        k_ok = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PREC)
+    out_mask = row_ok[:, None] & n_ok[None, :]
+    if HAS_ADD:
+        acc += tl.load(add_ptr + rows[:, None] * stride_add + offs_n[None, :], mask=out_mask,
+                       other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], acc, mask=out_mask)
+
+
 def pick_config(N: int, K: int, T: int) -> GemvConfig:
-    """Tile for y[T, N] = a[T, K] @ W[N, K]^T, from a sweep on an H100 at Qwen3-8B's shapes
-    (bench/results/gemv_sweep_h100_2026-11-22.json): 1024-wide K steps and 4 warps won
-    everywhere, pipelining stages made no difference, 8 output columns per program won on the
-    big matrices (gate_up, down, lm_head) and 4 on the small (q/k/v, o). Narrow matrices
-    shrink BLOCK_N further so at least ~2 programs per SM exist; more rows shrink BLOCK_K so
-    the [T, BN, BK] accumulator stays at <= 64 fp32 registers per thread.
+    """Tile for y[T, N] = a[T, K] @ W[N, K]^T. One row (the CUDA-core kernel), from a sweep on
+    an H100 at Qwen3-8B's shapes (bench/results/gemv_sweep_h100_2026-11-22.json): 1024-wide K
+    steps and 4 warps won everywhere, pipelining stages made no difference, 8 output columns
+    per program won on the big matrices (gate_up, down, lm_head) and 4 on the small (q/k/v,
+    o); narrow matrices shrink BLOCK_N so at least ~2 programs per SM exist. Two or more rows
+    (the tensor-core kernel): see pick_dot_config.
     The CPU interpreter runs one program at a time, so there few big tiles are fastest."""
+    if T > 1:
+        return pick_dot_config(N, K)
     if interpreting():
         return GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
     block_k = min(1024, next_pow2(K))
     block_n = 8 if N * K >= (32 << 20) else 4
     while block_n > 1 and triton.cdiv(N, block_n) < 264:
         block_n //= 2
-    while T * block_n * block_k > 8192 and block_k > 64:
-        block_k //= 2
     return GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
-         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, add: torch.Tensor | None = None, config: GemvConfig | None = None
-         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """y = prologue(x) @ weight.T (+ add) for x [T, K_in] with T <= MAX_ROWS, weight [N, K].
+def pick_dot_config(N: int, K: int) -> GemvConfig:
+    """Tile of the tensor-core kernel (2..16 rows)."""
+    if interpreting():
+        return GemvConfig(min(64, max(16, next_pow2(N))), min(128, max(16, next_pow2(K))))
+    block_n = 32 if triton.cdiv(N, 32) >= 132 else 16
+    return GemvConfig(block_n, min(256, next_pow2(K)), num_warps=4, num_stages=4)
 
-    prologue "none": K_in = K. "silu": K_in = 2K ([gate | up]). "norm": K_in = K, needs
-    norm_weight [K]; returns (y, new_residual) where new_residual = x + residual (a new tensor)
-    or x itself when residual is None. Rows of x may be strided; the last dims must be
-    contiguous. add [T, N] (the residual stream) is summed in fp32 before y is rounded.
-    y is a new contiguous [T, N] tensor in x.dtype.
-    """
+
+def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, residual: torch.Tensor | None,
+           norm_weight: torch.Tensor | None, eps: float, add: torch.Tensor | None) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("x", x)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device,
@@ -162,7 +197,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     if k_in != (2 * K if prologue == "silu" else K):
         raise ValueError(f"x: last dim {k_in} does not fit weight [N, K] = {tuple(weight.shape)} "
                          f"with prologue {prologue!r}")
-    res_out = x
     if prologue == "norm":
         if norm_weight is None:
             raise ValueError("norm_weight: required with prologue 'norm'")
@@ -171,7 +205,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
         if residual is not None:
             check_tensor("residual", residual, shape=(T, K), dtypes=(x.dtype,), device=x.device,
                          last_contiguous=True)
-            res_out = torch.empty((T, K), dtype=x.dtype, device=x.device)
         if not eps > 0:
             raise ValueError(f"eps: must be > 0, got {eps}")
     elif residual is not None or norm_weight is not None:
@@ -179,15 +212,62 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     if add is not None:
         check_tensor("add", add, shape=(T, N), dtypes=(x.dtype,), device=x.device,
                      last_contiguous=True)
-    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
+         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+         eps: float = 1e-6, add: torch.Tensor | None = None, config: GemvConfig | None = None
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y = prologue(x) @ weight.T (+ add) for x [T, K_in] with T <= MAX_ROWS, weight [N, K].
+
+    prologue "none": K_in = K. "silu": K_in = 2K ([gate | up]). "norm": K_in = K, needs
+    norm_weight [K]; returns (y, new_residual) where new_residual = x + residual (a new tensor)
+    or x itself when residual is None. Rows of x may be strided; the last dims must be
+    contiguous. add [T, N] (the residual stream) is summed in fp32 before y is rounded.
+    y is a new contiguous [T, N] tensor in x.dtype. One row runs on the CUDA cores, 2..16 on
+    the tensor cores.
+    """
+    _check(x, weight, prologue, residual, norm_weight, eps, add)
+    T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     cfg = config or pick_config(N, K, T)
+    if T > 1:
+        return _gemv_rows(x, weight, prologue, residual, norm_weight, eps, add, cfg)
+    res_out = x
+    if prologue == "norm" and residual is not None:
+        res_out = torch.empty((T, K), dtype=x.dtype, device=x.device)
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     res = residual if residual is not None else x
     nw = norm_weight if norm_weight is not None else weight
+    out = y if add is None else add
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, res, nw, weight, y, res_out, y if add is None else add, N, K, x.stride(0),
-        res.stride(0), weight.stride(0), y.stride(0), res_out.stride(0),
-        y.stride(0) if add is None else add.stride(0), float(eps), T=T, TP=next_pow2(T),
-        PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None, HAS_ADD=add is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(x))
+        x, res, nw, weight, y, res_out, out, N, K, x.stride(0), res.stride(0),
+        weight.stride(0), y.stride(0), res_out.stride(0), out.stride(0), float(eps), T=T, TP=1,
+        PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None,
+        HAS_ADD=add is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     return (y, res_out) if prologue == "norm" else y
+
+
+def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
+               residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+               add: torch.Tensor | None, cfg: GemvConfig
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """2..16 rows: the prologue as its own kernel (activation rounded to x.dtype, as in an
+    unfused layer), then the tensor-core kernel."""
+    if min(cfg.block_n, cfg.block_k) < 16:
+        raise ValueError(f"config: the tensor-core kernel (2+ rows) needs block_n and block_k "
+                         f">= 16, got {cfg}")
+    h = x
+    if prologue == "norm":
+        x, h = fused_add_rmsnorm(x, residual, norm_weight, eps)
+    elif prologue == "silu":
+        x = silu_and_mul(x)
+    T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    out = y if add is None else add
+    _gemv_dot_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, weight, y, out, N, K, T, x.stride(0), weight.stride(0), y.stride(0), out.stride(0),
+        HAS_ADD=add is not None, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PREC=dot_precision(x.dtype), DOT_DTYPE=dot_dtype(x.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch(x))
+    return (y, h) if prologue == "norm" else y

@@ -20,7 +20,8 @@ def _data(T: int, N: int, K: int, dtype: torch.dtype, device, k_in: int | None =
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,N,K", [(1, 37, 96), (2, 100, 200), (3, 13, 300), (4, 64, 129)])
+@pytest.mark.parametrize("T,N,K", [(1, 37, 96), (2, 100, 200), (3, 13, 300), (4, 64, 129),
+                                   (7, 45, 77), (16, 33, 130)])
 def test_plain_matches_reference(dtype, T, N, K, device, close):
     x, w, _ = _data(T, N, K, dtype, device, stride_pad=5)
     y = gemv(x, w)
@@ -29,7 +30,7 @@ def test_plain_matches_reference(dtype, T, N, K, device, close):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,N,K", [(1, 50, 96), (3, 70, 576), (4, 9, 130)])
+@pytest.mark.parametrize("T,N,K", [(1, 50, 96), (3, 70, 576), (4, 9, 130), (11, 40, 200)])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_norm_prologue_matches_reference(dtype, T, N, K, with_residual, device, close):
     x, w, gen = _data(T, N, K, dtype, device, stride_pad=3)
@@ -44,18 +45,21 @@ def test_norm_prologue_matches_reference(dtype, T, N, K, with_residual, device, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,N,K", [(1, 33, 64), (2, 17, 250), (4, 40, 96)])
+@pytest.mark.parametrize("T,N,K", [(1, 33, 64), (2, 17, 250), (4, 40, 96), (9, 21, 100)])
 def test_silu_prologue_matches_reference(dtype, T, N, K, device, close):
     x, w, _ = _data(T, N, K, dtype, device, k_in=2 * K, stride_pad=7)
     close(gemv(x, w, "silu"), gemv_ref(x, w, "silu"), dtype)
 
 
-@pytest.mark.parametrize("cfg", [GemvConfig(2, 32), GemvConfig(8, 64, num_warps=2),
-                                 GemvConfig(16, 128, num_warps=8, num_stages=2)])
-def test_every_tile_shape_covers_ragged_edges(cfg, device, close):
-    """N and K not multiples of the tile: masked tails in both dims."""
-    x, w, gen = _data(3, 45, 157, torch.float32, device)
-    res = torch.randn(3, 157, generator=gen).to(device)
+@pytest.mark.parametrize("T,cfg", [(1, GemvConfig(2, 32)), (1, GemvConfig(8, 64, num_warps=2)),
+                                   (1, GemvConfig(16, 128, num_warps=8, num_stages=2)),
+                                   (3, GemvConfig(16, 32)), (3, GemvConfig(32, 64, num_stages=3)),
+                                   (5, GemvConfig(64, 16, num_warps=8))])
+def test_every_tile_shape_covers_ragged_edges(T, cfg, device, close):
+    """N and K not multiples of the tile: masked tails in both dims (1 row: the CUDA-core
+    kernel; more: the tensor-core one)."""
+    x, w, gen = _data(T, 45, 157, torch.float32, device)
+    res = torch.randn(T, 157, generator=gen).to(device)
     nw = torch.rand(157, generator=gen).to(device)
     y, h = gemv(x, w, "norm", residual=res, norm_weight=nw, config=cfg)
     y_ref, h_ref = gemv_ref(x, w, "norm", residual=res, norm_weight=nw)
@@ -66,8 +70,10 @@ def test_every_tile_shape_covers_ragged_edges(cfg, device, close):
 def test_bad_arguments_name_the_field(device):
     x = torch.randn(2, 64, device=device)
     w = torch.randn(8, 64, device=device)
-    with pytest.raises(ValueError, match="x: 5 rows"):
-        gemv(torch.randn(5, 64, device=device), w)
+    with pytest.raises(ValueError, match="x: 17 rows"):
+        gemv(torch.randn(17, 64, device=device), w)
+    with pytest.raises(ValueError, match="config: the tensor-core kernel"):
+        gemv(x, w, config=GemvConfig(8, 64))
     with pytest.raises(ValueError, match="prologue"):
         gemv(x, w, "gelu")
     with pytest.raises(ValueError, match="x: last dim 64"):
