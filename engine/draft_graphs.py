@@ -19,6 +19,12 @@ argument as the target's KV in engine/spec_decode.py). Padding rows write nothin
 
 Only greedy requests draft here (argmax drafts need no draft distribution); k = 0 replays the
 catch-up alone (the MTP KV kept current at batch sizes that no longer draft).
+
+After a plain decode step that drafts nothing, catch_up_from_device launches that k = 0 catch-up
+from the sampler's device ids, before the host reads them and before overlapped decode launches
+the next forward (engine/overlap.py), which overwrites the hidden rows the catch-up reads:
+
+    decode graph N -> logits, sample -> stage + ids copy + catch-up -> decode graph N+1
 """
 from __future__ import annotations
 
@@ -67,8 +73,12 @@ class DraftGraphs:
                     for q in range(1, Q + 1)}
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        # the host buffers' last copy has left them: with catch-ups launched before the host
+        # sync (catch_up_from_device), nothing else orders the next stage() after that copy
+        self._copied = torch.cuda.Event() if pin else None
         self.replays = 0  # graph replays
         self.served = 0  # proposals made here (graph or eager)
+        self.device_catch_ups = 0  # k = 0 catch-ups launched from device ids (of served)
 
     def _views(self, flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         out, at = {}, 0
@@ -132,6 +142,8 @@ class DraftGraphs:
 
     def stage(self, rows: list[DraftRow], hidden: torch.Tensor, B: int, q: int, k: int) -> None:
         """Fill the host buffers for rows (bucket B), copy them and the hidden rows over."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the buffers
         v64 = {n: t.numpy() for n, t in self._views(self.h64, self._i64).items()}
         v32 = {n: t.numpy() for n, t in self._views(self.h32, self._i32).items()}
         bs, nmax = self.block_size, self.buckets[-1]
@@ -159,6 +171,8 @@ class DraftGraphs:
             tables[i, :used] = table[:used]
         self.d64.copy_(self.h64, non_blocking=True)
         self.d32.copy_(self.h32, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.hid[:len(rows) * q].copy_(hidden[:len(rows) * q])
 
     @torch.inference_mode()
@@ -169,6 +183,32 @@ class DraftGraphs:
         if B is None or hidden.shape[0] != len(rows) * q:
             return None
         self.stage(rows, hidden, B, q, k)
+        out = self._run(B, q, k)
+        if out is None:
+            return [[] for _ in rows]
+        return out[:len(rows)].tolist()
+
+    @torch.inference_mode()
+    def catch_up_from_device(self, requests: list[Request], starts: list[int],
+                             hidden: torch.Tensor, ids: torch.Tensor) -> bool:
+        """The k = 0 catch-up after a plain decode step: request i's hidden row i at position
+        starts[i], with input token ids[i], the token sampled for it, still on the device (the
+        host has not read it). Returns False when it does not fit (nothing launched; the
+        caller catches up after the sync instead)."""
+        rows = [DraftRow(r, start, [0]) for r, start in zip(requests, starts)]  # 0: placeholder
+        B = self.fits(rows, 1, 0)
+        if B is None or hidden.shape[0] != len(rows) or ids.shape != (len(rows),):
+            return False
+        self.stage(rows, hidden, B, 1, 0)
+        # queued after stage()'s host -> device copy, so the sampled ids overwrite the
+        # placeholders (padding rows keep id 0 and slot -1: they write no KV)
+        self._views(self.d64, self._i64)["ids"][:len(rows)].copy_(ids)
+        self._run(B, 1, 0)
+        self.device_catch_ups += 1
+        return True
+
+    def _run(self, B: int, q: int, k: int) -> torch.Tensor | None:
+        """Run the staged proposal: replay (capturing on first use) or, eagerly, forward()."""
         if not self.use_graphs:
             out = self.forward(B, q, k)
         else:
@@ -178,9 +218,7 @@ class DraftGraphs:
             graph.replay()
             self.replays += 1
         self.served += 1
-        if out is None:
-            return [[] for _ in rows]
-        return out[:len(rows)].tolist()
+        return out
 
     def _capture(self, B: int, q: int, k: int) -> None:
         """Capture on first use, with this step's inputs staged: the warm-up run writes the

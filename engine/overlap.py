@@ -19,6 +19,12 @@ same values (the request goes on), or left behind a freed block whose next owner
 it reads (stream order puts every later write after this one). Prefix caching shares only
 full computed blocks, so no other request reads that slot.
 
+With MTP speculation the runner launches ahead only from plain decode steps that draft nothing
+(k = 0): drafts would make the next step a verify, which a launched decode forward cannot serve.
+When the MTP KV is kept current, that step's catch-up is queued first, from the same device ids
+(engine/draft_graphs.py catch_up_from_device), since it reads the hidden rows that the launched
+replay overwrites; if it cannot run there, nothing is launched.
+
 Launching costs a wasted forward when the batch changes (a request ends on EOS or a stop
 string, a new one arrives), so it is skipped when the runner can see a change coming: a
 request at its max_tokens or context limit, a request missing the block for its next

@@ -7,12 +7,16 @@ that reached its end this step. It owns the KV cache tensor and per-request samp
 With MTP speculation (engine/spec_decode.py) a request may bring drafts: its k+1 rows are
 verified instead of sampled (1 to k+1 tokens come back), and after sampling the MTP head
 catches up on this step's positions and drafts the next step's tokens (StepResult.drafts).
+A plain decode step that drafts nothing (k = 0, large batches) instead launches its catch-up
+from the sampled ids on the device, before the host reads them, and may then overlap the next
+decode forward (engine/overlap.py) like a step without speculation.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -145,11 +149,13 @@ class ModelRunner:
         verify = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
                   if s.samples and s.spec_token_ids]
         result = StepResult({}, {}, {})
+        caught_up = False  # the MTP catch-up already ran, from the sampler's device ids
         if plain:
+            catch_up = self._may_catch_up_early(out, num_spec)
             ahead = None
             if may_overlap and not want_hidden and len(plain) == len(out.scheduled):
-                ahead = self._ahead_batch(out)
-            self._sample(plain, hidden, result, ahead)
+                ahead = self._ahead_batch(out, num_spec, catch_up)
+            caught_up = self._sample(plain, hidden, result, ahead, catch_up)
         if verify:
             items = [(s.request, s.spec_token_ids, last) for s, last in verify]
             states = [self._state(s.request) for s, _ in verify]
@@ -162,7 +168,8 @@ class ModelRunner:
                 rid = s.request.request_id
                 row = last - len(s.spec_token_ids) + len(result.sampled[rid]) - 1
                 result.hidden[rid] = prenorm[row].float().cpu()
-        if self.spec is not None and (num_spec > 0 or self.spec.spec.maintain_mtp_kv):
+        if self.spec is not None and not caught_up and (
+                num_spec > 0 or self.spec.spec.maintain_mtp_kv):
             jobs = self._draft_jobs(out, ends, result.sampled, num_spec)
             states = {j.request.request_id: self._state(j.request) for j in jobs if j.k > 0}
             result.drafts = self.spec.propose(jobs, hidden, states)
@@ -173,6 +180,10 @@ class ModelRunner:
         """(hidden, prenorm) [T, H]: a captured graph for a decode step or a uniform verify
         step (every request verifying the same k drafts), else the eager model."""
         if self.ahead is not None:
+            # with speculation too: a launched forward is a plain decode batch, whose hidden
+            # rows (graph outputs, valid until the next replay) the sampler and the catch-up
+            # read before any replay; its prenorm is an uncopied view, but run() reads prenorm
+            # only for want_hidden, and nothing is launched ahead then
             launched = self.ahead.take(batch)
             if launched is not None:
                 return launched
@@ -186,19 +197,38 @@ class ModelRunner:
         input_ids, positions, meta = batch.to_device(self.device)
         return self.model(input_ids, positions, meta, self.kv_cache, return_prenorm=True)
 
-    def _ahead_batch(self, out: SchedulerOutput) -> HostBatch | None:
-        """The next decode batch to launch early, when this is a plain decode step."""
-        if self.ahead is None or self.spec is not None:
+    def _ahead_batch(self, out: SchedulerOutput, num_spec: int = 0,
+                     catch_up: bool = False) -> HostBatch | None:
+        """The next decode batch to launch early, when this is a plain decode step. With
+        speculation only if it drafts nothing (drafts make the next step a verify) and its MTP
+        catch-up, if kept, runs before the launch (catch_up): a catch-up after the host sync
+        would read hidden rows that the launched graph overwrote."""
+        if self.ahead is None:
+            return None
+        if self.spec is not None and (num_spec > 0 or (self.spec.spec.maintain_mtp_kv
+                                                       and not catch_up)):
             return None
         if any(s.num_new_tokens != 1 or s.spec_token_ids for s in out.scheduled):
             return None
         return self.ahead.next_batch(out.scheduled)
 
+    def _may_catch_up_early(self, out: SchedulerOutput, num_spec: int) -> bool:
+        """Whether this step's MTP catch-up can run from the sampler's device ids: a plain
+        decode step (every request samples its one token, the next token of its position)
+        that drafts nothing, with the MTP KV kept and static drafting there to run it."""
+        spec = self.spec
+        if spec is None or num_spec > 0 or not spec.spec.maintain_mtp_kv:
+            return False
+        return spec.draft_graphs is not None and all(
+            s.num_new_tokens == 1 and not s.spec_token_ids and s.samples for s in out.scheduled)
+
     def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
-                result: StepResult, ahead: HostBatch | None = None) -> None:
-        """One token per request from its last row's logits (no drafts to verify). With
-        `ahead`, the next decode forward is launched from the device ids before the host
-        reads them."""
+                result: StepResult, ahead: HostBatch | None = None,
+                catch_up: bool = False) -> bool:
+        """One token per request from its last row's logits (no drafts to verify). Before
+        the host reads the sampled ids, from the device ids: with `catch_up` the MTP catch-up,
+        then with `ahead` the next decode forward (see _before_sync). Returns whether the
+        catch-up ran (the caller then skips its own)."""
         last = [row for _, row in plain]
         if last == list(range(len(last))) and len(last) == hidden.shape[0]:
             rows = hidden  # a decode step where every row samples: no gather
@@ -207,14 +237,36 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         sampling = [s.request for s, _ in plain]
         states = [self._state(r) for r in sampling]
-        launch = None if ahead is None else (lambda ids: self.ahead.launch(ahead, ids))
-        sample = self.sampler(logits, sampling, states, before_sync=launch)
+        hook, caught_up = self._before_sync(plain, hidden, ahead, catch_up)
+        sample = self.sampler(logits, sampling, states, before_sync=hook)
         if ahead is not None:
             self.ahead.confirm(sample.token_ids)
         for i, req in enumerate(sampling):
             result.sampled[req.request_id] = [sample.token_ids[i]]
             if sample.logprobs[i] is not None:
                 result.logprobs[req.request_id] = sample.logprobs[i]
+        return bool(caught_up)
+
+    def _before_sync(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
+                     ahead: HostBatch | None, catch_up: bool
+                     ) -> tuple[Callable[[torch.Tensor], None] | None, list[bool]]:
+        """The sampler's before_sync hook and a list it marks once the catch-up ran. Stream
+        order matters: the catch-up copies this step's hidden rows (a decode graph's output
+        buffer) before the forward launched ahead replays that graph and overwrites them. If
+        the catch-up does not fit, nothing is launched ahead: the late catch-up reads them."""
+        caught_up: list[bool] = []
+        if ahead is None and not catch_up:
+            return None, caught_up
+        requests = [s.request for s, _ in plain]
+        starts = [s.start_pos for s, _ in plain]  # each request's position this step
+
+        def hook(ids: torch.Tensor) -> None:
+            if catch_up and self.spec.catch_up_on_device(requests, starts, hidden, ids):
+                caught_up.append(True)
+            if ahead is not None and (caught_up or not catch_up):
+                self.ahead.launch(ahead, ids)
+
+        return hook, caught_up
 
     def _draft_jobs(self, out: SchedulerOutput, ends: list[int],
                     sampled: dict[str, list[int]], k: int) -> list[DraftJob]:

@@ -298,6 +298,20 @@ class SpecDecoder:
         last = g[ends[want].to(dev)]
         return self._chain([jobs[i] for i in want], last, states)
 
+    def catch_up_on_device(self, requests: list[Request], starts: list[int],
+                           hidden: torch.Tensor, ids: torch.Tensor) -> bool:
+        """The k = 0 catch-up of a plain decode step from the sampler's device ids [B]
+        (request i: hidden row i, position starts[i]), launched before the host reads them;
+        the runner then skips propose() for the step. False when static drafting is off or
+        does not fit, or the MTP KV is not maintained (then propose() runs as before)."""
+        if self.draft_graphs is None or not self.spec.maintain_mtp_kv:
+            return False
+        if not self.draft_graphs.catch_up_from_device(requests, starts, hidden, ids):
+            return False
+        for req in requests:
+            self._q.pop(req.request_id, None)  # as _propose_static: no drafts, no distribution
+        return True
+
     def _propose_static(self, jobs: list[DraftJob], hidden: torch.Tensor
                         ) -> dict[str, list[int]] | None:
         """The same proposal through DraftGraphs when the step is uniform (every job has q

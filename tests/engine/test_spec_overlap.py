@@ -1,0 +1,110 @@
+"""MTP speculation with overlapped decode (CPU, tiny random Qwen3 + random MTP head).
+
+A plain decode step whose batch drafts nothing (k = 0 from batch_k_caps) launches its MTP
+catch-up from the sampler's device ids (engine/draft_graphs.py catch_up_from_device), then the
+next decode forward ahead of the host sync (engine/overlap.py). Caps ((2, 1),): the batch of 5
+drafts nothing; once requests finish and <= 2 remain, drafting (and verifying) resumes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.spec_decode import SpecConfig
+
+TINY = dict(device="cpu", block_size=4, num_blocks=256)
+PROMPTS = [[5 + i, 17, 99, 3 * i + 1, 42] * (i + 1) for i in range(5)]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+# requests end at different steps: the batch shrinks from 5 (k = 0) to <= 2 (k = 1)
+PARAMS = [dataclasses.replace(GREEDY, max_tokens=20 + 3 * i) for i in range(len(PROMPTS))]
+
+
+def overlap_spec_llm(draft_graphs: str = "on", maintain_mtp_kv: bool = True) -> LLM:
+    spec = SpecConfig(num_speculative_tokens=2, batch_k_caps=((2, 1),),
+                      draft_graphs=draft_graphs, maintain_mtp_kv=maintain_mtp_kv)
+    return LLM("tiny-qwen3", speculative=spec, overlap_decode="on", **TINY)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """Plain greedy decoding (no speculation, no overlap), cut to each request's max_tokens."""
+    res = LLM("tiny-qwen3", **TINY).generate(PROMPTS, GREEDY)
+    return [r.outputs[0].token_ids[:p.max_tokens] for r, p in zip(res, PARAMS)]
+
+
+def run(llm: LLM, hold_first: bool = False) -> tuple[list[list[int]], list[str], int]:
+    """All PROMPTS with PARAMS through the engine step by step, the first request's blocks
+    held after it finishes (hold_first). Returns the outputs in order, the request ids and
+    how many steps called SpecDecoder.propose (the catch-up after the host sync)."""
+    engine, spec = llm.engine, llm.engine.runner.spec
+    calls, real = [0], spec.propose
+
+    def propose(jobs, hidden, states):
+        calls[0] += 1
+        return real(jobs, hidden, states)
+
+    spec.propose = propose
+    rids = [engine.add_request(p, params, hold_blocks=hold_first and i == 0)[0]
+            for i, (p, params) in enumerate(zip(PROMPTS, PARAMS))]
+    out: dict[str, list[int]] = {rid: [] for rid in rids}
+    for o in engine.generate_until_done():
+        out[o.request_id] += o.new_token_ids
+    return [out[rid] for rid in rids], rids, calls[0]
+
+
+def kv_of(llm: LLM, rid: str) -> torch.Tensor:
+    """Per-position KV [N, num_kv_layers, 2, Hkv, D] of a request whose blocks are held."""
+    engine = llm.engine
+    req = engine.scheduler.get_request(rid)
+    kv, bs = engine.runner.kv_cache, engine.config.cache.block_size
+    return torch.stack([kv[req.block_table[p // bs], :, :, p % bs]
+                        for p in range(req.num_computed_tokens)])
+
+
+def test_k0_catch_up_runs_from_device_ids_before_the_overlapped_launch(
+        reference: list[list[int]]) -> None:
+    llm = overlap_spec_llm()
+    got, rids, propose_calls = run(llm, hold_first=True)
+    assert got == reference  # (a) greedy output equals plain decoding
+    runner, engine = llm.engine.runner, llm.engine
+    assert runner.ahead.hits > 0  # (b) the overlapped launch served k = 0 steps
+    static = runner.spec.draft_graphs
+    assert static.device_catch_ups > 0  # (d) the catch-up from device ids ran
+    assert engine.spec_stats.num_drafts > 0  # drafting resumed once the batch shrank
+    # exactly one catch-up per step: the early one replaced propose(), never ran besides it
+    assert static.device_catch_ups + propose_calls == engine.stats.steps
+    # (c) the MTP layer's KV of the held request (decoded at batch 5, k = 0 throughout)
+    # equals a fresh prefill's over its final sequence: the early catch-up used the sampled
+    # tokens, this step's hidden rows and the right positions
+    seq = PROMPTS[0] + got[0]
+    kv = kv_of(llm, rids[0])
+    fresh = LLM("tiny-qwen3", speculative=SpecConfig(num_speculative_tokens=2, batch_k_caps=()),
+                **TINY)
+    [ref_rid] = fresh.engine.add_request(seq[:-1], SamplingParams(max_tokens=1, temperature=0.0),
+                                         hold_blocks=True)
+    fresh.engine.generate_until_done()
+    kv_ref = kv_of(fresh, ref_rid)
+    n = len(seq) - 2  # positions whose next token both runs knew
+    assert kv.shape[1] == 3  # 2 target layers + 1 MTP layer
+    torch.testing.assert_close(kv[:n], kv_ref[:n], atol=1e-4, rtol=1e-4)
+
+
+def test_overlap_needs_the_early_catch_up_when_mtp_kv_is_kept(
+        reference: list[list[int]]) -> None:
+    """Without static drafting the catch-up runs after the host sync and reads this step's
+    hidden rows, so nothing may be launched ahead; without maintain_mtp_kv there is no
+    catch-up at k = 0, and k = 0 steps overlap."""
+    off = overlap_spec_llm(draft_graphs="off")
+    got, _, _ = run(off)
+    assert got == reference
+    assert off.engine.runner.ahead.hits == 0
+    unkept = overlap_spec_llm(maintain_mtp_kv=False)
+    got, _, _ = run(unkept)
+    assert got == reference
+    assert unkept.engine.runner.ahead.hits > 0
+    assert unkept.engine.runner.spec.draft_graphs.device_catch_ups == 0
+    assert unkept.engine.spec_stats.num_drafts > 0
