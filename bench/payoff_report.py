@@ -61,11 +61,12 @@ def summarize(results: dict, baseline: dict | None) -> dict:
                  "goodput_at_that_rate": {"disagg": kd and kd["summary"]["goodput_rps"],
                                           "colocated": kc and kc["summary"]["goodput_rps"]}}
     gd, gc = out["goodput_at_that_rate"]["disagg"], out["goodput_at_that_rate"]["colocated"]
-    # colocated measured but never at >= 90%: its goodput "at that rate" is 0 (ratio inf;
-    # a lower rate in the sweep would give a finite one); not measured at all: no ratio
+    # colocated measured but never at >= 90%: its knee lies below the sweep, so the ratio is
+    # unknown (not infinite); the sweep must reach lower rates. Not measured at all: no ratio
     if kc is None and measured(col):
-        gc = out["goodput_at_that_rate"]["colocated"] = 0.0
-    ratio = None if not gd or gc is None else (gd / gc if gc else float("inf"))
+        out["note"] = ("colocated never kept >= 90% SLO attainment in this sweep: its knee is "
+                       "below the lowest rate, so no goodput ratio can be claimed")
+    ratio = gd / gc if gd and gc else None
     same = _at_rate(col, kd["rate"]) if kd else None
     out["goodput_ratio_disagg_over_colocated"] = ratio
     out["goodput_ratio_at_disagg_rate"] = (gd / same["summary"]["goodput_rps"]

@@ -4,7 +4,6 @@ through the real Ray workers, router and NIXL path, with the JSON and PNG checke
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import sys
@@ -106,9 +105,11 @@ def test_summary_done_when_lines(tmp_path):
     assert s["stage_histograms_met"] and s["met"] and len(s["done_when"]) == 3
     s = report.summarize({"disagg": {"runs": [_run(2, 0.95, 1.9)]},
                           "colocated": {"runs": [_run(2, 0.1, 0.2)]}}, None)
-    assert math.isinf(s["goodput_ratio_disagg_over_colocated"]) and s["goodput_met"]
+    # colocated's knee is below the sweep: no ratio can be claimed (never an infinite "met")
+    assert s["goodput_ratio_disagg_over_colocated"] is None and not s["goodput_met"]
+    assert "below the lowest rate" in s["note"]
     assert not s["itl_met"] and not s["met"]  # no baseline
-    infinite = s
+    infinite = dict(s, goodput_ratio_disagg_over_colocated=float("inf"))
     s = report.summarize({"disagg": {"runs": [_run(2, 0.95, 1.9)]}}, None)  # no colocated
     assert s["goodput_ratio_disagg_over_colocated"] is None and not s["goodput_met"]
     payload = {"results": results, "baseline": baseline, "summary": infinite,
