@@ -17,8 +17,9 @@ In one run:
      greedy, held-out chat prompts: tok/s without speculation and with k = 1, 2, 3, with the
      acceptance counters.
 Decode tok/s counts the tokens of steps after every request had its first token, over those
-steps' wall time (scheduler, sampling, drafting: what a user gets). Triton kernels and CUDA
-graphs for plain decode steps on CUDA; verify steps and the MTP drafting run eagerly.
+steps' wall time (scheduler, sampling, drafting: what a user gets). On CUDA: Triton kernels,
+and CUDA graphs for decode steps (overlapped with the host), verify steps and greedy drafting
+(engine/draft_graphs.py); each case's JSON keeps its host time by step phase.
 """
 from __future__ import annotations
 
