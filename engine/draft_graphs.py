@@ -29,6 +29,7 @@ the next forward (engine/overlap.py), which overwrites the hidden rows the catch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import bucket_for, decode_buckets
 from engine.request import Request
+from engine.sampler import HostCopy
 
 
 @dataclass
@@ -76,6 +78,7 @@ class DraftGraphs:
         # the host buffers' last copy has left them: with catch-ups launched before the host
         # sync (catch_up_from_device), nothing else orders the next stage() after that copy
         self._copied = torch.cuda.Event() if pin else None
+        self._host_copy = HostCopy()
         self.replays = 0  # graph replays
         self.served = 0  # proposals made here (graph or eager)
         self.device_catch_ups = 0  # k = 0 catch-ups launched from device ids (of served)
@@ -176,9 +179,12 @@ class DraftGraphs:
         self.hid[:len(rows) * q].copy_(hidden[:len(rows) * q])
 
     @torch.inference_mode()
-    def propose(self, rows: list[DraftRow], hidden: torch.Tensor, q: int,
-                k: int) -> list[list[int]] | None:
-        """Drafts per row (k each; [] for k = 0), or None when the step does not fit."""
+    def propose(self, rows: list[DraftRow], hidden: torch.Tensor, q: int, k: int,
+                before_sync: Callable[[torch.Tensor], object] | None = None
+                ) -> list[list[int]] | None:
+        """Drafts per row (k each; [] for k = 0), or None when the step does not fit.
+        before_sync gets the drafts [len(rows), k] on the device before the host reads them
+        (the runner launches the next verify from them)."""
         B = self.fits(rows, q, k)
         if B is None or hidden.shape[0] != len(rows) * q:
             return None
@@ -186,7 +192,12 @@ class DraftGraphs:
         out = self._run(B, q, k)
         if out is None:
             return [[] for _ in rows]
-        return out[:len(rows)].tolist()
+        drafts = out[:len(rows)]
+        self._host_copy.start(drafts)  # queued before whatever before_sync launches
+        if before_sync is not None:
+            before_sync(drafts)
+        flat = self._host_copy.wait()
+        return [flat[i * k:(i + 1) * k] for i in range(len(rows))]
 
     @torch.inference_mode()
     def catch_up_from_device(self, requests: list[Request], starts: list[int],

@@ -68,7 +68,9 @@ class LLMEngine:
         self.spec = spec
         self.mtp_head_id = mtp_head_id
         self.runner = ModelRunner(config, model, spec=spec, mtp_head=mtp_head)
-        lookahead = spec.num_speculative_tokens - 1 if spec is not None else 0
+        # slots reserved past a step's tokens: the MTP chain writes k - 1 ahead, and a verify
+        # launched before the host read the drafts (runner._ahead_verify) reaches k + 1 ahead
+        lookahead = spec.num_speculative_tokens + 1 if spec is not None else 0
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.eos_token_ids,
                                    num_lookahead_tokens=lookahead)
         self.stats = EngineStats()

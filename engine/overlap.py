@@ -79,12 +79,15 @@ class DecodeAhead:
         B = len(scheduled)
         return HostBatch([-1] * B, pos, slots, [1] * B, seq_lens, tables, bs)
 
-    def launch(self, batch: HostBatch, input_ids: torch.Tensor) -> bool:
-        """Run the forward of `batch` with input ids [B] taken from the device (the sampler's
-        output, not yet read). Returns False when no graph fits (nothing launched)."""
+    def launch(self, batch: HostBatch, input_ids: torch.Tensor,
+               graphs: DecodeGraphs | None = None) -> bool:
+        """Run the forward of `batch` with input ids [T] taken from the device (sampled or
+        drafted, not yet read), through `graphs` (default: the decode graphs; an MTP verify
+        batch passes its VerifyGraphs). Returns False when no graph fits (nothing launched)."""
         self._launched = None
-        if self.graphs is not None:
-            out = self.graphs.run_host(batch, input_ids=input_ids)
+        graphs = graphs if graphs is not None else self.graphs
+        if graphs is not None:
+            out = graphs.run_host(batch, input_ids=input_ids)
             if out is None:
                 return False
             hidden, prenorm = out
@@ -95,8 +98,9 @@ class DecodeAhead:
         self._launched = _Launched(batch, hidden, prenorm)
         return True
 
-    def confirm(self, token_ids: list[int]) -> None:
-        """The launched forward's input tokens, now read on the host."""
+    def confirm(self, token_ids: list[int] | None) -> None:
+        """The launched forward's input tokens, now read on the host (None: they are not
+        what the next step will bring; the launch will be discarded)."""
         if self._launched is not None:
             self._launched.expected = token_ids
 

@@ -74,6 +74,7 @@ class ModelRunner:
         self.ahead = DecodeAhead(model, self.kv_cache, self.cuda_graphs, self.block_size,
                                  config.scheduler.max_model_len) if overlap else None
         self.timing: dict[str, float] = {}  # the last step's host phases (see run)
+        self._last_pinned: torch.Tensor | None = None  # staging for _launch_verify
         self.spec: SpecDecoder | None = None
         if spec is not None:
             if mtp_head is None or config.model.num_mtp_layers < 1:
@@ -172,7 +173,13 @@ class ModelRunner:
                 num_spec > 0 or self.spec.spec.maintain_mtp_kv):
             jobs = self._draft_jobs(out, ends, result.sampled, num_spec)
             states = {j.request.request_id: self._state(j.request) for j in jobs if j.k > 0}
-            result.drafts = self.spec.propose(jobs, hidden, states)
+            nxt = None
+            if may_overlap and not want_hidden and not plain:
+                nxt = self._ahead_verify(out, result.sampled, num_spec)
+            hook = None if nxt is None else (lambda d: self._launch_verify(nxt, num_spec, d))
+            result.drafts = self.spec.propose(jobs, hidden, states, before_sync=hook)
+            if nxt is not None:
+                self.ahead.confirm(_verify_ids(out, nxt[1], result.drafts, num_spec))
         return result
 
     def _forward(self, out: SchedulerOutput, batch: HostBatch
@@ -211,6 +218,46 @@ class ModelRunner:
         if any(s.num_new_tokens != 1 or s.spec_token_ids for s in out.scheduled):
             return None
         return self.ahead.next_batch(out.scheduled)
+
+    def _ahead_verify(self, out: SchedulerOutput, sampled: dict[str, list[int]], k: int
+                      ) -> tuple[HostBatch, list[int]] | None:
+        """After a uniform verify step: the next step's verify batch if every request goes on
+        with k drafts (same batch, each at its new length, [last emitted token, k drafts]),
+        and the last emitted tokens; None when a request may not (cap_k, missing blocks)."""
+        if self.ahead is None or k <= 0 or not all(s.spec_token_ids for s in out.scheduled):
+            return None
+        bs, q = self.block_size, k + 1
+        pos, slots, seqs, tables, last = [], [], [], [], []
+        for s in out.scheduled:
+            req, emitted = s.request, sampled[s.request.request_id]
+            start = s.start_pos + len(emitted)
+            if self.spec.cap_k(req, k, emitted) != k or (start + k) // bs >= len(req.block_table):
+                return None
+            pos += range(start, start + q)
+            slots += [req.block_table[p // bs] * bs + p % bs for p in range(start, start + q)]
+            seqs.append(start + q)
+            tables.append(req.block_table[:-(-(start + q) // bs)])
+            last.append(emitted[-1])
+        B = len(out.scheduled)
+        return HostBatch([-1] * (B * q), pos, slots, [q] * B, seqs, tables, bs), last
+
+    def _launch_verify(self, nxt: tuple[HostBatch, list[int]], k: int,
+                       drafts: torch.Tensor) -> None:
+        """The next verify forward, its input ids [B * (k+1)] = each request's last emitted
+        token (from the host, through a pinned buffer: no sync) then its drafts [B, k] still on
+        the device."""
+        batch, last = nxt
+        dev = drafts.device
+        if dev.type == "cuda":
+            if self._last_pinned is None or self._last_pinned.numel() < len(last):
+                self._last_pinned = torch.empty(max(256, len(last)), dtype=torch.int64,
+                                                pin_memory=True)
+            self._last_pinned[:len(last)] = torch.tensor(last)
+            last_dev = self._last_pinned[:len(last)].to(dev, non_blocking=True)
+        else:
+            last_dev = torch.tensor(last, dtype=torch.int64)
+        ids = torch.cat([last_dev[:, None], drafts], dim=1).reshape(-1)
+        self.ahead.launch(batch, ids, self.verify_graphs.get(k))
 
     def _may_catch_up_early(self, out: SchedulerOutput, num_spec: int) -> bool:
         """Whether this step's MTP catch-up can run from the sampler's device ids: a plain
@@ -304,6 +351,19 @@ class ModelRunner:
         """Copy whole blocks (all layers, K and V) src -> dst; one region each."""
         for src, dst in pairs:
             self.kv_cache[dst].copy_(self.kv_cache[src])
+
+
+def _verify_ids(out: SchedulerOutput, last: list[int], drafts: dict[str, list[int]],
+                k: int) -> list[int] | None:
+    """The input ids the next verify step will bring ([last, k drafts] per request), or None
+    when some request did not get k drafts (the launched verify is then discarded)."""
+    ids: list[int] = []
+    for s, t in zip(out.scheduled, last):
+        d = drafts.get(s.request.request_id, [])
+        if len(d) != k:
+            return None
+        ids += [t] + d
+    return ids
 
 
 def maybe_draft_graphs(config: EngineConfig, spec: SpecConfig, model: Model,

@@ -125,8 +125,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-class _HostCopy:
-    """An asynchronous device -> host copy of sampled ids through a reused pinned buffer, so
+class HostCopy:
+    """An asynchronous device -> host copy of int64 ids through a reused pinned buffer, so
     work queued after start() does not delay wait() (a plain .tolist() would queue behind it)."""
 
     def __init__(self) -> None:
@@ -136,6 +136,8 @@ class _HostCopy:
         self._ids: list[int] | None = None
 
     def start(self, ids: torch.Tensor) -> None:
+        """Queue the copy of ids (any shape; wait() returns them flattened)."""
+        ids = ids.reshape(-1)
         self._n = ids.numel()
         if ids.device.type != "cuda":  # nothing runs ahead of the host on a CPU
             self._ids = ids.tolist()
@@ -158,7 +160,7 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._counter = itertools.count()  # distinct streams for unseeded requests
-        self._host_copy = _HostCopy()
+        self._host_copy = HostCopy()
 
     @torch.inference_mode()
     def new_state(self, request: Request, vocab_size: int,

@@ -33,6 +33,7 @@ hit was computed with the original request's next token (affects acceptance, nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -273,13 +274,16 @@ class SpecDecoder:
         return max(0, min(k, p.max_tokens - n_out - 1, self.max_model_len - n_tokens, room))
 
     def propose(self, jobs: list[DraftJob], hidden: torch.Tensor,
-                states: dict[str, SamplerState]) -> dict[str, list[int]]:
+                states: dict[str, SamplerState],
+                before_sync: Callable[[torch.Tensor], object] | None = None
+                ) -> dict[str, list[int]]:
         """Catch-up pass over all jobs' rows (hidden: the target's normed hidden states),
-        then the chain for jobs with k > 0. Returns drafts per request."""
+        then the chain for jobs with k > 0. Returns drafts per request. before_sync: see
+        DraftGraphs.propose (called only when the static path drafts)."""
         jobs = [j for j in jobs if j.m > 0]
         if not jobs:
             return {}
-        static = self._propose_static(jobs, hidden)
+        static = self._propose_static(jobs, hidden, before_sync)
         if static is not None:
             return static
         dev = self.device
@@ -312,7 +316,8 @@ class SpecDecoder:
             self._q.pop(req.request_id, None)  # as _propose_static: no drafts, no distribution
         return True
 
-    def _propose_static(self, jobs: list[DraftJob], hidden: torch.Tensor
+    def _propose_static(self, jobs: list[DraftJob], hidden: torch.Tensor,
+                        before_sync: Callable[[torch.Tensor], object] | None = None
                         ) -> dict[str, list[int]] | None:
         """The same proposal through DraftGraphs when the step is uniform (every job has q
         rows laid out in order and wants the same k) and every drafting request is greedy;
@@ -325,7 +330,7 @@ class SpecDecoder:
         if k > 0 and any(j.request.sampling_params.temperature >= SAMPLING_EPS for j in jobs):
             return None
         rows = [DraftRow(j.request, j.start, j.next_tokens) for j in jobs]
-        drafts = self.draft_graphs.propose(rows, hidden, q, k)
+        drafts = self.draft_graphs.propose(rows, hidden, q, k, before_sync if k > 0 else None)
         if drafts is None:
             return None
         for j in jobs:

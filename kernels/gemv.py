@@ -130,7 +130,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, N, K, T, stride_x, stride_w, 
     are padded to tl.dot's minimum M (16; padding rows cost no memory traffic) and each K step
     is one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot, software-pipelined by Triton. (With a
     norm or SiLU prologue computed inside the loop, Triton stopped pipelining the loads: 4-5x
-    slower on an H100, bench/results/gemv_dot_sweep_h100_2026-11-23.json; gemv() runs those
+    slower on an H100, bench/results/gemv_dot_fused_prologue_sweep_h100_2026-11-23.json; gemv() runs those
     prologues as their own small kernel first.)"""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)

@@ -47,7 +47,9 @@ def use_oracle(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], see
     full = {tuple(p): p + o for p, o in zip(prompts, outputs)}
     rng, real = random.Random(seed), spec.propose
 
-    def propose(jobs: list[DraftJob], hidden, states):
+    def propose(jobs: list[DraftJob], hidden, states, **kw):
+        # drafts change after the real proposal: a verify launched from the real ones
+        # (before_sync) would not match the next step, so none is launched
         drafts = real(jobs, hidden, states)
         for job in jobs:
             rid = job.request.request_id
@@ -154,8 +156,8 @@ def _drafts_by_mode(k: int, reference: list[list[int]], kw: dict) -> dict[str, l
         spec, log = llm.engine.runner.spec, []
         real = spec.propose
 
-        def logged(jobs, hidden, states, real=real, log=log):
-            drafts = real(jobs, hidden, states)
+        def logged(jobs, hidden, states, real=real, log=log, **kw):
+            drafts = real(jobs, hidden, states, **kw)
             log.append(sorted((rid, tuple(d)) for rid, d in drafts.items()))
             return drafts
 

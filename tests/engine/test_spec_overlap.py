@@ -43,9 +43,9 @@ def run(llm: LLM, hold_first: bool = False) -> tuple[list[list[int]], list[str],
     engine, spec = llm.engine, llm.engine.runner.spec
     calls, real = [0], spec.propose
 
-    def propose(jobs, hidden, states):
+    def propose(jobs, hidden, states, **kw):
         calls[0] += 1
-        return real(jobs, hidden, states)
+        return real(jobs, hidden, states, **kw)
 
     spec.propose = propose
     rids = [engine.add_request(p, params, hold_blocks=hold_first and i == 0)[0]
@@ -108,3 +108,23 @@ def test_overlap_needs_the_early_catch_up_when_mtp_kv_is_kept(
     assert unkept.engine.runner.ahead.hits > 0
     assert unkept.engine.runner.spec.draft_graphs.device_catch_ups == 0
     assert unkept.engine.spec_stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_next_verify_launched_from_device_drafts(forced: bool) -> None:
+    """A uniform greedy verify step launches the next verify forward from the drafts still on
+    the device (engine/runner.py _launch_verify): outputs stay exact and the launches serve
+    steps (a request about to end or to get fewer drafts is not launched for: cap_k)."""
+    kw = dict(speculative=SpecConfig(num_speculative_tokens=2, batch_k_caps=(),
+                                     draft_graphs="on", forced_acceptance=forced),
+              overlap_decode="on", **TINY)
+    llm = LLM("tiny-qwen3", **kw)
+    got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
+    ahead = llm.engine.runner.ahead
+    assert ahead.hits >= 3  # forced acceptance: ~12 steps in all
+    if not forced:
+        base = LLM("tiny-qwen3", **TINY).generate(PROMPTS, PARAMS)
+        assert got == [r.outputs[0].token_ids for r in base]
+    else:  # forced acceptance emits the drafts: compare with the same run, overlap off
+        off = LLM("tiny-qwen3", **{**kw, "overlap_decode": "off"})
+        assert got == [r.outputs[0].token_ids for r in off.generate(PROMPTS, PARAMS)]
