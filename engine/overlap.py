@@ -29,6 +29,10 @@ Launching costs a wasted forward when the batch changes (a request ends on EOS o
 string, a new one arrives), so it is skipped when the runner can see a change coming: a
 request at its max_tokens or context limit, a request missing the block for its next
 position, or (the engine's hint) requests waiting to join.
+
+MTP verify steps use the same mechanism (engine/runner.py _ahead_verify): after a uniform
+greedy verify, the next verify forward [last emitted token, k drafts] is launched from the
+drafts still on the device, through the verify graphs, and taken or discarded the same way.
 """
 from __future__ import annotations
 
