@@ -69,6 +69,12 @@ class DraftGraphs:
         self.h64 = torch.zeros(sum(self._i64.values()), dtype=torch.int64, pin_memory=pin)
         self.h32 = torch.zeros(sum(self._i32.values()), dtype=torch.int32, pin_memory=pin)
         self.d64, self.d32 = self.h64.to(dev), self.h32.to(dev)
+        # named views of the flat buffers, made once: device tensors for the captured
+        # function, numpy arrays of the pinned host side for staging
+        self.dv64, self.dv32 = _views(self.d64, self._i64), _views(self.d32, self._i32)
+        self.hv32 = _views(self.h32, self._i32)
+        self.np64 = {k: t.numpy() for k, t in _views(self.h64, self._i64).items()}
+        self.np32 = {k: t.numpy() for k, t in self.hv32.items()}
         self.hid = torch.zeros(n * Q, model.config.hidden_size, device=dev,
                                dtype=model.embed_tokens.weight.dtype)
         self.qsl = {q: torch.arange(n + 1, dtype=torch.int32, device=dev) * q
@@ -82,13 +88,6 @@ class DraftGraphs:
         self.replays = 0  # graph replays
         self.served = 0  # proposals made here (graph or eager)
         self.device_catch_ups = 0  # k = 0 catch-ups launched from device ids (of served)
-
-    def _views(self, flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        out, at = {}, 0
-        for name, size in sizes.items():
-            out[name] = flat[at:at + size]
-            at += size
-        return out
 
     # -- the captured function ---------------------------------------------------------------
     def _meta(self, B: int, q: int, slots: torch.Tensor, seq: torch.Tensor,
@@ -104,10 +103,9 @@ class DraftGraphs:
     def forward(self, B: int, q: int, k: int) -> torch.Tensor | None:
         """The proposal over the first B (a bucket) rows of the static buffers: drafts
         [B, k] int64, or None for k = 0 (catch-up only)."""
-        v64, v32 = self._views(self.d64, self._i64), self._views(self.d32, self._i32)
+        v64, v32, host32 = self.dv64, self.dv32, self.hv32
         n = B * q
         tables = v32["tables"].view(-1, self.width)[:B]
-        host32 = self._views(self.h32, self._i32)
         meta = self._meta(B, q, v64["slots"][:n], v32["seq"][:B], tables,
                           host32["seq"][:B].tolist())
         g = self.head(self.model, v64["ids"][:n], self.hid[:n], v64["pos"][:n], meta,
@@ -147,8 +145,7 @@ class DraftGraphs:
         """Fill the host buffers for rows (bucket B), copy them and the hidden rows over."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the buffers
-        v64 = {n: t.numpy() for n, t in self._views(self.h64, self._i64).items()}
-        v32 = {n: t.numpy() for n, t in self._views(self.h32, self._i32).items()}
+        v64, v32 = self.np64, self.np32
         bs, nmax = self.block_size, self.buckets[-1]
         ids, pos, slots = v64["ids"][:B * q], v64["pos"][:B * q], v64["slots"][:B * q]
         ids[:], pos[:], slots[:] = 0, 0, -1
@@ -213,7 +210,7 @@ class DraftGraphs:
         self.stage(rows, hidden, B, 1, 0)
         # queued after stage()'s host -> device copy, so the sampled ids overwrite the
         # placeholders (padding rows keep id 0 and slot -1: they write no KV)
-        self._views(self.d64, self._i64)["ids"][:len(rows)].copy_(ids)
+        self.dv64["ids"][:len(rows)].copy_(ids)
         self._run(B, 1, 0)
         self.device_catch_ups += 1
         return True
@@ -242,3 +239,12 @@ class DraftGraphs:
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(B, q, k)] = (graph, out)
+
+
+def _views(flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Consecutive named slices of a flat buffer, in the order of `sizes`."""
+    out, at = {}, 0
+    for name, size in sizes.items():
+        out[name] = flat[at:at + size]
+        at += size
+    return out
