@@ -20,6 +20,7 @@ Without a PrefillResult (colocated / selective disaggregation) it prefills local
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -237,14 +238,19 @@ class DecodeService:
 
     def _stream(self, q: queue.Queue, rid: str, deadline: float, context,
                 state: dict) -> Iterator[pb.DecodeOutput]:
+        pending: RequestOutput | BaseException | None = None
         while True:
-            try:
-                item = q.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self.rt.loop.submit(lambda e: e.abort_request(rid))
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode of {rid} timed out")
+            item, pending = pending, None
+            if item is None:
+                try:
+                    item = q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    self.rt.loop.submit(lambda e: e.abort_request(rid))
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"decode of {rid} timed out")
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
+            item, pending = _coalesce(item, q)
             if item.finished:
                 state.done = True
             yield self._to_proto(item)
@@ -278,6 +284,34 @@ class DecodeService:
         if stages is not None:
             msg.stages.CopyFrom(stages)
         return msg
+
+
+def _coalesce(first: RequestOutput, q: queue.Queue
+              ) -> tuple[RequestOutput, RequestOutput | BaseException | None]:
+    """`first` merged with the outputs already queued behind it, so a stream that fell behind
+    the engine catches up in one message (each message is Python work on a stream thread,
+    which competes for the GIL with the engine loop). Returns (merged, an error that was
+    queued after them, to raise next)."""
+    items = [first]
+    while not items[-1].finished:
+        try:
+            nxt = q.get_nowait()
+        except queue.Empty:
+            break
+        if isinstance(nxt, BaseException):
+            return _merge(items), nxt
+        items.append(nxt)
+    return _merge(items), None
+
+
+def _merge(items: list[RequestOutput]) -> RequestOutput:
+    if len(items) == 1:
+        return items[0]
+    last = items[-1]
+    return dataclasses.replace(
+        last, new_token_ids=[t for o in items for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in items),
+        new_logprobs=[lp for o in items for lp in o.new_logprobs])
 
 
 def _hidden_state(result: pb.PrefillResult) -> "torch.Tensor | None":

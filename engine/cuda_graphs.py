@@ -5,8 +5,8 @@ they take longer than the GPU needs to run them. A graph replays the whole step 
 launch. What a replay needs:
 
 - Static inputs. Every graph reads the same buffers (input_ids, positions, slot_mapping,
-  seq_lens, block_tables); a step copies its own values into their first B rows, from
-  pinned host mirrors (one async copy per field, straight from the scheduler's lists).
+  seq_lens, block_tables), views of one device buffer that a step fills with one async copy
+  from a pinned host mirror (engine/static_inputs.py).
 - A fixed shape per graph. The batch is padded up to the next bucket (1, 2, 4, ... 256, up
   to max_num_seqs) with dummy rows: slot -1 (the KV write skips it) and seq_len 0 (the
   decode kernel writes a zero row and reads no keys), so padding touches no cache block.
@@ -27,6 +27,7 @@ import torch
 from engine.attention import AttentionMetadata, HostBatch
 from engine.config import ConfigError, EngineConfig
 from engine.model import Model
+from engine.static_inputs import StaticInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -61,16 +62,18 @@ class DecodeGraphs:
         self.buckets = decode_buckets(config.scheduler.max_num_seqs)
         n = self.buckets[-1]
         self.width = -(-config.scheduler.max_model_len // self.block_size)  # fixed table width
-        dev = self.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # padding rows: slot -1, seq_len 0 (the decode kernel reads no keys for them)
+        self._set_inputs(StaticInputs(n, 1, self.width, 0, self.device))
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by all graphs (captured largest first)
         self.replays = 0  # steps served by a graph (tests and benchmarks read it)
+
+    def _set_inputs(self, inputs: StaticInputs) -> None:
+        self.inputs = inputs
+        self.input_ids, self.positions = inputs.input_ids, inputs.positions
+        self.slot_mapping, self.seq_lens = inputs.slot_mapping, inputs.seq_lens
+        self.block_tables = inputs.block_tables
 
     def meta(self, bucket: int) -> AttentionMetadata:
         """Metadata over the first `bucket` rows of the static buffers. The host lists are
@@ -92,7 +95,7 @@ class DecodeGraphs:
     def capture(self, buckets: list[int] | None = None) -> None:
         """Capture the given buckets (default: all), largest first so the shared pool is sized
         by the first. The static inputs hold padding only, so capture writes no KV."""
-        self._reset_padding(0, self.buckets[-1])
+        self.inputs.reset()
         for bucket in sorted(buckets or self.buckets, reverse=True):
             if bucket in self.graphs:
                 continue
@@ -107,53 +110,12 @@ class DecodeGraphs:
             self.graphs[bucket] = (graph, hidden, prenorm)
         torch.cuda.synchronize(self.device)
 
-    def _reset_padding(self, start: int, end: int) -> None:
-        self.slot_mapping[start:end].fill_(-1)
-        self.seq_lens[start:end].fill_(0)
-
-    def _host_buffers(self) -> None:
-        """Host mirrors of the static inputs, pinned on CUDA so each step's inputs go over in
-        one async copy per field (no pageable-memory staging, no device tensors built)."""
-        pin = self.device.type == "cuda"
-        self.h_ids, self.h_pos, self.h_slots = (
-            torch.zeros(t.shape, dtype=torch.int64, pin_memory=pin)
-            for t in (self.input_ids, self.positions, self.slot_mapping))
-        self.h_seq = torch.zeros(self.seq_lens.shape, dtype=torch.int32, pin_memory=pin)
-        self.h_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pin)
-        self._copied = torch.cuda.Event() if pin else None  # host buffers free again
-        # numpy views of the same memory: filling them from lists skips torch's dispatcher
-        self.np_ids, self.np_pos, self.np_slots, self.np_seq, self.np_tables = (
-            t.numpy() for t in (self.h_ids, self.h_pos, self.h_slots, self.h_seq, self.h_tables))
-
     def fits(self, batch: HostBatch) -> int | None:
         """The bucket that replays this step, or None when it must run eagerly."""
         widest = max(len(t) for t in batch.block_tables)
         if any(q != self.q for q in batch.query_lens) or widest > self.width:
             return None
         return bucket_for(len(batch.seq_lens), self.buckets)
-
-    def stage(self, batch: HostBatch, bucket: int) -> None:
-        """Copy the step's inputs into the first rows of the static buffers (tables as whole
-        rows: entries past a sequence's last block are never read) and re-pad the rest."""
-        if not hasattr(self, "h_ids"):
-            self._host_buffers()
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have left the buffers
-        B, T = len(batch.seq_lens), len(batch.input_ids)
-        width = max(len(t) for t in batch.block_tables)
-        self.np_ids[:T] = batch.input_ids
-        self.np_pos[:T] = batch.positions
-        self.np_slots[:T] = batch.slots
-        self.np_seq[:B] = batch.seq_lens
-        self.np_tables[:B, :width] = [t + [0] * (width - len(t)) for t in batch.block_tables]
-        for dst, src, n in ((self.input_ids, self.h_ids, T), (self.positions, self.h_pos, T),
-                            (self.slot_mapping, self.h_slots, T), (self.seq_lens, self.h_seq, B),
-                            (self.block_tables, self.h_tables, B)):
-            dst[:n].copy_(src[:n], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        if B < bucket:  # rows left over from a larger earlier step must be padding again
-            self._reset_padding(B, bucket)
 
     @torch.inference_mode()
     def run_host(self, batch: HostBatch, keep_prenorm: bool = False,
@@ -169,7 +131,7 @@ class DecodeGraphs:
             return None
         if bucket not in self.graphs:  # a bucket not captured up front: capture it now
             self.capture([bucket])
-        self.stage(batch, bucket)
+        self.inputs.stage(batch, bucket)
         if input_ids is not None:
             self.input_ids[:len(batch.input_ids)].copy_(input_ids)
         graph, hidden, prenorm = self.graphs[bucket]

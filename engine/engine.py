@@ -69,8 +69,13 @@ class LLMEngine:
         self.mtp_head_id = mtp_head_id
         self.runner = ModelRunner(config, model, spec=spec, mtp_head=mtp_head)
         # slots reserved past a step's tokens: the MTP chain writes k - 1 ahead, and a verify
-        # launched before the host read the drafts (runner._ahead_verify) reaches k + 1 ahead
-        lookahead = spec.num_speculative_tokens + 1 if spec is not None else 0
+        # launched before the host read the drafts (runner._ahead_verify) reaches k + 1 ahead.
+        # Overlapped decode launches the next step before the scheduler runs again, so the
+        # next position's block must exist already: one slot. (Without it every request that
+        # crosses a block boundary stops the launch for the whole batch; with requests at
+        # mixed offsets, as in serving, that was nearly every step.)
+        lookahead = (spec.num_speculative_tokens + 1 if spec is not None
+                     else int(self.runner.ahead is not None))
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.eos_token_ids,
                                    num_lookahead_tokens=lookahead)
         self.stats = EngineStats()

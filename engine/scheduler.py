@@ -65,8 +65,17 @@ class ScheduledRequest:
     def token_ids(self) -> list[int]:
         """The tokens to compute, drafts last (valid until update_from_output appends)."""
         num_real = self.num_new_tokens - len(self.spec_token_ids)
-        return (self.request.all_token_ids[self.start_pos:self.start_pos + num_real]
-                + self.spec_token_ids)
+        # sliced from the two lists, not from all_token_ids: that would copy the whole
+        # context (thousands of ids) for every request on every decode step
+        req, lo = self.request, self.start_pos
+        hi, n_prompt = lo + num_real, len(self.request.prompt_token_ids)
+        if lo >= n_prompt:
+            real = req.output_token_ids[lo - n_prompt:hi - n_prompt]
+        elif hi <= n_prompt:
+            real = req.prompt_token_ids[lo:hi]
+        else:
+            real = req.prompt_token_ids[lo:] + req.output_token_ids[:hi - n_prompt]
+        return real + self.spec_token_ids
 
 
 @dataclass

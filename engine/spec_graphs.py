@@ -20,6 +20,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.model import Model
+from engine.static_inputs import StaticInputs
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,8 @@ class VerifyGraphs(DecodeGraphs):
         self.q = q  # tokens per sequence: the last accepted one + k drafts
         self.buckets = decode_buckets(max_batch)
         n, dev = self.buckets[-1], self.device
-        self.input_ids = torch.zeros(n * q, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n * q, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros((n, self.width), dtype=torch.int32, device=dev)
+        # padding sequences: seq_len q over block 0 (see the module docstring)
+        self._set_inputs(StaticInputs(n, q, self.width, q, dev))
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev) * q
 
     def meta(self, bucket: int) -> AttentionMetadata:
@@ -54,10 +52,6 @@ class VerifyGraphs(DecodeGraphs):
         return self.model(self.input_ids[:n], self.positions[:n], self.meta(bucket),
                           self.kv_cache, return_prenorm=True)
 
-    def _reset_padding(self, start: int, end: int) -> None:
-        self.slot_mapping[start * self.q:end * self.q].fill_(-1)
-        self.seq_lens[start:end].fill_(self.q)
-        self.block_tables[start:end].fill_(0)
 
 def maybe_verify_graphs(config: EngineConfig, model: Model, kv_cache: torch.Tensor,
                         max_k: int, max_batch: int) -> dict[int, VerifyGraphs]:

@@ -54,3 +54,22 @@ def test_overlap_auto_is_off_without_graphs_and_bad_value_named() -> None:
     assert llm.engine.runner.ahead is None  # "auto" on CPU: no graphs, no overlap
     with pytest.raises(ConfigError, match="overlap_decode"):
         EngineConfig(model=get_preset("qwen3-0.6b"), overlap_decode="sometimes")
+
+
+def test_overlap_holds_with_requests_at_every_block_offset() -> None:
+    """16 requests whose positions cover every offset in a 16-token block: every step one of
+    them crosses into a new block. The launch needs the next position's block already, so
+    the scheduler reserves it (one lookahead slot); without it no step was launched ahead."""
+    llm = LLM(device="cpu", dtype="float32", overlap_decode="on", block_size=16,
+              max_num_batched_tokens=512)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for n in range(16):
+        engine.add_request([7 + i % 50 for i in range(20 + n)], params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    ahead = engine.runner.ahead
+    # one prefill step, 23 decode steps; the last one has nothing to launch after it
+    assert ahead.hits >= steps - 3, (ahead.hits, ahead.discards, steps)
