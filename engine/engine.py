@@ -195,15 +195,19 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        ahead = self.runner.ahead
+        in_flight = ahead is not None and ahead.in_flight
+        out = self.scheduler.schedule(defer_new=in_flight)
+        if in_flight and not out.scheduled:  # only newcomers left: the launch is stale
+            ahead.drop()
+            out = self.scheduler.schedule()
         self.idle = not out.scheduled  # nothing runnable (e.g. all waiting for remote KV)
         if not out.scheduled:
             return []
         k = self.spec.k_for_batch(len(out.scheduled)) if self.spec is not None else 0
         t1 = time.perf_counter()
         result = self.runner.run(out, want_hidden=self.keep_hidden, num_spec=k,
-                                 may_overlap=not (self.scheduler.waiting
-                                                  or self.scheduler.waiting_for_kv))
+                                 may_overlap=not self.scheduler.has_new_work())
         t2 = time.perf_counter()
         self.last_step = result
         updated = self.scheduler.update_from_output(out, result.sampled)

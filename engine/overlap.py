@@ -102,6 +102,11 @@ class DecodeAhead:
         self._launched = _Launched(batch, hidden, prenorm)
         return True
 
+    @property
+    def in_flight(self) -> bool:
+        """A forward launched ahead that no step has taken or dropped yet."""
+        return self._launched is not None
+
     def confirm(self, token_ids: list[int] | None) -> None:
         """The launched forward's input tokens, now read on the host (None: they are not
         what the next step will bring; the launch will be discarded)."""

@@ -258,18 +258,26 @@ class Scheduler:
         return list(self.held)
 
     # -- scheduling ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, defer_new: bool = False) -> SchedulerOutput:
+        """The next step's batch. defer_new: leave requests that would join the batch now
+        (waiting ones, remote ones whose KV just landed) for the step after, so the step
+        matches a decode forward that was launched ahead (engine/overlap.py); they join one
+        step later instead of the launched work being thrown away."""
         out = SchedulerOutput()
         scheduled: dict[str, ScheduledRequest] = {}  # insertion order = batch order
-        budget = self._schedule_running(scheduled, out.preempted)
-        if not out.preempted:  # memory is tight: admitting more would only thrash
+        budget = self._schedule_running(scheduled, out.preempted, defer_new)
+        if not out.preempted and not defer_new:  # memory tight: admitting would thrash
             self._schedule_waiting(scheduled, budget)
         out.scheduled = list(scheduled.values())
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
+    def has_new_work(self) -> bool:
+        """Whether a request would join the batch at the next step (see schedule)."""
+        return bool(self.waiting) or any(r.first_scheduled_time is None for r in self.running)
+
     def _schedule_running(self, scheduled: dict[str, ScheduledRequest],
-                          preempted: list[Request]) -> int:
+                          preempted: list[Request], defer_new: bool = False) -> int:
         """Decodes, then chunked prefills; returns the token budget left."""
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if not r.is_prefill]
@@ -277,6 +285,8 @@ class Scheduler:
         for req in decodes + prefills:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if defer_new and req.first_scheduled_time is None:
+                continue  # remote KV just landed: joins next step
             if budget == 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)

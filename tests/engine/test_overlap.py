@@ -73,3 +73,40 @@ def test_overlap_holds_with_requests_at_every_block_offset() -> None:
     ahead = engine.runner.ahead
     # one prefill step, 23 decode steps; the last one has nothing to launch after it
     assert ahead.hits >= steps - 3, (ahead.hits, ahead.discards, steps)
+
+
+def _arrivals(overlap: str) -> tuple[dict[str, list[int]], dict[str, int], object]:
+    """Two requests decode; two more arrive while they do (as in serving). Returns each
+    request's tokens, the step each newcomer got its first token, and the engine."""
+    llm = LLM(device="cpu", dtype="float32", overlap_decode=overlap,
+              max_num_batched_tokens=256)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    added: dict[str, int] = {}
+    for i in range(2):
+        engine.add_request([11 + i] * (9 + 5 * i), params, request_id=f"a{i}")
+    step = 0
+    while engine.has_unfinished():
+        if step in (4, 7):
+            rid = f"late{step}"
+            engine.add_request([23] * (6 + step), params, request_id=rid)
+            added[rid] = step
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.new_token_ids and out.request_id in added:
+                first.setdefault(out.request_id, step - added[out.request_id])
+        step += 1
+    return tokens, first, engine
+
+
+def test_arrivals_during_overlapped_decode_join_a_step_later_with_equal_outputs() -> None:
+    base, _, _ = _arrivals("off")
+    got, waited, engine = _arrivals("on")
+    assert got == base
+    # a newcomer waits out the forward launched for the batch before it: at most one step
+    # (its prefill runs the step after), and that launch is used, not thrown away
+    assert all(w <= 1 for w in waited.values()), waited
+    assert engine.runner.ahead.discards == 0
+    assert engine.runner.ahead.hits > 10

@@ -361,7 +361,7 @@ def test_verify_graph_buffers_reproduce_the_eager_forward() -> None:
     short = dataclasses.replace(batch, query_lens=[3, 3, 2])
     assert graphs.fits(short) is None  # not every sequence verifies k = 2 drafts
     n = ids.shape[0]
-    graphs.stage(batch, 4)
+    graphs.inputs.stage(batch, 4)
     runner.kv_cache.copy_(kv_before)
     got = graphs.forward_eager(4)
     for a, b in zip(got, want):  # 12 padded rows vs 9: BLAS may round differently (~1e-7)
