@@ -77,7 +77,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
     row_ok = g[:, None] < GROUP
     if DIRECT:  # one split: its result is final
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], o, mask=row_ok)
-    else:
+    elif start < end:  # an empty split stores nothing: the reduce reads the active ones
         row = (b * HQ + heads) * num_splits + split  # mid_* are [B, Hq, num_splits(, D)]
         tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -85,20 +85,25 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
 
 
 @jit
-def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, HQ, num_splits,
-                          BLOCK_S: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
+def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
+                          HQ, num_splits, BLOCK_S: tl.constexpr, D: tl.constexpr,
+                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
+    # the splits that had keys, as the split kernel cut them: at a short context most of
+    # num_splits (fixed for the CUDA graph by max_model_len) are empty and wrote nothing
+    tiles = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
+    active = s < tl.cdiv(tiles, per_split)
     row = (b * HQ + h) * num_splits + s
-    lse = tl.load(mid_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
+    lse = tl.load(mid_lse_ptr + row, mask=active, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
     w = tl.exp2(lse - m)
-    o = tl.load(mid_o_ptr + row[:, None] * D + d[None, :], mask=(s < num_splits)[:, None],
-                other=0.0)
+    o = tl.load(mid_o_ptr + row[:, None] * D + d[None, :], mask=active[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res)
@@ -179,6 +184,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps=num_warps, num_stages=1 if interpreting() else num_stages, **pdl_launch(q))
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), HQ, num_splits,
-            BLOCK_S=next_pow2(num_splits), D=D, num_warps=4, **pdl_launch(q))
+            mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), HQ, num_splits,
+            BLOCK_S=next_pow2(num_splits), D=D, BLOCK_N=block_n, num_warps=4, **pdl_launch(q))
     return out
