@@ -31,6 +31,7 @@ from engine.sampler import Sampler, SamplerState
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode import DraftJob, SpecConfig, SpecDecoder
 from engine.spec_graphs import maybe_verify_graphs
+from engine.device_io import rows_of
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -276,12 +277,8 @@ class ModelRunner:
         the host reads the sampled ids, from the device ids: with `catch_up` the MTP catch-up,
         then with `ahead` the next decode forward (see _before_sync). Returns whether the
         catch-up ran (the caller then skips its own)."""
-        last = [row for _, row in plain]
-        if last == list(range(len(last))) and len(last) == hidden.shape[0]:
-            rows = hidden  # a decode step where every row samples: no gather
-        else:
-            rows = hidden[torch.tensor(last, device=self.device)]
-        logits = self.model.compute_logits(rows)
+        # a decode step where every row samples takes hidden as is (no gather)
+        logits = self.model.compute_logits(rows_of(hidden, [row for _, row in plain]))
         sampling = [s.request for s, _ in plain]
         states = [self._state(r) for r in sampling]
         hook, caught_up = self._before_sync(plain, hidden, ahead, catch_up)

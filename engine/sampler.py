@@ -25,6 +25,7 @@ import torch
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.device_io import to_device
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
 SAMPLING_EPS = 1e-5
@@ -201,7 +202,7 @@ class Sampler:
         token_ids = processed.argmax(dim=-1)  # greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = to_device(random_rows, torch.int64, logits.device)
             probs = processed[rows].softmax(dim=-1)  # [R, V]
             noise = self._noise(requests, states, random_rows, logits)  # [R, V] ~ Exp(1)
             # exponential race: argmax p_i / E_i is a draw from p, using only per-row noise
@@ -222,7 +223,7 @@ class Sampler:
         probs = processed.softmax(dim=-1)
         greedy_rows = [r.sampling_params.temperature < SAMPLING_EPS for r in requests]
         if any(greedy_rows):
-            greedy = torch.tensor(greedy_rows, device=logits.device)
+            greedy = to_device(greedy_rows, torch.bool, logits.device)
             one_hot = torch.zeros_like(probs).scatter_(-1, processed.argmax(-1, keepdim=True), 1.0)
             probs = torch.where(greedy[:, None], one_hot, probs)
         return probs
@@ -240,7 +241,7 @@ class Sampler:
         dev, vocab = logits.device, logits.shape[-1]
 
         def per_row(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return to_device(values, dtype, dev)
 
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         if any(not g and p.temperature != 1.0 for g, p in zip(greedy, params)):
@@ -264,14 +265,14 @@ class Sampler:
                 raise ValueError(f"states[{i}]: request has penalties but its state was made "
                                  "without them (create it with Sampler.new_state)")
         dev = logits.device
-        idx = torch.tensor(rows, device=dev)
+        idx = to_device(rows, torch.int64, dev)
         sub = apply_penalties(
             logits[idx],
             torch.stack([states[i].prompt_mask for i in rows]),
             torch.stack([states[i].output_counts for i in rows]),
-            torch.tensor([params[i].repetition_penalty for i in rows], device=dev),
-            torch.tensor([params[i].presence_penalty for i in rows], device=dev),
-            torch.tensor([params[i].frequency_penalty for i in rows], device=dev))
+            to_device([params[i].repetition_penalty for i in rows], torch.float32, dev),
+            to_device([params[i].presence_penalty for i in rows], torch.float32, dev),
+            to_device([params[i].frequency_penalty for i in rows], torch.float32, dev))
         out = logits.clone()
         out[idx] = sub
         return out
@@ -294,8 +295,8 @@ class Sampler:
         if not rows:
             return out
         dev = logits.device
-        logp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float(), dim=-1)
-        chosen = logp.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=dev))
+        logp = torch.log_softmax(logits[to_device(rows, torch.int64, dev)].float(), dim=-1)
+        chosen = logp.gather(1, to_device([[token_ids[i]] for i in rows], torch.int64, dev))
         top_lp, top_ids = logp.topk(max(params[i].logprobs for i in rows), dim=-1)  # [R, N]
         chosen_l, top_lp_l, top_ids_l = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
         for j, i in enumerate(rows):

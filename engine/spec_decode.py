@@ -42,6 +42,7 @@ from engine.config import ConfigError
 from engine.draft_graphs import DraftGraphs, DraftRow
 from engine.request import Request
 from engine.sampler import SAMPLING_EPS, Sampler, SamplerState, mix_seed
+from engine.device_io import rows_of
 
 METHODS = ("mtp",)
 _DRAFT_SALT = 0x6D7470  # draft-sampling generator seed salt ("mtp")
@@ -213,7 +214,7 @@ class SpecDecoder:
         """items: (request, its scheduled drafts, index of its last row in hidden); the k+1
         verify rows end there. Returns the emitted tokens per request (1 to k+1 of them)."""
         rows = [r for _, drafts, last in items for r in range(last - len(drafts), last + 1)]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(rows_of(hidden, rows))
         out: dict[str, list[int]] = {}
         greedy = [i for i, (req, _, _) in enumerate(items)
                   if req.sampling_params.temperature < SAMPLING_EPS]

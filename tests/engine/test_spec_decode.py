@@ -343,7 +343,9 @@ def test_verify_graph_buffers_reproduce_the_eager_forward() -> None:
     writing no KV, gives the eager forward's hidden states exactly."""
     from engine.spec_graphs import VerifyGraphs
 
-    llm = LLM("tiny-qwen3", device="cpu", block_size=4, num_blocks=64, max_num_seqs=4,
+    # the Triton interpreter on a CPU host; compiled kernels (CUDA tensors) on a GPU host
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM("tiny-qwen3", device=device, block_size=4, num_blocks=64, max_num_seqs=4,
               use_triton=True, speculative=SpecConfig(num_speculative_tokens=2, batch_k_caps=()))
     engine, runner = llm.engine, llm.engine.runner
     for i in range(3):
