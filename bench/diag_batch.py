@@ -15,7 +15,6 @@ The gap engine - graph is host time the overlap does not hide; graph - bound is 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 import kernels  # noqa: F401  compiled Triton on a GPU
 from bench.bench_engine import (device_rates, drive, gpu_step_ms, kv_bytes_per_token,
                                 weight_bytes_per_token, Plan)
+from kernels.bench import emit
 from bench.engine_probes import kernel_times, log, random_prompts
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm import build_engine
@@ -90,11 +90,7 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rates": rates,
            "graph_buckets": sorted(graphs.graphs), "cases": rows}
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

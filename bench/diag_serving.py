@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kernels.bench import emit
 from bench.engine_probes import log, random_prompts
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pbg
@@ -149,11 +150,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
            "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "model": cfg.model, "switch_interval_s": sys.getswitchinterval(), "runs": rows}
-    text = json.dumps(res, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(res, args.out)
 
 
 if __name__ == "__main__":
