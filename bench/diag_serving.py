@@ -6,7 +6,9 @@ One colocated WorkerRuntime in this process (engine loop thread + gRPC server on
 N client threads each with one Decode stream (random prompt, ignore_eos). For each N it
 records, over the window in which all N streams decode at once: the clients' mean ITL, the
 engine's mean step interval (EngineStats.steps over the same window) and, if --py-spy is
-given, a sampled profile of the worker's threads (py-spy record, raw folded stacks). If
+given, a sampled profile of the worker's threads (py-spy record --nonblocking, raw folded
+stacks; without --nonblocking py-spy stops the process for every sample, which on an H100
+made a 13 ms step look like 27-40 ms). If
 client ITL is well above the step interval, the host side of serving (stream threads, gRPC,
 metrics) is what delays tokens; if the step interval itself grows with N beyond what the
 engine alone does (bench/diag_batch.py), serving work is stealing the engine thread's time.
@@ -77,7 +79,7 @@ def one_run(rt: WorkerRuntime, n: int, prompt_len: int, max_tokens: int,
         steps.append((time.monotonic(), rt.engine.stats.steps, dict(rt.engine.stats.host_s)))
         if py_spy and prof is None and _all_started(rt, n):
             prof = subprocess.Popen([py_spy, "record", "-p", str(os.getpid()), "-d", "6",
-                                     "-r", "200", "-f", "raw", "--idle", "--threads",
+                                     "-r", "200", "-f", "raw", "--idle", "--threads", "--nonblocking",
                                      "-o", os.path.join(out_dir, f"pyspy_{n}.txt")],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(0.005)
