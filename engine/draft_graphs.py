@@ -193,8 +193,39 @@ class DraftGraphs:
         self._host_copy.start(drafts)  # queued before whatever before_sync launches
         if before_sync is not None:
             before_sync(drafts)
-        flat = self._host_copy.wait()
+        flat = self.read_drafts()
         return [flat[i * k:(i + 1) * k] for i in range(len(rows))]
+
+    @torch.inference_mode()
+    def launch_after_verify(self, rows: list[DraftRow], hidden: torch.Tensor, B: int, q: int,
+                            k: int, ids: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        """The proposal after a verify step whose acceptance is still on the device
+        (engine/verify_ahead.py): rows staged as if all q rows were accepted (each row's
+        next_tokens has q placeholders; B = fits(rows, q, k)), then ids [len(rows) * q] (the
+        token after each verify row) and accepted [len(rows)] (n: drafts accepted, m = n + 1)
+        move the selected row and the chain's positions on the device. Returns the drafts
+        [len(rows), k] on the device; their copy to the host is queued (read_drafts)."""
+        n = len(rows)
+        self.stage(rows, hidden, B, q, k)  # queues the host -> device copy of the buffers
+        back = (q - 1) - accepted  # [n] rows staged past each sequence's accepted prefix
+        v64, v32, nmax = self.dv64, self.dv32, self.buckets[-1]
+        v64["ids"][:n * q].copy_(ids)
+        v64["sel"][:n].sub_(back)
+        if k > 1:  # chain step s sits at start + m + s - 1: back positions earlier
+            cpos = v64["cpos"].view(-1, nmax)[:k - 1, :n]
+            cpos.sub_(back[None, :])
+            tables = v32["tables"].view(nmax, self.width)[:n].to(torch.int64)
+            blocks = tables.gather(1, (cpos // self.block_size).t()).t()  # [k - 1, n]
+            bs = self.block_size
+            v64["cslots"].view(-1, nmax)[:k - 1, :n].copy_(blocks * bs + cpos % bs)
+            v32["cseq"].view(-1, nmax)[:k - 1, :n].copy_(cpos + 1)
+        drafts = self._run(B, q, k)[:n]
+        self._host_copy.start(drafts)
+        return drafts
+
+    def read_drafts(self) -> list[int]:
+        """The drafts of the last proposal, flat (waits for their copy)."""
+        return self._host_copy.wait()
 
     @torch.inference_mode()
     def catch_up_from_device(self, requests: list[Request], starts: list[int],

@@ -31,6 +31,7 @@ from engine.sampler import Sampler, SamplerState
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode import DraftJob, SpecConfig, SpecDecoder
 from engine.spec_graphs import maybe_verify_graphs
+from engine.verify_ahead import VerifyAhead
 from engine.device_io import rows_of
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -85,6 +86,7 @@ class ModelRunner:
                                     config.model.eos_token_ids)
             self.spec.draft_graphs = maybe_draft_graphs(config, spec, model, mtp_head,
                                                         self.kv_cache)
+        self.verify_ahead = VerifyAhead(self.spec) if self.spec is not None else None
         # verify steps (k+1 tokens per sequence) replay graphs too, up to the largest batch
         # that still drafts
         self.verify_graphs = {} if spec is None else maybe_verify_graphs(
@@ -158,7 +160,9 @@ class ModelRunner:
             if may_overlap and not want_hidden and len(plain) == len(out.scheduled):
                 ahead = self._ahead_batch(out, num_spec, catch_up)
             caught_up = self._sample(plain, hidden, result, ahead, catch_up)
-        if verify:
+        if verify and not plain and not want_hidden and num_spec > 0:
+            caught_up = self._verify_ahead(out, verify, hidden, result, num_spec, may_overlap)
+        if verify and not caught_up:
             items = [(s.request, s.spec_token_ids, last) for s, last in verify]
             states = [self._state(s.request) for s, _ in verify]
             result.sampled.update(self.spec.verify(items, hidden, states))
@@ -204,6 +208,26 @@ class ModelRunner:
                 return graphed
         input_ids, positions, meta = batch.to_device(self.device)
         return self.model(input_ids, positions, meta, self.kv_cache, return_prenorm=True)
+
+    def _verify_ahead(self, out: SchedulerOutput, verify: list[tuple[ScheduledRequest, int]],
+                      hidden: torch.Tensor, result: StepResult, k: int,
+                      may_overlap: bool) -> bool:
+        """A uniform greedy verify step with acceptance and drafting queued on the device
+        (engine/verify_ahead.py); the next verify forward is launched from the device drafts
+        as soon as the emitted tokens are known. False (nothing launched) when it does not
+        apply; the general verify + propose path runs then."""
+        items = [(s.request, s.spec_token_ids, last) for s, last in verify]
+        launched = self.verify_ahead.launch(items, [s.start_pos for s, _ in verify], hidden, k)
+        if launched is None:
+            return False
+        result.sampled.update(launched.emitted())
+        nxt = self._ahead_verify(out, result.sampled, k) if may_overlap else None
+        if nxt is not None:
+            self._launch_verify(nxt, k, launched.drafts_dev)
+        result.drafts = launched.drafts(result.sampled)
+        if nxt is not None:
+            self.ahead.confirm(_verify_ids(out, nxt[1], result.drafts, k))
+        return True
 
     def _ahead_batch(self, out: SchedulerOutput, num_spec: int = 0,
                      catch_up: bool = False) -> HostBatch | None:

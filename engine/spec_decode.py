@@ -208,6 +208,10 @@ class SpecDecoder:
         self._q.pop(request_id, None)
         self._gens.pop(request_id, None)
 
+    def free_request_drafts(self, request_id: str) -> None:
+        """Its drafts are greedy from now on: no draft distribution to keep."""
+        self._q.pop(request_id, None)
+
     # -- verify ------------------------------------------------------------------------------
     def verify(self, items: list[tuple[Request, list[int], int]], hidden: torch.Tensor,
                states: list[SamplerState]) -> dict[str, list[int]]:
@@ -335,7 +339,7 @@ class SpecDecoder:
         if drafts is None:
             return None
         for j in jobs:
-            self._q.pop(j.request.request_id, None)  # greedy drafts keep no distribution
+            self.free_request_drafts(j.request.request_id)
         return {j.request.request_id: d for j, d in zip(jobs, drafts) if d}
 
     def _chain(self, jobs: list[DraftJob], g: torch.Tensor,

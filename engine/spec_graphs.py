@@ -3,9 +3,9 @@
 A verify step at small batch is as launch-bound as a decode step, so it replays a captured
 graph the same way (engine/cuda_graphs.py): static buffers, the batch padded up to a bucket,
 padding rows that write no KV (slot -1). The differences: every sequence brings q = k + 1
-tokens (one graph set per k), the attention takes the chunked-prefill kernel (max_query_len
-= q, fixed per graph), and a padding sequence gets seq_len q over block 0 (the prefill
-kernel needs seq_len >= query length; it reads block 0 and writes nothing).
+tokens (one graph set per k), the attention takes the split-K decode kernel with q causal
+rows per sequence (kernels.attention: uniform query lengths), and a padding sequence gets
+seq_len q over block 0 (every row needs seq_len >= q; it reads block 0 and writes nothing).
 
 Only steps where every scheduled request verifies exactly k drafts replay; the rest (prefill
 chunks, mixed k near max_tokens) run eagerly. The MTP drafting itself stays eager.

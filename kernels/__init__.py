@@ -19,7 +19,7 @@ import torch
 
 from kernels import sdpa_prefill
 from kernels.attn_prologue import fused_qk_norm_rope_kv
-from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.decode_attention import MAX_GROUP_ROWS, choose_num_splits, paged_decode_attention
 from kernels.gemv import MODEL_ROWS as GEMV_ROWS
 from kernels.gemv import gemv
 from kernels.kv_write import write_kv
@@ -40,14 +40,28 @@ __all__ = [
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
     """Same function as engine.attention.paged_attention_torch: q [T, Hq, D] over layer views
-    [NB, BS, Hkv, D] -> [T, Hq, D]. Decode-only steps take the split-K decode kernel (its
+    [NB, BS, Hkv, D] -> [T, Hq, D]. Decode steps, and verify steps where every sequence brings
+    the same few tokens (MTP: the last token + k drafts), take the split-K decode kernel (its
     split count comes from the block table's width unless given, so keep that width fixed
     under CUDA graphs); anything else takes the chunked-prefill kernel."""
-    if meta.is_decode_only:
+    rows = _uniform_rows(q, k_cache, meta)
+    if rows:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      scale, num_splits=num_splits)
+                                      scale, num_splits=num_splits, rows_per_seq=rows)
     return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, meta.max_query_len, scale)
+
+
+def _uniform_rows(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
+    """R when every sequence of the step brings exactly R new tokens and R query rows per KV
+    head fit one decode program; 0 otherwise (host lists only: no device read)."""
+    if meta.is_decode_only:
+        return 1
+    r = meta.max_query_len
+    group = q.shape[1] // k_cache.shape[2]
+    if r * group > MAX_GROUP_ROWS or len(meta.query_lens_cpu) * r != q.shape[0]:
+        return 0
+    return r if all(n == r for n in meta.query_lens_cpu) else 0
 
 
 class TritonAttentionBackend:

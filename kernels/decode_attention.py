@@ -8,6 +8,13 @@ Decode is bound by reading the KV cache. Two choices keep it at bandwidth:
   produces a partial output and its log-sum-exp, and a small reduce kernel merges them.
 num_splits is fixed per launch from host shapes (never read from device data), and each program
 derives its key range from seq_lens on the device, so the launch is CUDA-graph safe.
+
+Several query rows per sequence (rows_per_seq = R, an MTP verify step: the last token + R - 1
+drafts) ride in the same programs: row r of sequence b is the token at position
+seq_len - R + r and sees keys < seq_len - R + 1 + r (causal). R * G query rows share each KV
+tile in the padded tl.dot (G = 4, R <= 4 fits the 16 rows a GQA program already computes), so
+a verify step reads the context once, split-K across the GPU, instead of taking the
+chunked-prefill kernel's few programs per sequence.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from kernels.kv_write import check_q_and_cache
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+MAX_GROUP_ROWS = 64  # rows_per_seq * (Hq / Hkv) query rows per program at most
 
 
 @jit
@@ -30,9 +38,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
                          mid_lse_ptr, stride_qb, stride_qh, stride_kc_b, stride_kc_o, stride_kc_h,
                          stride_vc_b, stride_vc_o, stride_vc_h, stride_bt, stride_ob, stride_oh,
                          scale_log2, block_size, HQ, num_splits, GROUP: tl.constexpr,
-                         BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DIRECT: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         R: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -43,11 +51,14 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
-    g = tl.arange(0, BLOCK_G)
+    g = tl.arange(0, BLOCK_G)  # program row g: query row g // GROUP, head g % GROUP of the group
     d = tl.arange(0, D)
-    heads = kvh * GROUP + g  # the query heads that share this KV head
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g[:, None] < GROUP, other=0.0).to(DOT_DTYPE)
+    row_ok = g < R * GROUP
+    qrow = b * R + g // GROUP  # [BLOCK_G] row of q / out
+    heads = kvh * GROUP + g % GROUP  # the query heads that share this KV head
+    visible = seq_len - (R - 1) + g // GROUP  # causal: keys < visible for each program row
+    q = tl.load(q_ptr + qrow[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
@@ -62,10 +73,17 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
         k = tl.load(k_base + blk[:, None] * stride_kc_b + off[:, None] * stride_kc_o + d[None, :],
                     mask=valid[:, None], other=0.0).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
+        if R == 1:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        else:
+            s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if R > 1:  # a row may have seen no key yet (this split's keys are its future)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_o + d[None, :],
                     mask=valid[:, None], other=0.0).to(DOT_DTYPE)
@@ -74,31 +92,31 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
 
     has_keys = l_i > 0.0  # false only for an empty split (or a padded seq_len-0 entry)
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    row_ok = g[:, None] < GROUP
     if DIRECT:  # one split: its result is final
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], o, mask=row_ok)
+        tl.store(out_ptr + qrow[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :], o,
+                 mask=row_ok[:, None])
     elif start < end:  # an empty split stores nothing: the reduce reads the active ones
-        row = (b * HQ + heads) * num_splits + split  # mid_* are [B, Hq, num_splits(, D)]
-        tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok)
+        row = (qrow * HQ + heads) * num_splits + split  # mid_* are [B * R, Hq, num_splits(, D)]
+        tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(mid_lse_ptr + row, lse, mask=g < GROUP)
+        tl.store(mid_lse_ptr + row, lse, mask=row_ok)
 
 
 @jit
 def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
-                          HQ, num_splits, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                          HQ, num_splits, R: tl.constexpr, BLOCK_S: tl.constexpr,
+                          D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
-    b = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(0).to(tl.int64)  # query row; its sequence is r // R
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
     # the splits that had keys, as the split kernel cut them: at a short context most of
     # num_splits (fixed for the CUDA graph by max_model_len) are empty and wrote nothing
-    tiles = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_N)
+    tiles = tl.cdiv(tl.load(seq_lens_ptr + r // R), BLOCK_N)
     per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
     active = s < tl.cdiv(tiles, per_split)
-    row = (b * HQ + h) * num_splits + s
+    row = (r * HQ + h) * num_splits + s
     lse = tl.load(mid_lse_ptr + row, mask=active, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
@@ -106,7 +124,7 @@ def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, stride_
     o = tl.load(mid_o_ptr + row[:, None] * D + d[None, :], mask=active[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res)
+    tl.store(out_ptr + r * stride_ob + h * stride_oh + d, res)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -135,9 +153,16 @@ def _tile_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
 
 def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       scale: float) -> tuple[int, int]:
+                       scale: float, rows_per_seq: int = 1) -> tuple[int, int]:
     """Returns (block_size, Hkv)."""
-    B, HQ, D, bs, HKV = check_q_and_cache(q, k_cache, v_cache)
+    T, HQ, D, bs, HKV = check_q_and_cache(q, k_cache, v_cache)
+    if not isinstance(rows_per_seq, int) or rows_per_seq < 1 or T % rows_per_seq:
+        raise ValueError(f"rows_per_seq: {rows_per_seq!r} must be an int >= 1 dividing q's "
+                         f"{T} rows")
+    if rows_per_seq * (HQ // HKV) > MAX_GROUP_ROWS:
+        raise ValueError(f"rows_per_seq: {rows_per_seq} rows x {HQ // HKV} query heads per KV "
+                         f"head exceeds {MAX_GROUP_ROWS} rows per program")
+    B = T // rows_per_seq
     check_tensor("block_tables", block_tables, shape=(B, None), dtypes=(torch.int32,),
                  device=q.device)
     check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=(torch.int32,), device=q.device)
@@ -149,18 +174,21 @@ def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, rows_per_seq: int = 1) -> torch.Tensor:
     """out [B, Hq, D] = softmax(q k^T * scale) v over each sequence's seq_lens[b] cached keys.
 
-    q [B, Hq, D] (one token per sequence; any strides, head dim contiguous); k_cache/v_cache
+    q [B * R, Hq, D] (R = rows_per_seq tokens per sequence, the last R of its seq_lens[b],
+    each attending causally; R = 1 for decode; any strides, head dim contiguous); k_cache/v_cache
     [NB, BS, Hkv, D] strided layer views of q.dtype; block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (0 gives a zero row, for padded CUDA-graph batches). num_splits
     defaults to choose_num_splits(B, Hkv, max_seq_len or the block table's capacity); pass
     it (or keep the table width fixed) to keep one choice across CUDA-graph replays.
     """
-    bs, HKV = _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    B, HQ, D = q.shape
-    out = torch.empty((B, HQ, D), dtype=q.dtype, device=q.device)
+    bs, HKV = _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                 rows_per_seq)
+    T, HQ, D = q.shape
+    R, B = rows_per_seq, T // rows_per_seq
+    out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     block_n, num_warps, num_stages = _tile_config(q.dtype, D)
@@ -172,18 +200,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = HQ // HKV
     mid_o = mid_lse = out  # unused when one split writes `out` directly
     if num_splits > 1:
-        mid_o = torch.empty((B, HQ, num_splits, D), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((B, HQ, num_splits), dtype=torch.float32, device=q.device)
+        mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, HKV, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale) * LOG2E, bs, HQ, num_splits,
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)), D=D, BLOCK_N=block_n,
+        GROUP=group, R=R, BLOCK_G=max(16, next_pow2(R * group)), D=D, BLOCK_N=block_n,
         DIRECT=num_splits == 1, PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=num_warps, num_stages=1 if interpreting() else num_stages, **pdl_launch(q))
     if num_splits > 1:
-        _decode_reduce_kernel[(B, HQ)](
+        _decode_reduce_kernel[(T, HQ)](
             mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), HQ, num_splits,
-            BLOCK_S=next_pow2(num_splits), D=D, BLOCK_N=block_n, num_warps=4, **pdl_launch(q))
+            R=R, BLOCK_S=next_pow2(num_splits), D=D, BLOCK_N=block_n, num_warps=4, **pdl_launch(q))
     return out

@@ -37,7 +37,8 @@ from kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, dot_d
 from kernels.rmsnorm import fused_add_rmsnorm
 from kernels.silu_mul import silu_and_mul
 
-MAX_ROWS = 16  # 1 row: CUDA cores; 2..16 rows: tensor cores, padded to tl.dot's M = 16
+MAX_ROWS = 16  # the tensor-core kernel pads rows to tl.dot's M = 16
+CUDA_CORE_ROWS = 4  # the CUDA-core kernel keeps a [T, BLOCK_N, BLOCK_K] fp32 accumulator
 # What the model sends here: batch-1 decode steps and MTP verify steps of up to 3 drafts
 # (2-4 rows), whose layers then run as PDL-chained Triton kernels instead of cuBLAS GEMMs
 # with separate norm / SiLU kernels between them.
@@ -51,6 +52,9 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
+    # 2+ rows: tl.dot on the tensor cores (prologue as its own kernel) instead of the
+    # CUDA-core kernel with the prologue fused (which 1 row always takes)
+    tensor_cores: bool = False
 
 
 @jit
@@ -177,9 +181,11 @@ def pick_config(N: int, K: int, T: int) -> GemvConfig:
 def pick_dot_config(N: int, K: int) -> GemvConfig:
     """Tile of the tensor-core kernel (2..16 rows)."""
     if interpreting():
-        return GemvConfig(min(64, max(16, next_pow2(N))), min(128, max(16, next_pow2(K))))
+        return GemvConfig(min(64, max(16, next_pow2(N))), min(128, max(16, next_pow2(K))),
+                          tensor_cores=True)
     block_n = 32 if triton.cdiv(N, 32) >= 132 else 16
-    return GemvConfig(block_n, min(256, next_pow2(K)), num_warps=4, num_stages=4)
+    return GemvConfig(block_n, min(256, next_pow2(K)), num_warps=4, num_stages=4,
+                      tensor_cores=True)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, residual: torch.Tensor | None,
@@ -230,8 +236,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     _check(x, weight, prologue, residual, norm_weight, eps, add)
     T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     cfg = config or pick_config(N, K, T)
-    if T > 1:
+    if T > 1 and cfg.tensor_cores:
         return _gemv_rows(x, weight, prologue, residual, norm_weight, eps, add, cfg)
+    if T > CUDA_CORE_ROWS:
+        raise ValueError(f"config: the CUDA-core kernel takes 1..{CUDA_CORE_ROWS} rows, got {T} "
+                         f"(set tensor_cores=True)")
     res_out = x
     if prologue == "norm" and residual is not None:
         res_out = torch.empty((T, K), dtype=x.dtype, device=x.device)
@@ -241,7 +250,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     out = y if add is None else add
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, res, nw, weight, y, res_out, out, N, K, x.stride(0), res.stride(0),
-        weight.stride(0), y.stride(0), res_out.stride(0), out.stride(0), float(eps), T=T, TP=1,
+        weight.stride(0), y.stride(0), res_out.stride(0), out.stride(0), float(eps), T=T,
+        TP=next_pow2(T),
         PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None,
         HAS_ADD=add is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
@@ -255,8 +265,8 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
     """2..16 rows: the prologue as its own kernel (activation rounded to x.dtype, as in an
     unfused layer), then the tensor-core kernel."""
     if min(cfg.block_n, cfg.block_k) < 16:
-        raise ValueError(f"config: the tensor-core kernel (2+ rows) needs block_n and block_k "
-                         f">= 16, got {cfg}")
+        raise ValueError(f"config: the tensor-core kernel needs block_n and block_k >= 16, "
+                         f"got {cfg}")
     h = x
     if prologue == "norm":
         x, h = fused_add_rmsnorm(x, residual, norm_weight, eps)

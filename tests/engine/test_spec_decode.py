@@ -42,27 +42,30 @@ def reference() -> list[list[int]]:
 
 def use_oracle(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], seed: int = 0):
     """Replace the MTP drafts with the reference continuation, right for a random number
-    (0..k) of tokens and wrong after that. The real head still runs first."""
-    spec = llm.engine.runner.spec
+    (0..k) of tokens and wrong after that. The real head still runs first (in whichever path
+    drafts: the general propose or the device-side verify + draft of engine/verify_ahead.py)."""
+    runner = llm.engine.runner
     full = {tuple(p): p + o for p, o in zip(prompts, outputs)}
-    rng, real = random.Random(seed), spec.propose
+    rng, real = random.Random(seed), runner.run
+    # with overlapped decode (GPU) a verify launched ahead from the real drafts does not match
+    # the replaced ones the next step brings, so it is discarded (DecodeAhead.take)
 
-    def propose(jobs: list[DraftJob], hidden, states, **kw):
-        # drafts change after the real proposal: a verify launched from the real ones
-        # (before_sync) would not match the next step, so none is launched
-        drafts = real(jobs, hidden, states)
-        for job in jobs:
-            rid = job.request.request_id
-            if rid not in drafts:
+    def run(out, *args, **kw):
+        result = real(out, *args, **kw)
+        for s in out.scheduled:
+            rid = s.request.request_id
+            if rid not in result.drafts:
                 continue
-            seq = full[tuple(job.request.prompt_token_ids)]
-            base = job.start + job.m + 1  # index of the token the first draft guesses
-            right = rng.randint(0, len(drafts[rid]))
-            drafts[rid] = [seq[base + i] if i < right else (seq[base + i] + 1) % 512
-                           for i in range(len(drafts[rid]))]
-        return drafts
+            seq = full[tuple(s.request.prompt_token_ids)]
+            # index of the token the first draft guesses: after this step's emitted tokens
+            base = s.request.num_tokens + len(result.sampled[rid])
+            d = result.drafts[rid]
+            right = rng.randint(0, len(d))
+            result.drafts[rid] = [seq[base + i] if i < right else (seq[base + i] + 1) % 512
+                                  for i in range(len(d))]
+        return result
 
-    spec.propose = propose
+    runner.run = run
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -153,21 +156,23 @@ def _drafts_by_mode(k: int, reference: list[list[int]], kw: dict) -> dict[str, l
     logs: dict[str, list] = {}
     for mode in ("off", "on"):
         llm = spec_llm(k, draft_graphs=mode, **kw)
-        spec, log = llm.engine.runner.spec, []
-        real = spec.propose
+        runner, log = llm.engine.runner, []
+        spec, real = runner.spec, runner.run
 
-        def logged(jobs, hidden, states, real=real, log=log, **kw):
-            drafts = real(jobs, hidden, states, **kw)
-            log.append(sorted((rid, tuple(d)) for rid, d in drafts.items()))
-            return drafts
+        def logged(out, *args, real=real, log=log, **kw):
+            result = real(out, *args, **kw)
+            if result.drafts:
+                log.append(sorted((rid, tuple(d)) for rid, d in result.drafts.items()))
+            return result
 
-        spec.propose = logged
+        runner.run = logged
         use_oracle(llm, PROMPTS, reference, seed=2)
         got = tokens(llm.generate(PROMPTS, params))
         assert got == [r[:p.max_tokens] for r, p in zip(reference, params)]
         logs[mode] = log
         if mode == "on":
             assert spec.draft_graphs.served > 5  # most verify steps drafted statically
+            assert runner.verify_ahead.launched > 0  # acceptance + drafting on the device
         else:
             assert spec.draft_graphs is None
     return logs

@@ -100,3 +100,70 @@ def test_bad_arguments_name_the_field(device, paged_cache):
     with pytest.raises(ValueError, match="block_size 12 must be a power of 2"):
         kv = torch.zeros(4, 12, 2, 64, device=device)
         paged_decode_attention(q, kv, kv, cache.block_tables, cache.seq_lens, 0.125)
+
+
+def _verify_rows(cache, R: int, hq: int, d: int, dtype, device, num_splits, seed=0):
+    """R query rows per sequence (an MTP verify step), each the last R tokens of its context."""
+    B = cache.seq_lens.shape[0]
+    q = torch.randn(B * R, hq, d, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+    scale = d ** -0.5
+    out = paged_decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens, scale,
+                                 num_splits=num_splits, rows_per_seq=R)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * R
+    ref = paged_attention_ref(q, cache.k, cache.v, qsl, cache.seq_lens, cache.block_tables,
+                              scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("R,group,bs,seq_lens,splits", [
+    (2, 4, 16, [17, 33, 2], 4),        # the new row's keys cross a block boundary
+    (3, 3, 8, [24, 25, 23, 3], 3),     # odd GQA ratio; a context of exactly R tokens
+    (4, 4, 4, [65, 64, 130], 16),      # most splits empty; the last split holds only keys
+                                       # that the first rows must not see
+    (2, 8, 32, [97, 96], 1),           # one split: rows stored directly
+    (5, 2, 16, [40, 81], 8),           # R * G = 10 rows padded to 16
+])
+def test_several_rows_per_sequence_are_causal(R, group, bs, seq_lens, splits, device,
+                                              paged_cache, close):
+    hkv, d = 2, 64
+    cache = paged_cache(seq_lens, bs, hkv, d, torch.float32)
+    out, ref = _verify_rows(cache, R, group * hkv, d, torch.float32, device, splits)
+    close(out, ref, torch.float32)
+
+
+def test_several_rows_bf16_with_default_splits(device, paged_cache, close):
+    cache = paged_cache([300, 47], 16, 2, 128, torch.bfloat16)
+    out, ref = _verify_rows(cache, 4, 8, 128, torch.bfloat16, device, None, seed=3)
+    close(out, ref, torch.bfloat16)
+
+
+def test_rows_per_seq_is_checked(device, paged_cache):
+    cache = paged_cache([20, 9], 8, 2, 64, torch.float32)
+    q = torch.randn(5, 4, 64, device=device)
+    with pytest.raises(ValueError, match="rows_per_seq: 2 must be an int >= 1 dividing"):
+        paged_decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens, 0.125,
+                               rows_per_seq=2)
+    with pytest.raises(ValueError, match="rows_per_seq: 40 rows x 2 query heads"):
+        paged_decode_attention(torch.randn(80, 4, 64, device=device), cache.k, cache.v,
+                               cache.block_tables, cache.seq_lens, 0.125, rows_per_seq=40)
+
+
+@pytest.mark.parametrize("query_lens", [[3, 3], [2, 3]])
+def test_attention_entry_point_for_verify_steps(query_lens, device, paged_cache, close):
+    """kernels.attention: uniform query lengths (a verify step) take the decode kernel with
+    rows_per_seq, mixed ones the chunked-prefill kernel; both match the reference."""
+    from engine.attention import AttentionMetadata
+    from kernels import attention
+
+    cache = paged_cache([41, 18], 8, 2, 64, torch.float32)
+    T = sum(query_lens)
+    q = torch.randn(T, 8, 64, generator=torch.Generator().manual_seed(5)).to(device)
+    qsl = torch.tensor([0, query_lens[0], T], dtype=torch.int32, device=device)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(T, dtype=torch.int64, device=device),
+                             query_start_loc=qsl, seq_lens=cache.seq_lens,
+                             block_tables=cache.block_tables, max_query_len=max(query_lens),
+                             max_seq_len=41, query_lens_cpu=query_lens, seq_lens_cpu=[41, 18],
+                             block_size=8)
+    ref = paged_attention_ref(q, cache.k, cache.v, qsl, cache.seq_lens, cache.block_tables,
+                              64 ** -0.5)
+    close(attention(q, cache.k, cache.v, meta, 64 ** -0.5), ref, torch.float32)

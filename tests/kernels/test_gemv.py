@@ -53,11 +53,14 @@ def test_silu_prologue_matches_reference(dtype, T, N, K, device, close):
 
 @pytest.mark.parametrize("T,cfg", [(1, GemvConfig(2, 32)), (1, GemvConfig(8, 64, num_warps=2)),
                                    (1, GemvConfig(16, 128, num_warps=8, num_stages=2)),
-                                   (3, GemvConfig(16, 32)), (3, GemvConfig(32, 64, num_stages=3)),
-                                   (5, GemvConfig(64, 16, num_warps=8))])
+                                   (2, GemvConfig(4, 64)), (3, GemvConfig(2, 128, num_warps=8)),
+                                   (4, GemvConfig(8, 32)),
+                                   (3, GemvConfig(16, 32, tensor_cores=True)),
+                                   (3, GemvConfig(32, 64, num_stages=3, tensor_cores=True)),
+                                   (5, GemvConfig(64, 16, num_warps=8, tensor_cores=True))])
 def test_every_tile_shape_covers_ragged_edges(T, cfg, device, close):
-    """N and K not multiples of the tile: masked tails in both dims (1 row: the CUDA-core
-    kernel; more: the tensor-core one)."""
+    """N and K not multiples of the tile: masked tails in both dims, on the CUDA-core kernel
+    (1..4 rows, prologue fused) and the tensor-core one (prologue as its own kernel)."""
     x, w, gen = _data(T, 45, 157, torch.float32, device)
     res = torch.randn(T, 157, generator=gen).to(device)
     nw = torch.rand(157, generator=gen).to(device)
@@ -73,7 +76,9 @@ def test_bad_arguments_name_the_field(device):
     with pytest.raises(ValueError, match="x: 17 rows"):
         gemv(torch.randn(17, 64, device=device), w)
     with pytest.raises(ValueError, match="config: the tensor-core kernel"):
-        gemv(x, w, config=GemvConfig(8, 64))
+        gemv(x, w, config=GemvConfig(8, 64, tensor_cores=True))
+    with pytest.raises(ValueError, match="config: the CUDA-core kernel takes 1..4 rows"):
+        gemv(torch.randn(5, 64, device=device), w, config=GemvConfig(8, 64))
     with pytest.raises(ValueError, match="prologue"):
         gemv(x, w, "gelu")
     with pytest.raises(ValueError, match="x: last dim 64"):
@@ -98,3 +103,25 @@ def test_residual_add_epilogue(dtype, prologue, device, close):
     close(gemv(x, w, prologue, add=add), gemv_ref(x, w, prologue, add=add), dtype)
     with pytest.raises(ValueError, match="add: expected shape"):
         gemv(x, w, prologue, add=add[:, :5])
+
+
+@pytest.mark.parametrize("prologue", ["none", "norm", "silu"])
+@pytest.mark.parametrize("T", [2, 3, 4])
+def test_cuda_core_rows_equal_tensor_core_rows(prologue, T, device, close):
+    """MTP verify shapes (2..4 rows) give the same result on both kernels, each checked
+    against the reference, with the residual add epilogue where the model uses it."""
+    K, N = 96, 52
+    x, w, gen = _data(T, N, K, torch.bfloat16, device, k_in=2 * K if prologue == "silu" else K,
+                      stride_pad=3)
+    kw: dict = {}
+    if prologue == "norm":
+        kw = {"residual": torch.randn(T, K, generator=gen).to(device, torch.bfloat16),
+              "norm_weight": (torch.rand(K, generator=gen) + 0.5).to(device, torch.bfloat16)}
+    else:
+        kw = {"add": torch.randn(T, N, generator=gen).to(device, torch.bfloat16)}
+    ref = gemv_ref(x, w, prologue, **kw)
+    for cfg in (GemvConfig(4, 32), GemvConfig(16, 32, tensor_cores=True)):
+        out = gemv(x, w, prologue, config=cfg, **kw)
+        for got, want in zip(out if prologue == "norm" else (out,),
+                             ref if prologue == "norm" else (ref,)):
+            close(got, want, torch.bfloat16)

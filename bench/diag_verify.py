@@ -1,0 +1,125 @@
+"""MTP verify steps (2..4 rows per layer GEMV): CUDA-core kernel with the prologue fused vs the
+tensor-core kernel with the prologue as its own kernel (GPU).
+
+    python -m bench.diag_verify [--out F.json] [--ks 1,3]
+
+Part 1 times every Qwen3-8B projection at T = 1..4 rows as the model calls it (norm prologue
+without residual, residual-add epilogues on o/down) for the tensor-core path and a grid of
+CUDA-core tiles (CUDA graph replays over enough weight copies to defeat L2). Part 2 runs the
+forced-acceptance batch-1 ceiling of bench_mtp with the default tiles and with the best tile
+per shape from part 1, so the JSON shows what a verify step gains in the model.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+
+import torch
+
+import kernels.gemv  # noqa: F401
+from kernels.bench import emit
+from kernels.bench_gemv import SHAPES, _graph_us, _setup
+
+gemv_mod = sys.modules["kernels.gemv"]
+ORIGINAL_PICK = gemv_mod.pick_config
+
+
+def _call(ws, x, add, nw, prologue: str, cfg) -> float:
+    gemv = gemv_mod.gemv
+    if prologue == "norm":
+        fn = lambda: [gemv(x, w, "norm", None, nw, 1e-6, config=cfg) for w in ws]  # noqa: E731
+    else:
+        fn = lambda: [gemv(x, w, prologue, add=add, config=cfg) for w in ws]  # noqa: E731
+    return _graph_us(fn, len(ws))
+
+
+def _cuda_core_grid(T: int) -> list:
+    tp = 1 << (T - 1).bit_length()
+    out = []
+    for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024), (4, 8)):
+        if tp * bn * bk <= 128 * 32 * w and bn * bk >= 1024:
+            out.append(gemv_mod.GemvConfig(bn, bk, w, 1))
+    return out
+
+
+def sweep(rows: list[int]) -> tuple[list[dict], dict]:
+    results, best = [], {}
+    for name, N, K, prologue in SHAPES:
+        for T in rows:
+            ws, x, _, nw = _setup(N, K, T, prologue)
+            add = None if prologue == "norm" else torch.randn(T, N, device="cuda",
+                                                             dtype=torch.bfloat16)
+            nbytes = N * K * 2
+            timed = []
+            if T > 1:
+                dot = ORIGINAL_PICK(N, K, T)
+                timed.append((_call(ws, x, add, nw, prologue, dot), dot))
+            for cfg in _cuda_core_grid(T):
+                if -(-N // cfg.block_n) >= 132:
+                    timed.append((_call(ws, x, add, nw, prologue, cfg), cfg))
+            timed.sort(key=lambda r: r[0])
+            us, cfg = timed[0]
+            dot_us = next((u for u, c in timed if c.tensor_cores), None)
+            row = {"name": name, "N": N, "K": K, "T": T, "best": vars(cfg) | {
+                "us": round(us, 2), "GBps": round(nbytes / us / 1e3)},
+                "tensor_core_us": dot_us and round(dot_us, 2),
+                "top5": [vars(c) | {"us": round(u, 2)} for u, c in timed[:5]]}
+            results.append(row)
+            best[(N, K, T)] = cfg
+            print(f"T={T} {name:12s} best {us:7.2f} us {nbytes / us / 1e3:5.0f} GB/s "
+                  f"{'TC' if cfg.tensor_cores else 'CC'} bn={cfg.block_n} bk={cfg.block_k} "
+                  f"w={cfg.num_warps}; tensor-core path {dot_us}", flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    return results, best
+
+
+def in_model(best: dict, ks: list[int]) -> dict:
+    from bench.bench_mtp import Plan, random_prompts, run_case
+    from engine.presets import get_preset
+    from engine.spec_decode import SpecConfig
+
+    plan = Plan(decode_tokens=128)
+    [prompt] = random_prompts(1, plan.prompt_len, get_preset(plan.preset).vocab_size, 0)
+
+    def tuned(N: int, K: int, T: int):
+        return best.get((N, K, T)) or ORIGINAL_PICK(N, K, T)
+
+    out: dict = {}
+    for label, pick in (("default", ORIGINAL_PICK), ("tuned", tuned)):
+        gemv_mod.pick_config = pick
+        out[label] = {"none": run_case(plan, plan.preset, None, [[prompt]], 128, "none")}
+        for k in ks:
+            spec = SpecConfig(num_speculative_tokens=k, batch_k_caps=(), forced_acceptance=True)
+            r = run_case(plan, plan.preset, spec, [[prompt]], 128, f"{label} k={k}")
+            r["speedup"] = r["tok_s"] / out[label]["none"]["tok_s"]
+            out[label][f"k{k}"] = r
+            print(f"{label} k={k}: {r['ms_per_step']:.3f} ms/step, {r['speedup']:.3f}x", flush=True)
+    gemv_mod.pick_config = ORIGINAL_PICK
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rows", default="1,2,3,4")
+    ap.add_argument("--ks", default="1,3")
+    ap.add_argument("--skip-model", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    results, best = sweep([int(t) for t in args.rows.split(",")])
+    out = {"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sweep": results,
+           "best": {f"{n}x{k}xT{t}": dataclasses.asdict(c) for (n, k, t), c in best.items()}}
+    if not args.skip_model:
+        out["in_model"] = in_model(best, [int(k) for k in args.ks.split(",")])
+    out["seconds"] = round(time.time() - t0, 1)
+    emit(out, args.out)
+
+
+if __name__ == "__main__":
+    main()
