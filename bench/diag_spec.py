@@ -45,8 +45,16 @@ def gpu_gaps(engine, steps: int) -> dict:
             end, prev = e.time_range.end, e.name
     span = (ev[-1].time_range.end - ev[0].time_range.start) / 1e3
     gaps.sort(reverse=True)
+    by_name: dict[str, list[float]] = {}  # kernel -> [count, ms] per step
+    for e in ev:
+        row = by_name.setdefault(e.name[:60], [0, 0.0])
+        row[0] += 1 / steps
+        row[1] += (e.time_range.end - e.time_range.start) / 1e3 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
     return {"steps": steps, "span_ms": span, "busy_ms": busy, "idle_ms": sum(g[0] for g in gaps),
-            "top_gaps": [{"ms": round(g, 3), "after": a, "before": b} for g, a, b in gaps[:15]]}
+            "top_gaps": [{"ms": round(g, 3), "after": a, "before": b} for g, a, b in gaps[:15]],
+            "per_step_by_kernel": {n: {"count": round(c, 2), "ms": round(t, 4)}
+                                   for n, (c, t) in top}}
 
 
 def main() -> None:

@@ -6,8 +6,8 @@ tensor-core kernel with the prologue as its own kernel (GPU).
 Part 1 times every Qwen3-8B projection at T = 1..4 rows as the model calls it (norm prologue
 without residual, residual-add epilogues on o/down) for the tensor-core path and a grid of
 CUDA-core tiles (CUDA graph replays over enough weight copies to defeat L2). Part 2 runs the
-forced-acceptance batch-1 ceiling of bench_mtp with the default tiles and with the best tile
-per shape from part 1, so the JSON shows what a verify step gains in the model.
+forced-acceptance batch-1 ceiling of bench_mtp per tile variant (VARIANTS), alternating, so the
+JSON shows what a verify step gains in the model and how much repeats of one variant differ.
 """
 from __future__ import annotations
 
@@ -78,28 +78,40 @@ def sweep(rows: list[int]) -> tuple[list[dict], dict]:
     return results, best
 
 
-def in_model(best: dict, ks: list[int]) -> dict:
+def _cc(only: tuple[tuple[int, int], ...] | None = None):
+    """pick_config with the CUDA-core kernel (prologue fused) at 2 rows, for every matrix or
+    only the (N, K) in `only`."""
+    def pick(N: int, K: int, T: int):
+        if T == 2 and (only is None or (N, K) in only):
+            return gemv_mod.GemvConfig(4 if N * K < (32 << 20) else 8, 512, 4, 1)
+        return ORIGINAL_PICK(N, K, T)
+    return pick
+
+
+VARIANTS = {"default": ORIGINAL_PICK, "cc_qkv_down": _cc(((6144, 4096), (4096, 12288))),
+            "cc_all": _cc()}
+
+
+def in_model(names: list[str], ks: list[int], repeats: int) -> dict:
+    """Batch-1 forced-acceptance steps per GEMV variant, variants alternating `repeats`
+    times (the spread between repeats of one variant is the noise to beat)."""
     from bench.bench_mtp import Plan, random_prompts, run_case
     from engine.presets import get_preset
     from engine.spec_decode import SpecConfig
 
     plan = Plan(decode_tokens=128)
     [prompt] = random_prompts(1, plan.prompt_len, get_preset(plan.preset).vocab_size, 0)
-
-    def tuned(N: int, K: int, T: int):
-        return best.get((N, K, T)) or ORIGINAL_PICK(N, K, T)
-
-    out: dict = {}
-    for label, pick in (("default", ORIGINAL_PICK), ("tuned", tuned)):
-        gemv_mod.pick_config = pick
-        out[label] = {"none": run_case(plan, plan.preset, None, [[prompt]], 128, "none")}
-        for k in ks:
-            spec = SpecConfig(num_speculative_tokens=k, batch_k_caps=(), forced_acceptance=True)
-            r = run_case(plan, plan.preset, spec, [[prompt]], 128, f"{label} k={k}")
-            r["speedup"] = r["tok_s"] / out[label]["none"]["tok_s"]
-            out[label][f"k{k}"] = r
-            print(f"{label} k={k}: {r['ms_per_step']:.3f} ms/step, {r['speedup']:.3f}x", flush=True)
+    out: dict = {name: {} for name in names}
+    for rep in range(repeats):
+        for name in names:
+            gemv_mod.pick_config = VARIANTS[name]
+            for k in ks:
+                spec = SpecConfig(num_speculative_tokens=k, batch_k_caps=(),
+                                  forced_acceptance=True)
+                r = run_case(plan, plan.preset, spec, [[prompt]], 128, f"{name} k={k} #{rep}")
+                out[name].setdefault(f"k{k}_ms_per_step", []).append(round(r["ms_per_step"], 4))
     gemv_mod.pick_config = ORIGINAL_PICK
+    print(json.dumps(out), flush=True)
     return out
 
 
@@ -109,14 +121,20 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4")
     ap.add_argument("--ks", default="1,3")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     t0 = time.time()
-    results, best = sweep([int(t) for t in args.rows.split(",")])
     out = {"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sweep": results,
-           "best": {f"{n}x{k}xT{t}": dataclasses.asdict(c) for (n, k, t), c in best.items()}}
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if not args.skip_sweep:
+        results, best = sweep([int(t) for t in args.rows.split(",")])
+        out.update(sweep=results, best={f"{n}x{k}xT{t}": dataclasses.asdict(c)
+                                        for (n, k, t), c in best.items()})
     if not args.skip_model:
-        out["in_model"] = in_model(best, [int(k) for k in args.ks.split(",")])
+        out["in_model"] = in_model(args.variants.split(","),
+                                   [int(k) for k in args.ks.split(",")], args.repeats)
     out["seconds"] = round(time.time() - t0, 1)
     emit(out, args.out)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kernels._triton import FLOAT_DTYPES, check_launchable, check_tensor, jit, next_pow2
+from kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, jit, next_pow2,
+                             pdl_enter, pdl_launch)
 
 MAX_HIDDEN = 65536  # one row must fit one program's registers
 
@@ -16,7 +17,10 @@ MAX_HIDDEN = 65536  # one row must fit one program's registers
 @jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_res,
                         stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # PDL: between the GEMVs of a verify step (2..4 rows) this kernel is scheduled while the
+    # projection before it drains instead of breaking the chain of early launches
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -62,5 +66,5 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
     _add_rmsnorm_kernel[(T,)](
         x, res, weight, out, new_res, H, x.stride(0), res.stride(0), out.stride(0),
         new_res.stride(0), float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)))
+        num_warps=min(16, max(1, block // 512)), **pdl_launch(x))
     return out, new_res

@@ -8,13 +8,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import FLOAT_DTYPES, check_launchable, check_tensor, jit, next_pow2
+from kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, jit, next_pow2,
+                             pdl_enter, pdl_launch)
 
 BLOCK_MAX = 1024  # columns per program: enough programs to fill the GPU even at T = 1
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)  # chained early launch between the MLP's projections
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -41,5 +44,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(BLOCK_MAX, next_pow2(inter))
     grid = (T, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
-                               num_warps=4)
+                               num_warps=4, **pdl_launch(x))
     return out
