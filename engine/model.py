@@ -167,8 +167,12 @@ class Model(nn.Module):
             hidden, prenorm = self.norm(x, residual)
         return (hidden, prenorm) if return_prenorm else hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (only the rows that sample, to save the big matmul)."""
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (only the rows that sample, to save the big matmul).
+        as_float=False keeps the weights' dtype: enough for an argmax (greedy drafting and
+        verifying), and it skips a conversion pass over the logits."""
         if self.norm.fused and 0 < hidden.shape[0] <= fused_kernels().GEMV_ROWS:
-            return fused_kernels().gemv(hidden, self.lm_head.weight).float()
-        return self.lm_head(hidden).float()
+            logits = fused_kernels().gemv(hidden, self.lm_head.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if as_float else logits

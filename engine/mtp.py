@@ -32,7 +32,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, TorchAttentionBackend
 from engine.config import ConfigError, ModelConfig
-from engine.layers import RMSNorm
+from engine.layers import RMSNorm, fused_kernels
 from engine.model import DecoderLayer, Model
 
 MTP_FORMAT = "pdserve-mtp"
@@ -51,11 +51,16 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)  # input: [embedding | hidden]
         self.block = DecoderLayer(cfg, cfg.num_layers + index, backend)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)  # DeepSeek's shared_head.norm
+        self.fused = False  # decode-sized batches: eh_proj as a PDL-chained GEMV kernel
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """embeds, hidden [T, H] -> normed output [T, H] (lm_head input, and the next draft's h)."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x = torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1)
+        if self.fused and 0 < x.shape[0] <= fused_kernels().GEMV_ROWS:
+            x = fused_kernels().gemv(x, self.eh_proj.weight)
+        else:
+            x = self.eh_proj(x)
         x, residual = self.block(x, None, cos, sin, meta, kv_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 

@@ -1,10 +1,12 @@
 """Fused attention prologue: (QK-norm) + RoPE on q and k + k/v write into the paged cache.
 
 Between the QKV projection and attention an unfused layer runs two norms, two RoPEs (each a
-handful of elementwise kernels) and a cache scatter. Here one program per token reads its q, k
-and v rows once (strided views into the fused qkv output are fine), normalises and rotates them
-in fp32, writes the rotated q to a new [T, Hq, D] tensor and the rotated k and raw v straight
-into the cache slot. The rotated k is not returned: attention reads it from the cache.
+handful of elementwise kernels) and a cache scatter. Here one program per (token, KV head) reads
+its q heads (the GQA group), k and v rows once (strided views into the fused qkv output are
+fine), normalises and rotates them in fp32, writes the rotated q to a new [T, Hq, D] tensor and
+the rotated k and raw v straight into the cache slot. The rotated k is not returned: attention
+reads it from the cache. (One program per token, all heads in it, left a batch-1 decode step
+with one busy SM per layer on this latency-bound kernel.)
 
 RoPE is the rotate-half (GPT-NeoX) form used by HF Llama and Qwen3:
     out[:D/2] = x1 * cos - x2 * sin,   out[D/2:] = x2 * cos + x1 * sin,   x = [x1 | x2]
@@ -47,11 +49,12 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
                      kc_ptr, vc_ptr, slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                      stride_vt, stride_vh, stride_cos, stride_sin, stride_ot, stride_oh,
                      stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                     HQ, HKV, block_size, eps, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                     BLOCK_HKV: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
-                     HAS_POS: tl.constexpr, USE_PDL: tl.constexpr):
+                     GROUP, block_size, eps, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
+                     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, HAS_POS: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)  # KV head g and its query heads g * GROUP .. (g + 1) * GROUP - 1
     if HAS_POS:  # cos/sin are tables indexed by position
         pos = tl.load(pos_ptr + t).to(tl.int64)
     else:  # cos/sin already hold one row per token
@@ -59,20 +62,20 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
     d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
-    _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * stride_ot, stride_oh, HQ,
-                     cos, sin, qn_ptr, eps, HALF, BLOCK_HQ, Q_NORM)
+    h0 = g * GROUP
+    _norm_rope_heads(q_ptr + t * stride_qt + h0 * stride_qh, stride_qh,
+                     q_out_ptr + t * stride_ot + h0 * stride_oh, stride_oh, GROUP, cos, sin,
+                     qn_ptr, eps, HALF, BLOCK_G, Q_NORM)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # slot < 0: padding token, nothing to cache
         blk = slot // block_size
         off = slot % block_size
-        kc = kc_ptr + blk * stride_kc_b + off * stride_kc_o
-        _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kc_h, HKV, cos, sin, kn_ptr,
-                         eps, HALF, BLOCK_HKV, K_NORM)
-        h = tl.arange(0, BLOCK_HKV)[:, None]
-        dd = tl.arange(0, 2 * HALF)[None, :]
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dd, mask=h < HKV)
-        vc = vc_ptr + blk * stride_vc_b + off * stride_vc_o
-        tl.store(vc + h * stride_vc_h + dd, v, mask=h < HKV)
+        kc = kc_ptr + blk * stride_kc_b + off * stride_kc_o + g * stride_kc_h
+        _norm_rope_heads(k_ptr + t * stride_kt + g * stride_kh, stride_kh, kc, stride_kc_h, 1,
+                         cos, sin, kn_ptr, eps, HALF, 1, K_NORM)
+        dd = tl.arange(0, 2 * HALF)
+        v = tl.load(v_ptr + t * stride_vt + g * stride_vh + dd)
+        tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_o + g * stride_vc_h + dd, v)
 
 
 def _check_rope_args(q: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor,
@@ -119,14 +122,16 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
-    _prologue_kernel[(T,)](
+    if HQ % HKV:
+        raise ValueError(f"q: {HQ} heads are not a multiple of k's {HKV} (GQA groups)")
+    _prologue_kernel[(T, HKV)](
         q, k, v, q if positions is None else positions, cos, sin, q if q_norm is None else q_norm,
         q if k_norm is None else k_norm, q_out, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HQ, HKV, k_cache.shape[1], float(eps), HALF=D // 2, BLOCK_HQ=next_pow2(HQ),
-        BLOCK_HKV=next_pow2(HKV), Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
+        HQ // HKV, k_cache.shape[1], float(eps), HALF=D // 2, BLOCK_G=next_pow2(HQ // HKV),
+        Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
         HAS_POS=positions is not None, num_warps=4, **pdl_launch(q))
     return q_out

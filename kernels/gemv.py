@@ -268,10 +268,10 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
         raise ValueError(f"config: the tensor-core kernel needs block_n and block_k >= 16, "
                          f"got {cfg}")
     h = x
-    if prologue == "norm":
-        x, h = fused_add_rmsnorm(x, residual, norm_weight, eps)
+    if prologue == "norm":  # PDL-chained: between Triton kernels of a verify step
+        x, h = fused_add_rmsnorm(x, residual, norm_weight, eps, pdl=True)
     elif prologue == "silu":
-        x = silu_and_mul(x)
+        x = silu_and_mul(x, pdl=True)
     T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     out = y if add is None else add

@@ -18,8 +18,8 @@ MAX_HIDDEN = 65536  # one row must fit one program's registers
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_res,
                         stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    # PDL: between the GEMVs of a verify step (2..4 rows) this kernel is scheduled while the
-    # projection before it drains instead of breaking the chain of early launches
+    # PDL (pdl=True): between the GEMVs of a verify step (2..4 rows) this kernel is scheduled
+    # while the projection before it drains instead of breaking the chain of early launches
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -38,8 +38,12 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x
 
 
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual) for x [T, H], residual [T, H] or None, weight [H].
+
+    pdl=True launches it as a programmatic dependent launch: only between PDL-chained Triton
+    kernels (the GEMVs of a verify step). After a cuBLAS GEMM it invalidated CUDA graph
+    captures on an H100 (cudaErrorStreamCaptureInvalidated), so it is off by default.
 
     new_residual = x + residual (fp32 add, stored in x.dtype; x itself when residual is None),
     normed = new_residual * rsqrt(mean(new_residual^2) + eps) * weight, in x.dtype.
@@ -66,5 +70,6 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
     _add_rmsnorm_kernel[(T,)](
         x, res, weight, out, new_res, H, x.stride(0), res.stride(0), out.stride(0),
         new_res.stride(0), float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)), **pdl_launch(x))
+        num_warps=min(16, max(1, block // 512)),
+        **(pdl_launch(x) if pdl else {"USE_PDL": False}))
     return out, new_res

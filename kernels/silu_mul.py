@@ -27,8 +27,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.cons
     tl.store(out_ptr + row * stride_out + cols, silu * up, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as a new contiguous [T, I] tensor.
+    pdl: as kernels.rmsnorm.fused_add_rmsnorm's (only between PDL-chained Triton kernels).
 
     Rows of x may be strided (e.g. a slice of a larger projection); columns must be contiguous.
     """
@@ -44,5 +45,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(BLOCK_MAX, next_pow2(inter))
     grid = (T, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
-                               num_warps=4, **pdl_launch(x))
+                               num_warps=4, **(pdl_launch(x) if pdl else {"USE_PDL": False}))
     return out
