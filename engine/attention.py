@@ -12,6 +12,7 @@ after this step, has seq_lens[i] tokens of context (cached + new), the new ones 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,13 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def uniform_query_len(self) -> int:
+        """R when every sequence brings exactly R new tokens (decode: 1; an MTP verify step:
+        k + 1), else 0. From the host lists, once per step (every layer asks)."""
+        r = self.max_query_len
+        return r if all(n == r for n in self.query_lens_cpu) else 0
 
 
 @dataclass

@@ -208,15 +208,14 @@ class DraftGraphs:
         n = len(rows)
         self.stage(rows, hidden, B, q, k)  # queues the host -> device copy of the buffers
         back = (q - 1) - accepted  # [n] rows staged past each sequence's accepted prefix
-        v64, v32, nmax = self.dv64, self.dv32, self.buckets[-1]
+        v64, v32, nmax, bs = self.dv64, self.dv32, self.buckets[-1], self.block_size
         v64["ids"][:n * q].copy_(ids)
         v64["sel"][:n].sub_(back)
         if k > 1:  # chain step s sits at start + m + s - 1: back positions earlier
             cpos = v64["cpos"].view(-1, nmax)[:k - 1, :n]
             cpos.sub_(back[None, :])
             tables = v32["tables"].view(nmax, self.width)[:n].to(torch.int64)
-            blocks = tables.gather(1, (cpos // self.block_size).t()).t()  # [k - 1, n]
-            bs = self.block_size
+            blocks = tables.gather(1, (cpos // bs).t()).t()  # [k - 1, n]
             v64["cslots"].view(-1, nmax)[:k - 1, :n].copy_(blocks * bs + cpos % bs)
             v32["cseq"].view(-1, nmax)[:k - 1, :n].copy_(cpos + 1)
         drafts = self._run(B, q, k)[:n]

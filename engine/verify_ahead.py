@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_io import to_device
 from engine.draft_graphs import DraftRow
 from engine.request import Request
 from engine.sampler import SAMPLING_EPS, HostCopy
@@ -71,7 +72,6 @@ class VerifyAhead:
     def __init__(self, spec: SpecDecoder) -> None:
         self.spec = spec
         self._argmax = HostCopy()
-        self._pinned: torch.Tensor | None = None  # staging of this step's drafts
         self.launched = 0
 
     def launch(self, items: list[tuple[Request, list[int], int]], starts: list[int],
@@ -96,7 +96,7 @@ class VerifyAhead:
         argmax = self.spec.model.compute_logits(hidden, as_float=False).argmax(dim=-1)  # [B*q]
         self._argmax.start(argmax)  # queued before the drafting: the host reads it first
         amv = argmax.view(B, q)
-        drafts = self._stage([d for _, d, _ in items], hidden.device).view(B, k)
+        drafts = to_device([d for _, d, _ in items], torch.int64, hidden.device)  # [B, k]
         if self.spec.spec.forced_acceptance:
             n = torch.full((B,), k, dtype=torch.int64, device=hidden.device)
         else:  # the leading run of drafts equal to the target's argmax
@@ -111,13 +111,3 @@ class VerifyAhead:
             self.spec.free_request_drafts(r.request_id)
         self.launched += 1
         return LaunchedVerify(self.spec, items, k_next, self._argmax, out)
-
-    def _stage(self, drafts: list[list[int]], device: torch.device) -> torch.Tensor:
-        """This step's drafts (host lists) on the device through a reused pinned buffer."""
-        flat = [t for d in drafts for t in d]
-        if device.type != "cuda":
-            return torch.tensor(flat, dtype=torch.int64)
-        if self._pinned is None or self._pinned.numel() < len(flat):
-            self._pinned = torch.empty(max(256, len(flat)), dtype=torch.int64, pin_memory=True)
-        self._pinned[:len(flat)] = torch.tensor(flat, dtype=torch.int64)
-        return self._pinned[:len(flat)].to(device, non_blocking=True)

@@ -57,11 +57,10 @@ def _uniform_rows(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadat
     head fit one decode program; 0 otherwise (host lists only: no device read)."""
     if meta.is_decode_only:
         return 1
-    r = meta.max_query_len
-    group = q.shape[1] // k_cache.shape[2]
-    if r * group > MAX_GROUP_ROWS or len(meta.query_lens_cpu) * r != q.shape[0]:
+    r, group = meta.uniform_query_len, q.shape[1] // k_cache.shape[2]
+    if r * group > MAX_GROUP_ROWS or r * len(meta.query_lens_cpu) != q.shape[0]:
         return 0
-    return r if all(n == r for n in meta.query_lens_cpu) else 0
+    return r
 
 
 class TritonAttentionBackend:
