@@ -5,7 +5,7 @@
 Builds the Qwen3-8B-shaped engine of bench_engine (random bf16 weights, Triton, CUDA graphs),
 then for each GEMV tile variant captures the batch-1 decode graph again and reports: the
 replay's time with the LM head and argmax (median of CUDA events), and the critical path by
-kernel position in the layer (qkv, prologue, split, reduce, o, gate_up, down): the wall time
+kernel position in the layer (qkv, attn, o, gate_up, down): the wall time
 by which each pushed the end of the step. Last, the engine's own decode loop with overlapped
 decode off and on. Prints a table; writes JSON.
 """
@@ -26,10 +26,10 @@ from bench.engine_probes import random_prompts, time_ms
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm import build_engine
 
-LAYER = ["qkv", "prologue", "split", "reduce", "o", "gate_up", "down"]
-NAMES = {"qkv": "_gemv_kernel", "prologue": "_prologue_kernel", "split": "_decode_split_kernel",
-         "reduce": "_decode_reduce_kernel", "o": "_gemv_kernel", "gate_up": "_gemv_kernel",
-         "down": "_gemv_kernel"}
+LAYER = ["qkv", "attn", "o", "gate_up", "down"]
+NAMES = {"qkv": "_gemv_kernel", "attn": "_decode_kernel", "o": "_gemv_kernel",
+         "gate_up": "_gemv_kernel", "down": "_gemv_kernel"}
+QKV, O_PROJ = (6144, 4096), (4096, 4096)  # Qwen3-8B's (N, K) of q/k/v and o_proj
 
 
 def critical_by_position(fn) -> dict:
@@ -127,19 +127,21 @@ def engine_timeline(engine, vocab: int) -> dict:
     return out
 
 
-def variant(name: str, warps_small: int, bn_small: int | None = None):
-    """pick_config with other tiles for the small projections (q/k/v, o)."""
+def variant(name: str, tiles: dict | None = None, splits: int | None = None):
+    """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
+    (batch 1), and the decode attention's split count (None: the kernel's own choice)."""
     def pick(N: int, K: int, T: int):
-        cfg = ORIGINAL_PICK(N, K, T)
-        small = N * K < (32 << 20)
-        kw = {}
-        if small:
-            kw["num_warps"] = warps_small
-            if bn_small:
-                kw["block_n"] = bn_small
         import dataclasses
-        return dataclasses.replace(cfg, **kw)
-    return name, pick
+        cfg = ORIGINAL_PICK(N, K, T)
+        return dataclasses.replace(cfg, **(tiles or {}).get((N, K), {})) if T == 1 else cfg
+    return name, pick, splits
+
+
+VARIANTS = [
+    variant("splits8", splits=8), variant("splits32", splits=32),
+    variant("down_bn4", {(4096, 12288): {"block_n": 4}}),
+    variant("qkv_k2048", {QKV: {"block_k": 2048, "num_warps": 8}}),
+]
 
 
 def main() -> None:
@@ -155,12 +157,11 @@ def main() -> None:
     model, vocab = runner.model, engine.config.model.vocab_size
     drive(engine, random_prompts(1, 700, vocab, 0), 4)  # real KV in the first blocks
     results = {}
-    variants = [variant("default", 4)]
-    if not args.quick:
-        variants += [variant("small_w8", 8), variant("small_w8_bn8", 8, 8)]
+    variants = [variant("default")] + ([] if args.quick else VARIANTS)
     best = None
-    for name, pick in variants:
+    for name, pick, splits in variants:
         gemv_mod.pick_config = pick
+        model.backend.num_splits = splits
         g = DecodeGraphs(engine.config, model, runner.kv_cache)
         g.buckets = [1]
         g.capture([1])
@@ -179,11 +180,12 @@ def main() -> None:
         print(f"{name:14s} {ms:.3f} / {ms2:.3f} ms  " + " ".join(
             f"{k}={v:.3f}" for k, v in sorted(crit["critical_ms"].items())), flush=True)
         if best is None or ms < results[best[0]]["step_ms"]:
-            best = (name, pick)
+            best = (name, pick, splits)
         del g, graph
     # the engine loop with the best variant's graphs: overlapped decode off / on
-    name, pick = best
+    name, pick, splits = best
     gemv_mod.pick_config = pick
+    model.backend.num_splits = splits
     ahead = runner.ahead
     for label, a in (("overlap_off", None), ("overlap_on", ahead)):
         g = DecodeGraphs(engine.config, model, runner.kv_cache)
@@ -202,6 +204,7 @@ def main() -> None:
     results["replay_host_us"] = replay_probe(g)
     results["engine_timeline"] = engine_timeline(engine, vocab)
     results["device"] = torch.cuda.get_device_name()
+    results["command"] = "PYTHONPATH=. python3 -m bench.diag_decode " + " ".join(sys.argv[1:])
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if args.out:
         json.dump(results, open(args.out, "w"), indent=1)

@@ -88,8 +88,9 @@ def _cc(only: tuple[tuple[int, int], ...] | None = None):
     return pick
 
 
-VARIANTS = {"default": ORIGINAL_PICK, "cc_qkv_down": _cc(((6144, 4096), (4096, 12288))),
-            "cc_all": _cc()}
+QKV, GATE_UP, DOWN = (6144, 4096), (24576, 4096), (4096, 12288)  # Qwen3-8B (N, K)
+VARIANTS = {"default": ORIGINAL_PICK, "cc_qkv_down": _cc((QKV, DOWN)), "cc_all": _cc(),
+            "cc_norm": _cc((QKV, GATE_UP)), "cc_norm_down": _cc((QKV, GATE_UP, DOWN))}
 
 
 def in_model(names: list[str], ks: list[int], repeats: int) -> dict:

@@ -8,8 +8,9 @@ torch one without touching this file.
 Fast path (Model.use_fused_ops, with kernels.TritonAttentionBackend): the residual-add + norm
 pairs, SiLU-and-mul and the attention prologue (QK-norm + RoPE + KV write, one kernel) run as
 Triton kernels; at batch-1 decode (T = 1) each norm and SiLU-mul also folds into the GEMV
-kernel of the projection after it (kernels/gemv.py), so a decode layer is 4 GEMVs + the
-attention prologue + split-K attention and its reduce: 7 kernels.
+kernel of the projection after it (kernels/gemv.py), and decode attention takes in the
+attention prologue (kernels/decode_attention.py), so a decode layer is 4 GEMVs + one
+attention kernel: 5 kernels.
 Nothing in that path reads device values on the host, so it can be captured in a CUDA graph
 (engine/cuda_graphs.py).
 
@@ -61,16 +62,19 @@ class Attention(nn.Module):
         # this layer's views [num_blocks, block_size, Hkv, D] of the all-layers cache
         k_cache, v_cache = kv_cache[:, self.kv_layer, 0], kv_cache[:, self.kv_layer, 1]
         if self.fused:  # q/k/v stay strided views of the qkv output; rotated k goes to the cache
-            q = fused_kernels().fused_qk_norm_rope_kv(
-                q, k, v, None, cos, sin, k_cache, v_cache, meta.slot_mapping,
+            kern = fused_kernels()
+            prologue = kern.Prologue(
+                k, v, cos, sin, meta.slot_mapping,
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,
                 self.q_norm.eps if self.q_norm is not None else 1e-6)
-        else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.backend.write_kv(k, v, k_cache, v_cache, meta)
+            o = kern.attend_with_prologue(self.backend, q, prologue, k_cache, v_cache, meta,
+                                          self.scale)
+            return o.reshape(T, self.q_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
         o = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return o.reshape(T, self.q_size)
 
@@ -104,9 +108,9 @@ class DecoderLayer(nn.Module):
                       sin: torch.Tensor, meta: AttentionMetadata,
                       kv_cache: torch.Tensor) -> tuple[torch.Tensor, None]:
         """The same layer through kernels.gemv for 1..GEMV_ROWS rows (batch-1 decode, MTP
-        verify of a few drafts). 7 kernels at batch 1: each norm rides in the next projection's
-        prologue, SiLU-and-mul in down_proj's, and both residual adds in the epilogues of
-        o_proj and down_proj. Returns (the residual stream after the layer, None): the adds
+        verify of a few drafts). 5 kernels at batch 1: each norm rides in the next projection's
+        prologue, SiLU-and-mul in down_proj's, both residual adds in the epilogues of o_proj
+        and down_proj, and QK-norm + RoPE + the KV write in the attention kernel. Returns (the residual stream after the layer, None): the adds
         are done, so the next layer (or final norm) takes x alone."""
         gemv = fused_kernels().gemv
         attn, mlp = self.self_attn, self.mlp

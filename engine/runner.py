@@ -302,7 +302,10 @@ class ModelRunner:
         then with `ahead` the next decode forward (see _before_sync). Returns whether the
         catch-up ran (the caller then skips its own)."""
         # a decode step where every row samples takes hidden as is (no gather)
-        logits = self.model.compute_logits(rows_of(hidden, [row for _, row in plain]))
+        # in the weights' dtype: the sampler converts only what it must (greedy rows take
+        # the argmax as is; float32 [B, V] copies cost a kernel per step)
+        logits = self.model.compute_logits(rows_of(hidden, [row for _, row in plain]),
+                                           as_float=False)
         sampling = [s.request for s, _ in plain]
         states = [self._state(r) for r in sampling]
         hook, caught_up = self._before_sync(plain, hidden, ahead, catch_up)

@@ -219,7 +219,7 @@ class Sampler:
     def probs_after_processing(self, logits: torch.Tensor, requests: Sequence[Request],
                                states: Sequence[SamplerState]) -> torch.Tensor:
         """The exact distribution `sample` draws from, [B, V]; greedy rows are one-hot."""
-        processed = self._process(logits, requests, states)
+        processed = self._process(logits, requests, states).float()
         probs = processed.softmax(dim=-1)
         greedy_rows = [r.sampling_params.temperature < SAMPLING_EPS for r in requests]
         if any(greedy_rows):
@@ -231,11 +231,15 @@ class Sampler:
     # -- pipeline --------------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, requests: Sequence[Request],
                  states: Sequence[SamplerState]) -> torch.Tensor:
-        """Penalties, temperature, top-k, top-p, min-p on a float32 copy of logits [B, V]."""
+        """Penalties, temperature, top-k, top-p, min-p on a float32 copy of logits [B, V]
+        (the logits themselves when every row is greedy without penalties)."""
         self._check(logits, requests, states)
         params = [r.sampling_params for r in requests]
-        out = logits.float()
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
+        if not pen_rows and all(greedy):  # argmax alone: no float copy of [B, V] (bf16 is fine)
+            return logits
+        out = logits.float()
         if pen_rows:
             out = self._penalise(out, params, states, pen_rows)
         dev, vocab = logits.device, logits.shape[-1]
@@ -243,7 +247,6 @@ class Sampler:
         def per_row(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return to_device(values, dtype, dev)
 
-        greedy = [p.temperature < SAMPLING_EPS for p in params]
         if any(not g and p.temperature != 1.0 for g, p in zip(greedy, params)):
             temps = per_row([1.0 if g else p.temperature for g, p in zip(greedy, params)])
             out = out / temps[:, None]

@@ -19,7 +19,8 @@ import torch
 
 from kernels import sdpa_prefill
 from kernels.attn_prologue import fused_qk_norm_rope_kv
-from kernels.decode_attention import MAX_GROUP_ROWS, choose_num_splits, paged_decode_attention
+from kernels.decode_attention import (MAX_GROUP_ROWS, Prologue, choose_num_splits,
+                                      fused_decode_attention, paged_decode_attention)
 from kernels.gemv import MODEL_ROWS as GEMV_ROWS
 from kernels.gemv import gemv
 from kernels.kv_write import write_kv
@@ -31,9 +32,9 @@ if TYPE_CHECKING:  # the arrows point engine -> kernels; no runtime import back
     from engine.attention import AttentionMetadata
 
 __all__ = [
-    "GEMV_ROWS", "TritonAttentionBackend", "attention", "choose_num_splits",
-    "fused_add_rmsnorm", "fused_qk_norm_rope_kv", "gemv", "paged_decode_attention",
-    "paged_prefill_attention", "silu_and_mul", "write_kv",
+    "GEMV_ROWS", "Prologue", "TritonAttentionBackend", "attend_with_prologue", "attention",
+    "choose_num_splits", "fused_add_rmsnorm", "fused_decode_attention", "fused_qk_norm_rope_kv",
+    "gemv", "paged_decode_attention", "paged_prefill_attention", "silu_and_mul", "write_kv",
 ]
 
 
@@ -50,6 +51,25 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                       scale, num_splits=num_splits, rows_per_seq=rows)
     return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, meta.max_query_len, scale)
+
+
+def attend_with_prologue(backend: object, q: torch.Tensor, prologue: Prologue,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+    """QK-norm + RoPE + KV write, then attention, for the raw q [T, Hq, D] of a qkv projection
+    (the model's fused path). With the Triton backend, decode and uniform verify steps run it
+    all as one kernel (fused_decode_attention); otherwise the prologue kernel runs first and
+    the backend attends over the rotated q."""
+    if isinstance(backend, TritonAttentionBackend) and not backend.takes_sdpa(q, meta):
+        rows = _uniform_rows(q, k_cache, meta)
+        if rows:
+            return fused_decode_attention(q, prologue, k_cache, v_cache, meta.block_tables,
+                                          meta.seq_lens, scale, num_splits=backend.num_splits,
+                                          rows_per_seq=rows)
+    p = prologue
+    q = fused_qk_norm_rope_kv(q, p.k, p.v, None, p.cos, p.sin, k_cache, v_cache,
+                              p.slot_mapping, p.q_norm, p.k_norm, p.eps)
+    return backend.attend(q, k_cache, v_cache, meta, scale)
 
 
 def _uniform_rows(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
@@ -78,9 +98,13 @@ class TritonAttentionBackend:
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
+    def takes_sdpa(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """True when attend() hands this step to SDPA (one fresh long prompt)."""
+        return self.fresh_prefill_sdpa and sdpa_prefill.applies(q, meta)
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.fresh_prefill_sdpa and sdpa_prefill.applies(q, meta):
+        if self.takes_sdpa(q, meta):
             try:
                 return sdpa_prefill.fresh_prefill_attention(q, k_cache, v_cache, meta, scale)
             except RuntimeError as e:  # no SDPA backend takes this shape: stay on Triton

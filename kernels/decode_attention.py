@@ -4,10 +4,17 @@ Decode is bound by reading the KV cache. Two choices keep it at bandwidth:
 - GQA grouping: one program serves all G = Hq / Hkv query heads of a KV head, so each KV tile
   is read once, and the G query rows (padded to 16 for tl.dot) share it.
 - Split-K: with batch 1 and 8 KV heads there are only 8 (sequence, KV head) pairs -- far fewer
-  than the H100's 132 SMs. The context is cut into num_splits partitions, each program
-  produces a partial output and its log-sum-exp, and a small reduce kernel merges them.
+  than the H100's 132 SMs. The context is cut into num_splits partitions; each program
+  stores a partial output and its log-sum-exp, then bumps an arrival counter, and the last
+  program of a (sequence, KV head) to arrive merges the partials (no reduce kernel: at batch
+  1 its launch cost ~4 us per layer). A context that fits one split is stored directly.
 num_splits is fixed per launch from host shapes (never read from device data), and each program
 derives its key range from seq_lens on the device, so the launch is CUDA-graph safe.
+
+fused_decode_attention also takes over the attention prologue (QK-norm + RoPE + k/v cache
+write, kernels/attn_prologue.py): each program normalises and rotates its q rows itself, and
+the program whose keys include a new token writes that token's k/v before reading it. A
+batch-1 decode layer's attention is then one kernel, where it was three.
 
 Several query rows per sequence (rows_per_seq = R, an MTP verify step: the last token + R - 1
 drafts) ride in the same programs: row r of sequence b is the token at position
@@ -19,125 +26,267 @@ chunked-prefill kernel's few programs per sequence.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (check_tensor, dot_dtype, dot_precision, interpreting, jit, next_pow2,
-                             num_sms, pdl_enter, pdl_launch)
+from kernels._triton import (FLOAT_DTYPES, check_tensor, dot_dtype, dot_precision,
+                             interpreting, jit, next_pow2, num_sms, pdl_enter, pdl_launch)
 from kernels.kv_write import check_q_and_cache
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MAX_GROUP_ROWS = 64  # rows_per_seq * (Hq / Hkv) query rows per program at most
+MERGE_TILE = 8192  # fp32 elements of one [rows, splits, D] tile when merging partials
 
 
 @jit
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr,
-                         mid_lse_ptr, stride_qb, stride_qh, stride_kc_b, stride_kc_o, stride_kc_h,
-                         stride_vc_b, stride_vc_o, stride_vc_h, stride_bt, stride_ob, stride_oh,
-                         scale_log2, block_size, HQ, num_splits, GROUP: tl.constexpr,
-                         R: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    # This split's keys [start, end): whole BLOCK_N tiles, so no tile straddles two splits.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+def _rope_rows(rows_ptr, d, mask, cos, sin, w_ptr, eps, HALF: tl.constexpr,
+               NORM: tl.constexpr):
+    """RoPE(RMSNorm(x)) in fp32 for rows x [G, D] at rows_ptr [G, 1] (+ d [1, D]); cos/sin
+    [G, D] hold each row's cos/sin[d % HALF]. Rotate-half without splitting the row: out[d] =
+    x[d] * cos - x[d + HALF] * sin for d < HALF, x[d] * cos + x[d - HALF] * sin after, with the
+    partner read as a second (cached) load at the swapped offset."""
+    swap = (d + HALF) % (2 * HALF)
+    x = tl.load(rows_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(rows_ptr + swap, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # Qwen3 QK-norm over the head dim, before RoPE
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / (2 * HALF) + eps)[:, None]
+        x = x * rstd * tl.load(w_ptr + d).to(tl.float32)
+        xs = xs * rstd * tl.load(w_ptr + swap).to(tl.float32)
+    return x * cos + tl.where(d < HALF, -1.0, 1.0) * xs * sin
 
-    g = tl.arange(0, BLOCK_G)  # program row g: query row g // GROUP, head g % GROUP of the group
-    d = tl.arange(0, D)
-    row_ok = g < R * GROUP
-    qrow = b * R + g // GROUP  # [BLOCK_G] row of q / out
-    heads = kvh * GROUP + g % GROUP  # the query heads that share this KV head
-    visible = seq_len - (R - 1) + g // GROUP  # causal: keys < visible for each program row
-    q = tl.load(q_ptr + qrow[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+
+@jit
+def _write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
+                  v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh,
+                  stride_vt, stride_vh, stride_cs,
+                  stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                  block_size, eps, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
+                  K_NORM: tl.constexpr):
+    """The prologue's cache write: this KV head's k (normed, rotated) and v of the sequence's
+    R new tokens at positions seq_len - R + r, for those inside this split's keys [start,
+    end). The splits partition the context, so each new token is written once, by the one
+    program that reads it back. slots [RP]: the R tokens' cache slots (< 0: padding). Loads
+    are masked rather than branched on, so they issue together with the q loads. Returns the
+    split's first tile of keys/values k_first/v_first [BLOCK_N, D] (loaded before the PDL wait,
+    positions n_first) with the new tokens' rows put in."""
+    d = tl.arange(0, 2 * HALF)[None, :]  # [1, D]
+    r_idx = tl.arange(0, RP)
+    for r in tl.static_range(R):
+        t = b * R + r
+        pos = seq_len - R + r
+        slot = tl.sum(tl.where(r_idx == r, slots, 0))
+        mask = (d < 2 * HALF) & (pos >= start) & (pos < end) & (slot >= 0)
+        cs = t * stride_cs + d % HALF
+        c = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+        k = _rope_rows(k_ptr + t * stride_kt + kvh * stride_kh, d, mask, c, s, kn_ptr, eps,
+                       HALF, K_NORM)
+        k = k.to(kc_ptr.dtype.element_ty)
+        v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d, mask=mask)
+        slot = tl.maximum(slot, 0)
+        blk = slot // block_size
+        off = slot % block_size
+        tl.store(kc_ptr + blk * stride_kc_b + off * stride_kc_o + kvh * stride_kc_h + d, k,
+                 mask=mask)
+        tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_o + kvh * stride_vc_h + d, v,
+                 mask=mask)
+        hit = (n_first == pos)[:, None] & mask  # the token's row in the prefetched tile
+        k_first = tl.where(hit, k, k_first)
+        v_first = tl.where(hit, v, v_first)
+    return k_first, v_first
+
+
+@jit
+def _load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o, stride_vc_b,
+               stride_vc_o, block_size, D: tl.constexpr):
+    """Keys and values [BLOCK_N, D] at positions n (< end) of one KV head's cache."""
+    d = tl.arange(0, D)[None, :]
+    valid = (n < end)[:, None]
+    # Block ids are int32 in the table; widen before the (huge) block stride.
+    blk = tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)[:, None]
+    off = (n % block_size)[:, None]
+    k = tl.load(k_base + blk * stride_kc_b + off * stride_kc_o + d, mask=valid, other=0.0)
+    v = tl.load(v_base + blk * stride_vc_b + off * stride_vc_o + d, mask=valid, other=0.0)
+    return k, v
+
+
+@jit
+def _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, R: tl.constexpr,
+                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One online-softmax step over the keys k / values v [BLOCK_N, D] at positions n."""
+    valid = n < end
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
+    if R == 1:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    else:
+        s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if R > 1:  # a row may have seen no key yet (this split's keys are its future)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@jit
+def _attend_keys(q, k_first, v_first, k_base, v_base, bt_row, start, end, visible,
+                 stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, scale_log2, block_size,
+                 R: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Online softmax of the rows q [BLOCK_G, D] over keys [start, end) of one KV head:
+    returns (acc [BLOCK_G, D] unnormalised, m [BLOCK_G] running max in log2 units, l [BLOCK_G]
+    sum of weights). Row g sees keys < visible[g] (causal rows of a verify step). The first
+    tile's keys/values k_first/v_first [BLOCK_N, D] come in loaded."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    k_base = kc_ptr + kvh * stride_kc_h
-    v_base = vc_ptr + kvh * stride_vc_h
-    for n0 in range(start, end, BLOCK_N):
+    if start < end:
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_first, v_first,
+                                     start + tl.arange(0, BLOCK_N), end, visible, scale_log2,
+                                     R, PREC, DOT_DTYPE)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < end
-        # Block ids are int32 in the table; widen before the (huge) block stride.
-        blk = tl.load(bt_ptr + b * stride_bt + n // block_size, mask=valid, other=0).to(tl.int64)
-        off = n % block_size
-        k = tl.load(k_base + blk[:, None] * stride_kc_b + off[:, None] * stride_kc_o + d[None, :],
-                    mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
-        if R == 1:
-            s = tl.where(valid[None, :], s, float("-inf"))
-        else:
-            s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if R > 1:  # a row may have seen no key yet (this split's keys are its future)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_ref = m_new
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_o + d[None, :],
-                    mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PREC)
-        m_i = m_new
-
-    has_keys = l_i > 0.0  # false only for an empty split (or a padded seq_len-0 entry)
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if DIRECT:  # one split: its result is final
-        tl.store(out_ptr + qrow[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :], o,
-                 mask=row_ok[:, None])
-    elif start < end:  # an empty split stores nothing: the reduce reads the active ones
-        row = (qrow * HQ + heads) * num_splits + split  # mid_* are [B * R, Hq, num_splits(, D)]
-        tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(mid_lse_ptr + row, lse, mask=row_ok)
+        k, v = _load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o,
+                          stride_vc_b, stride_vc_o, block_size, D)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, R,
+                                     PREC, DOT_DTYPE)
+    return acc, m_i, l_i
 
 
 @jit
-def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
-                          HQ, num_splits, R: tl.constexpr, BLOCK_S: tl.constexpr,
-                          D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    r = tl.program_id(0).to(tl.int64)  # query row; its sequence is r // R
-    h = tl.program_id(1)
+def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob, stride_oh, HQ,
+                  num_splits, GROUP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                  BLOCK_S: tl.constexpr, RC: tl.constexpr):
+    """The last split program of (sequence b, KV head kvh) merges the n_active partial results
+    of its R * GROUP rows, RC rows per step ([RC, BLOCK_S, D] tiles). Loads skip L1 (.cg):
+    the partials were written by other SMs."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    # the splits that had keys, as the split kernel cut them: at a short context most of
-    # num_splits (fixed for the CUDA graph by max_model_len) are empty and wrote nothing
-    tiles = tl.cdiv(tl.load(seq_lens_ptr + r // R), BLOCK_N)
+    s_ok = s < n_active
+    for i0 in range(0, R * GROUP, RC):
+        i = i0 + tl.arange(0, RC)
+        i_ok = i < R * GROUP
+        qrow = b * R + i // GROUP
+        head = kvh * GROUP + i % GROUP
+        row = (qrow * HQ + head) * num_splits  # [RC] first split's row of mid_*
+        m2 = i_ok[:, None] & s_ok[None, :]
+        lse = tl.load(mid_lse_ptr + row[:, None] + s[None, :], mask=m2, other=float("-inf"),
+                      cache_modifier=".cg")
+        m = tl.max(lse, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a row with no keys: weights 0, output 0
+        w = tl.exp2(lse - m[:, None])  # [RC, BLOCK_S]
+        total = tl.sum(w, axis=1)
+        o = tl.load(mid_o_ptr + (row[:, None, None] + s[None, :, None]) * D + d[None, None, :],
+                    mask=m2[:, :, None], other=0.0, cache_modifier=".cg")
+        res = tl.sum(o * w[:, :, None], axis=1) / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(out_ptr + qrow[:, None] * stride_ob + head[:, None] * stride_oh + d[None, :],
+                 res, mask=i_ok[:, None])
+
+
+@jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr, kc_ptr,
+                   vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, count_ptr,
+                   stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+                   stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                   stride_bt, stride_ob, stride_oh, scale_log2, eps, block_size, HQ, HKV,
+                   num_splits, GROUP: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
+                   RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_S: tl.constexpr, RC: tl.constexpr, PROLOGUE: tl.constexpr, Q_NORM: tl.constexpr,
+                   K_NORM: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    # Before the PDL wait, only what no kernel of the last two writes (lengths, block table,
+    # RoPE rows: host copies or the forward's first ops; with the prologue, the split's first
+    # tile of cached keys, whose new rows this kernel puts in itself): the wait is for the
+    # q/k/v projection, and their round trips leave the critical path.
+    seq_len = tl.load(seq_lens_ptr + b)
+    # This split's keys [start, end): whole BLOCK_N tiles, so no tile straddles two splits.
+    # Splits past the context (most of num_splits, fixed by max_model_len for the CUDA graph,
+    # at a short context) return at once; split 0 always runs (seq_len 0 -> a zero row).
+    tiles = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
-    active = s < tl.cdiv(tiles, per_split)
-    row = (r * HQ + h) * num_splits + s
-    lse = tl.load(mid_lse_ptr + row, mask=active, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
-    w = tl.exp2(lse - m)
-    o = tl.load(mid_o_ptr + row[:, None] * D + d[None, :], mask=active[:, None], other=0.0)
-    total = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + r * stride_ob + h * stride_oh + d, res)
+    n_active = tl.cdiv(tiles, per_split)
+    start = split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+    bt_row = bt_ptr + b * stride_bt
+    k_base = kc_ptr + kvh * stride_kc_h
+    v_base = vc_ptr + kvh * stride_vc_h
+    n_first = start + tl.arange(0, BLOCK_N)
+    g = tl.arange(0, BLOCK_G)  # row g: query row g // GROUP, head g % GROUP of the group
+    d = tl.arange(0, D)
+    row_ok = g < R * GROUP
+    qrow = b * R + g // GROUP  # [BLOCK_G] row of q / out
+    if PROLOGUE:
+        cs = qrow[:, None] * stride_cs + (d % (D // 2))[None, :]
+        c = tl.load(cos_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        r_idx = tl.arange(0, RP)
+        slots = tl.load(slot_ptr + b * R + r_idx, mask=r_idx < R, other=-1).to(tl.int64)
+        k_first, v_first = _load_tile(k_base, v_base, bt_row, n_first, end, stride_kc_b,
+                                      stride_kc_o, stride_vc_b, stride_vc_o, block_size, D)
+    pdl_enter(USE_PDL)
+    if split < tl.maximum(n_active, 1):
+        heads = kvh * GROUP + g % GROUP  # the query heads that share this KV head
+        q_rows = q_ptr + qrow[:, None] * stride_qb + heads[:, None] * stride_qh
+        if PROLOGUE:  # q/k/v straight from the qkv projection: norm + RoPE + cache write here
+            q = _rope_rows(q_rows, d[None, :], row_ok[:, None], c, s, qn_ptr, eps, D // 2,
+                           Q_NORM)
+            k_first, v_first = _write_new_kv(
+                k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
+                v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh, stride_vt,
+                stride_vh, stride_cs, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
+                stride_vc_o, stride_vc_h, block_size, eps, R, RP, D // 2, K_NORM)
+            tl.debug_barrier()  # the cache writes before this CTA reads later tiles back
+        else:  # the cache may come from the kernel just before: read it after the wait
+            q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+            k_first, v_first = _load_tile(k_base, v_base, bt_row, n_first, end, stride_kc_b,
+                                          stride_kc_o, stride_vc_b, stride_vc_o, block_size, D)
+        visible = seq_len - (R - 1) + g // GROUP  # causal: keys < visible for each row
+        acc, m_i, l_i = _attend_keys(
+            q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, bt_row, start, end, visible,
+            stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, scale_log2, block_size, R,
+            BLOCK_G, D, BLOCK_N, PREC, DOT_DTYPE)
+        has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
+        o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        if n_active <= 1:  # one split: its result is final
+            tl.store(out_ptr + qrow[:, None] * stride_ob + heads[:, None] * stride_oh
+                     + d[None, :], o, mask=row_ok[:, None])
+        else:  # partial result; the last of the n_active programs to finish merges them
+            row = (qrow * HQ + heads) * num_splits + split  # mid_*: [B * R, Hq, splits(, D)]
+            tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+            tl.store(mid_lse_ptr + row, lse, mask=row_ok)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            counter = count_ptr + b * HKV + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == n_active - 1:
+                tl.store(counter, 0)  # all have arrived: reset for the next launch
+                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
+                              stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_S, RC)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
                       device: torch.device) -> int:
-    """Enough (sequence, KV head, split) programs for ~4 waves on the GPU (measured best on
-    an H200 for batch 1 and 8), never more splits than key tiles. A power of 2 computed from
-    host shapes only: a CUDA graph replays the same choice, and few distinct values reach
-    the reduce kernel's BLOCK_S specialisation."""
+    """About one wave of (sequence, KV head, split) programs on the GPU, never more splits
+    than key tiles. With the merge inside the kernel, more splits cost: at batch 1 on an H100
+    (Qwen3-8B, 640-token context), 64 splits took 0.61 ms per step in attention, 32 took
+    0.47, 16 0.36 and 8 0.41 (bench/results/diag_decode_h100_2026-11-23_run5.json, _run6).
+    A power of 2 computed from host shapes only: a CUDA graph replays the same choice, and
+    few distinct values reach the kernel's BLOCK_S specialisation."""
     if device.type == "cuda":
         sms = num_sms(torch.cuda.current_device() if device.index is None else device.index)
     else:
-        sms = 8  # interpreter: the choice only has to be valid
-    want = triton.cdiv(4 * sms, max(1, batch * num_kv_heads))
+        sms = 32  # interpreter: the choice only has to be valid
+    want = triton.cdiv(sms, max(1, batch * num_kv_heads))
     tiles = triton.cdiv(max(1, max_context), block_n)
     n = max(1, min(want, tiles, MAX_SPLITS))
     return 1 << (n.bit_length() - 1)
@@ -184,10 +333,86 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     defaults to choose_num_splits(B, Hkv, max_seq_len or the block table's capacity); pass
     it (or keep the table width fixed) to keep one choice across CUDA-graph replays.
     """
-    bs, HKV = _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                 rows_per_seq)
+    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
+    return _launch(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
+                   max_seq_len, rows_per_seq)
+
+
+@dataclass(frozen=True)
+class Prologue:
+    """What fused_decode_attention does before attending (kernels/attn_prologue.py's job):
+    the new tokens' k [T, Hkv, D] and v [T, Hkv, D] (strided views of the qkv projection are
+    fine), their per-token RoPE rows cos/sin [T, D/2] (fp32, engine.layers.RotaryEmbedding
+    .cos_sin), cache slots slot_mapping [T] (< 0: padding, not written), optional QK-norm
+    weights [D] and eps."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                           rows_per_seq: int = 1) -> torch.Tensor:
+    """paged_decode_attention with the attention prologue folded in: q [B * R, Hq, D] is the
+    raw projection (before QK-norm and RoPE), and the same kernel normalises and rotates q
+    and the new k and writes k/v into the cache (as fused_qk_norm_rope_kv would) before
+    reading it. One kernel per layer where there were three (prologue, split, reduce)."""
+    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
+    _check_prologue(q, prologue, k_cache.shape[2])
+    return _launch(q, prologue, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
+                   None, rows_per_seq)
+
+
+def _check_prologue(q: torch.Tensor, p: Prologue, num_kv_heads: int) -> None:
+    T, _, D = q.shape
+    for name in ("k", "v"):
+        check_tensor(name, getattr(p, name), shape=(T, num_kv_heads, D), dtypes=(q.dtype,),
+                     device=q.device, last_contiguous=True)
+    for name in ("cos", "sin"):
+        check_tensor(name, getattr(p, name), shape=(T, D // 2), dtypes=FLOAT_DTYPES,
+                     device=q.device, last_contiguous=True)
+    if p.cos.stride(0) != p.sin.stride(0):
+        raise ValueError(f"sin: row stride {p.sin.stride(0)} differs from cos's {p.cos.stride(0)}")
+    check_tensor("slot_mapping", p.slot_mapping, shape=(T,), dtypes=(torch.int32, torch.int64),
+                 device=q.device)
+    for name in ("q_norm", "k_norm"):
+        w = getattr(p, name)
+        if w is not None:
+            check_tensor(name, w, shape=(D,), dtypes=FLOAT_DTYPES, device=q.device,
+                         last_contiguous=True)
+    if not p.eps > 0:
+        raise ValueError(f"eps: must be > 0, got {p.eps}")
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, one per (sequence, KV head): how many split programs have stored their
+    partial. Each launch's merging program resets its counter, so the buffer is zero between
+    launches (launches on one device are stream-ordered). Allocated once per device, before
+    any CUDA-graph capture (the warm-up runs first); buffers a graph may hold stay alive."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode attention: {n} split counters needed during CUDA-graph "
+                               "capture; run the batch eagerly once first")
+        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+            num_splits: int | None, max_seq_len: int | None, R: int) -> torch.Tensor:
     T, HQ, D = q.shape
-    R, B = rows_per_seq, T // rows_per_seq
+    B, HKV, bs = T // R, k_cache.shape[2], k_cache.shape[1]
     out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
@@ -197,21 +422,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = choose_num_splits(B, HKV, context, block_n, q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
-    group = HQ // HKV
-    mid_o = mid_lse = out  # unused when one split writes `out` directly
+    mid_o = mid_lse = counters = out  # unused when one split writes `out` directly
     if num_splits > 1:
         mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B, HKV, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        counters = _arrival_counters(q.device, B * HKV)
+    group, block_s = HQ // HKV, next_pow2(num_splits)
+    k, v, cos, sin, slots = (q,) * 5 if p is None else (p.k, p.v, p.cos, p.sin, p.slot_mapping)
+    qn = q if p is None or p.q_norm is None else p.q_norm
+    kn = q if p is None or p.k_norm is None else p.k_norm
+    _decode_kernel[(B, HKV, num_splits)](
+        q, k, v, cos, sin, qn, kn, slots, k_cache, v_cache, block_tables, seq_lens, out, mid_o,
+        mid_lse, counters, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), float(scale) * LOG2E, bs, HQ, num_splits,
-        GROUP=group, R=R, BLOCK_G=max(16, next_pow2(R * group)), D=D, BLOCK_N=block_n,
-        DIRECT=num_splits == 1, PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype),
-        num_warps=num_warps, num_stages=1 if interpreting() else num_stages, **pdl_launch(q))
-    if num_splits > 1:
-        _decode_reduce_kernel[(T, HQ)](
-            mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), HQ, num_splits,
-            R=R, BLOCK_S=next_pow2(num_splits), D=D, BLOCK_N=block_n, num_warps=4, **pdl_launch(q))
+        out.stride(0), out.stride(1), float(scale) * LOG2E, 1e-6 if p is None else float(p.eps),
+        bs, HQ, HKV, num_splits, GROUP=group, R=R, BLOCK_G=max(16, next_pow2(R * group)),
+        RP=next_pow2(R), D=D,
+        BLOCK_N=block_n, BLOCK_S=block_s,
+        RC=max(1, min(next_pow2(R * group), MERGE_TILE // (block_s * D))),
+        PROLOGUE=p is not None, Q_NORM=p is not None and p.q_norm is not None,
+        K_NORM=p is not None and p.k_norm is not None, PREC=dot_precision(q.dtype),
+        DOT_DTYPE=dot_dtype(q.dtype), num_warps=num_warps,
+        num_stages=1 if interpreting() else num_stages, **pdl_launch(q))
     return out

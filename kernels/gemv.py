@@ -15,8 +15,8 @@ with the prologue one of
              normalised activation is never rounded to x.dtype: slightly more exact)
     "silu":  x = [gate | up] [T, 2K], a = silu(gate) * up, as kernels.silu_and_mul
 and, optionally, an epilogue that adds the residual stream (o_proj and down_proj end the two
-residual branches), so a decoder layer's batch-1 decode step is 4 of these + the attention
-prologue + split-K attention (+ its reduce): 7 kernels, where it was 12.
+residual branches), so a decoder layer's batch-1 decode step is 4 of these + one attention
+kernel (prologue included, kernels/decode_attention.py): 5 kernels, where it was 12.
 
 Tile choice: one program owns BLOCK_N output columns for all T rows and walks K in BLOCK_K
 steps, accumulating a [T, BLOCK_N, BLOCK_K] fp32 tile that is reduced once at the end (no
@@ -88,7 +88,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k0 = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([TP], tl.float32)  # "norm": sum of h^2 per row, for rstd at the end
+    # "norm": h^2 per row and lane, summed once after the loop for rstd (a cross-lane sum
+    # per K step put a shuffle + barrier in every iteration: q/k/v 0.85 -> 0.72 ms per step)
+    ss = tl.zeros([TP, BLOCK_K], tl.float32)
     acc = tl.zeros([TP, BLOCK_N, BLOCK_K], tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     # Everything after the PDL wait. Loading the first weight tile before the wait (weights
@@ -112,12 +114,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
                 tl.store(res_out_ptr + rows[:, None] * stride_ro + offs_k[None, :], x,
                          mask=m & (pid == 0))
             hf = x.to(tl.float32)
-            ss += tl.sum(hf * hf, axis=1)
+            ss += hf * hf
         a = _activation(x, x_ptr, nw_ptr, rows, row_ok, offs_k, K, stride_x, PROLOGUE)
         acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
-        y = y * tl.rsqrt(ss / K + eps)[:, None]
+        y = y * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     out_mask = row_ok[:, None] & n_ok[None, :]
     if HAS_ADD:  # epilogue: the residual add after this projection
         y += tl.load(add_ptr + rows[:, None] * stride_add + offs_n[None, :], mask=out_mask,
@@ -135,7 +137,9 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, N, K, T, stride_x, stride_w, 
     is one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot, software-pipelined by Triton. (With a
     norm or SiLU prologue computed inside the loop, Triton stopped pipelining the loads: 4-5x
     slower on an H100, bench/results/gemv_dot_fused_prologue_sweep_h100_2026-11-23.json; gemv() runs those
-    prologues as their own small kernel first.)"""
+    prologues as their own small kernel first. A SiLU-and-mul epilogue -- gate and up tiles
+    into two accumulators, replacing the SiLU kernel of a verify step -- made the forced k=1
+    step slower, 6.79 -> 7.56 ms, bench/results/diag_verify_glu_h100_2026-11-24.json.)"""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < T
