@@ -137,11 +137,8 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None):
     return name, pick, splits
 
 
-VARIANTS = [
-    variant("splits8", splits=8), variant("splits32", splits=32),
-    variant("down_bn4", {(4096, 12288): {"block_n": 4}}),
-    variant("qkv_k2048", {QKV: {"block_k": 2048, "num_warps": 8}}),
-]
+VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in
+                                  (QKV, O_PROJ, (24576, 4096), (4096, 12288), (151936, 4096))})]
 
 
 def main() -> None:

@@ -55,6 +55,9 @@ class GemvConfig:
     # 2+ rows: tl.dot on the tensor cores (prologue as its own kernel) instead of the
     # CUDA-core kernel with the prologue fused (which 1 row always takes)
     tensor_cores: bool = False
+    # weights are read once per step: loaded evict-first so they do not push the activation
+    # rows (read by every program) out of the caches
+    stream_weights: bool = True
 
 
 @jit
@@ -81,7 +84,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
                  stride_res, stride_w, stride_y, stride_ro, stride_add, eps, T: tl.constexpr,
                  TP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, TP)
     row_ok = rows < T
@@ -104,7 +107,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
         offs_k = k0 + offs_k0
         m = row_ok[:, None] & (offs_k < K)[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
-                    other=0.0)
+                    other=0.0, eviction_policy=W_EVICT)
         x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m, other=0.0)
         if PROLOGUE == 1:
             if HAS_RESIDUAL:  # h = x + residual, rounded as stored; program 0 stores it
@@ -258,7 +261,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
         TP=next_pow2(T),
         PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None,
         HAS_ADD=add is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
+        W_EVICT="evict_first" if cfg.stream_weights else "", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch(x))
     return (y, res_out) if prologue == "norm" else y
 
 
