@@ -97,6 +97,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self._inv_freq_cpu = rope_inv_freq(head_dim, theta, scaling)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self._table: torch.Tensor | None = None  # [max_pos, 2, head_dim // 2]: cos, sin
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """[head_dim // 2] float32 on `device` (fused kernels build cos/sin tables from it)."""
@@ -106,9 +107,28 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq_by_device[device] = cached
         return cached
 
+    def reserve(self, max_positions: int, device: torch.device) -> None:
+        """Precompute cos/sin for positions < max_positions on `device` (the engine calls this
+        with max_model_len + the draft tokens), so that cos_sin is one gather per forward
+        instead of four elementwise kernels (a batch-1 decode step is latency-bound). The rows
+        are the same ops on the same device as the direct computation: bit-identical."""
+        table = self._table
+        if table is not None and table.shape[0] >= max_positions and table.device == device:
+            return
+        freqs = self._freqs(torch.arange(max_positions, device=device))
+        self._table = torch.stack((freqs.cos(), freqs.sin()), dim=1)
+
+    def _freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions[:, None].float() * self.inv_freq(positions.device)[None, :]
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, head_dim // 2] float32."""
-        freqs = positions[:, None].float() * self.inv_freq(positions.device)[None, :]
+        """positions [T] int64 -> cos, sin [T, head_dim // 2] float32 (row views of one
+        [T, 2, head_dim // 2] gather once reserve() has built the table on this device)."""
+        table = self._table
+        if table is not None and table.device == positions.device:
+            rows = table[positions]  # positions < the reserved count (the scheduler's bound)
+            return rows[:, 0], rows[:, 1]
+        freqs = self._freqs(positions)
         return freqs.cos(), freqs.sin()
 
 

@@ -83,6 +83,10 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
         model_cfg = with_mtp_layers(model_cfg, 0)  # a checkpoint's MTP layers stay unused
     max_len = min(max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
+    if device.startswith("cuda"):  # RoPE rows by one gather (CPU keeps computing them: its
+        # vectorised cos may differ by an ulp between a table and a batch's rows)
+        drafts = spec.num_speculative_tokens if spec is not None else 0
+        net.rotary.reserve(max_len + drafts + 1, torch.device(device))
     if num_blocks is None:  # enough for a few full-length sequences; modest on CPU
         num_blocks = max(64, (2 * max_len) // block_size) if device == "cpu" else \
             max(64, (64 * max_len) // block_size)

@@ -65,14 +65,14 @@ def _write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr,
                   stride_vt, stride_vh, stride_cs,
                   stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
                   block_size, eps, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
-                  K_NORM: tl.constexpr):
+                  K_NORM: tl.constexpr, PATCH: tl.constexpr):
     """The prologue's cache write: this KV head's k (normed, rotated) and v of the sequence's
     R new tokens at positions seq_len - R + r, for those inside this split's keys [start,
     end). The splits partition the context, so each new token is written once, by the one
     program that reads it back. slots [RP]: the R tokens' cache slots (< 0: padding). Loads
     are masked rather than branched on, so they issue together with the q loads. Returns the
     split's first tile of keys/values k_first/v_first [BLOCK_N, D] (loaded before the PDL wait,
-    positions n_first) with the new tokens' rows put in."""
+    positions n_first) with the new tokens' rows put in (PATCH; else returned as given)."""
     d = tl.arange(0, 2 * HALF)[None, :]  # [1, D]
     r_idx = tl.arange(0, RP)
     for r in tl.static_range(R):
@@ -94,9 +94,10 @@ def _write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr,
                  mask=mask)
         tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_o + kvh * stride_vc_h + d, v,
                  mask=mask)
-        hit = (n_first == pos)[:, None] & mask  # the token's row in the prefetched tile
-        k_first = tl.where(hit, k, k_first)
-        v_first = tl.where(hit, v, v_first)
+        if PATCH:
+            hit = (n_first == pos)[:, None] & mask  # the token's row in the prefetched tile
+            k_first = tl.where(hit, k, k_first)
+            v_first = tl.where(hit, v, v_first)
     return k_first, v_first
 
 
@@ -140,19 +141,24 @@ def _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, R: tl.cons
 def _attend_keys(q, k_first, v_first, k_base, v_base, bt_row, start, end, visible,
                  stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, scale_log2, block_size,
                  R: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, FIRST_LOADED: tl.constexpr, PREC: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):
     """Online softmax of the rows q [BLOCK_G, D] over keys [start, end) of one KV head:
     returns (acc [BLOCK_G, D] unnormalised, m [BLOCK_G] running max in log2 units, l [BLOCK_G]
-    sum of weights). Row g sees keys < visible[g] (causal rows of a verify step). The first
-    tile's keys/values k_first/v_first [BLOCK_N, D] come in loaded."""
+    sum of weights). Row g sees keys < visible[g] (causal rows of a verify step). With
+    FIRST_LOADED the first tile's keys/values k_first/v_first [BLOCK_N, D] come in loaded;
+    otherwise the (software-pipelined) loop loads every tile."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    if start < end:
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_first, v_first,
-                                     start + tl.arange(0, BLOCK_N), end, visible, scale_log2,
-                                     R, PREC, DOT_DTYPE)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+    loop_start = start
+    if FIRST_LOADED:
+        if start < end:
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_first, v_first,
+                                         start + tl.arange(0, BLOCK_N), end, visible,
+                                         scale_log2, R, PREC, DOT_DTYPE)
+        loop_start = start + BLOCK_N
+    for n0 in range(loop_start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         k, v = _load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o,
                           stride_vc_b, stride_vc_o, block_size, D)
@@ -199,7 +205,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_p
                    stride_bt, stride_ob, stride_oh, scale_log2, eps, block_size, HQ, HKV,
                    num_splits, GROUP: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
                    RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_S: tl.constexpr, RC: tl.constexpr, PROLOGUE: tl.constexpr, Q_NORM: tl.constexpr,
+                   BLOCK_S: tl.constexpr, RC: tl.constexpr, PROLOGUE: tl.constexpr,
+                   PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
                    USE_PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -232,8 +239,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_p
         s = tl.load(sin_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         r_idx = tl.arange(0, RP)
         slots = tl.load(slot_ptr + b * R + r_idx, mask=r_idx < R, other=-1).to(tl.int64)
+    if PREFETCH:  # small grids (split-K): their programs wait on few SMs, registers spare
         k_first, v_first = _load_tile(k_base, v_base, bt_row, n_first, end, stride_kc_b,
                                       stride_kc_o, stride_vc_b, stride_vc_o, block_size, D)
+    else:  # placeholders; the loop loads every tile
+        k_first = tl.zeros([BLOCK_N, D], dtype=kc_ptr.dtype.element_ty)
+        v_first = tl.zeros([BLOCK_N, D], dtype=vc_ptr.dtype.element_ty)
     pdl_enter(USE_PDL)
     if split < tl.maximum(n_active, 1):
         heads = kvh * GROUP + g % GROUP  # the query heads that share this KV head
@@ -245,17 +256,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_p
                 k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
                 v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_cs, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
-                stride_vc_o, stride_vc_h, block_size, eps, R, RP, D // 2, K_NORM)
-            tl.debug_barrier()  # the cache writes before this CTA reads later tiles back
-        else:  # the cache may come from the kernel just before: read it after the wait
+                stride_vc_o, stride_vc_h, block_size, eps, R, RP, D // 2, K_NORM, PREFETCH)
+            tl.debug_barrier()  # the cache writes before this CTA reads them back
+        else:  # the cache may come from the kernel just before: read only after the wait
             q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
-            k_first, v_first = _load_tile(k_base, v_base, bt_row, n_first, end, stride_kc_b,
-                                          stride_kc_o, stride_vc_b, stride_vc_o, block_size, D)
         visible = seq_len - (R - 1) + g // GROUP  # causal: keys < visible for each row
         acc, m_i, l_i = _attend_keys(
             q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, bt_row, start, end, visible,
             stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, scale_log2, block_size, R,
-            BLOCK_G, D, BLOCK_N, PREC, DOT_DTYPE)
+            BLOCK_G, D, BLOCK_N, PREFETCH, PREC, DOT_DTYPE)
         has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         if n_active <= 1:  # one split: its result is final
@@ -441,7 +450,8 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         RP=next_pow2(R), D=D,
         BLOCK_N=block_n, BLOCK_S=block_s,
         RC=max(1, min(next_pow2(R * group), MERGE_TILE // (block_s * D))),
-        PROLOGUE=p is not None, Q_NORM=p is not None and p.q_norm is not None,
+        PROLOGUE=p is not None, PREFETCH=p is not None and num_splits > 1,
+        Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None, PREC=dot_precision(q.dtype),
         DOT_DTYPE=dot_dtype(q.dtype), num_warps=num_warps,
         num_stages=1 if interpreting() else num_stages, **pdl_launch(q))

@@ -173,3 +173,27 @@ def test_tied_head_shares_embedding(pair) -> None:
     tied = ours.config.tie_word_embeddings
     assert (ours.lm_head.weight is ours.embed_tokens.weight) == tied
     torch.testing.assert_close(ours.lm_head.weight, hf.lm_head.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_reserved_rope_table_gives_the_computed_rows(device) -> None:
+    """RotaryEmbedding.reserve: cos_sin becomes a gather from a table; the rows equal the
+    direct computation (bit for bit on CUDA, where the engine uses the table) and are
+    [T, D/2] views with contiguous last dims, as the kernels require."""
+    from engine.config import RopeScaling
+    from engine.layers import RotaryEmbedding
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rope = RotaryEmbedding(64, 10000.0, RopeScaling(factor=8.0,
+                                                   original_max_position_embeddings=64))
+    positions = torch.tensor([0, 5, 63, 64, 700, 1023], device=device)
+    want_cos, want_sin = rope.cos_sin(positions)
+    rope.reserve(1024, torch.device(device))
+    cos, sin = rope.cos_sin(positions)
+    assert cos.shape == sin.shape == (6, 32) and cos.stride(-1) == sin.stride(-1) == 1
+    if device == "cuda":
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    else:
+        torch.testing.assert_close(cos, want_cos, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, want_sin, rtol=0, atol=1e-6)
