@@ -6,13 +6,17 @@ its q heads (the GQA group), k and v rows once (strided views into the fused qkv
 fine), normalises and rotates them in fp32, writes the rotated q to a new [T, Hq, D] tensor and
 the rotated k and raw v straight into the cache slot. The rotated k is not returned: attention
 reads it from the cache. (One program per token, all heads in it, left a batch-1 decode step
-with one busy SM per layer on this latency-bound kernel.)
+with one busy SM per layer on this latency-bound kernel.) Decode and uniform verify steps skip
+this kernel: fused_decode_attention runs the same prologue inside the attention kernel, with
+the Prologue, check_prologue, rope_rows and write_new_kv defined at the end of this file.
 
 RoPE is the rotate-half (GPT-NeoX) form used by HF Llama and Qwen3:
     out[:D/2] = x1 * cos - x2 * sin,   out[D/2:] = x2 * cos + x1 * sin,   x = [x1 | x2]
 with cos/sin tables [max_pos, D/2] (fp32, see reference.rope_cos_sin).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
@@ -135,3 +139,103 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
         HAS_POS=positions is not None, num_warps=4, **pdl_launch(q))
     return q_out
+
+
+# -- the prologue inside decode attention (kernels/decode_attention.py) ---------------------
+
+@dataclass(frozen=True)
+class Prologue:
+    """What fused_decode_attention does before attending (this module's job, done inside the
+    attention kernel with the helpers below): the new tokens' k [T, Hkv, D] and v [T, Hkv, D] (strided views of the qkv projection are
+    fine), their per-token RoPE rows cos/sin [T, D/2] (fp32, engine.layers.RotaryEmbedding
+    .cos_sin), cache slots slot_mapping [T] (< 0: padding, not written), optional QK-norm
+    weights [D] and eps."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+def check_prologue(q: torch.Tensor, p: Prologue, num_kv_heads: int) -> None:
+    T, _, D = q.shape
+    for name in ("k", "v"):
+        check_tensor(name, getattr(p, name), shape=(T, num_kv_heads, D), dtypes=(q.dtype,),
+                     device=q.device, last_contiguous=True)
+    for name in ("cos", "sin"):
+        check_tensor(name, getattr(p, name), shape=(T, D // 2), dtypes=FLOAT_DTYPES,
+                     device=q.device, last_contiguous=True)
+    if p.cos.stride(0) != p.sin.stride(0):
+        raise ValueError(f"sin: row stride {p.sin.stride(0)} differs from cos's {p.cos.stride(0)}")
+    check_tensor("slot_mapping", p.slot_mapping, shape=(T,), dtypes=(torch.int32, torch.int64),
+                 device=q.device)
+    for name in ("q_norm", "k_norm"):
+        w = getattr(p, name)
+        if w is not None:
+            check_tensor(name, w, shape=(D,), dtypes=FLOAT_DTYPES, device=q.device,
+                         last_contiguous=True)
+    if not p.eps > 0:
+        raise ValueError(f"eps: must be > 0, got {p.eps}")
+
+
+@jit
+def rope_rows(rows_ptr, d, mask, cos, sin, w_ptr, eps, HALF: tl.constexpr,
+               NORM: tl.constexpr):
+    """RoPE(RMSNorm(x)) in fp32 for rows x [G, D] at rows_ptr [G, 1] (+ d [1, D]); cos/sin
+    [G, D] hold each row's cos/sin[d % HALF]. Rotate-half without splitting the row: out[d] =
+    x[d] * cos - x[d + HALF] * sin for d < HALF, x[d] * cos + x[d - HALF] * sin after, with the
+    partner read as a second (cached) load at the swapped offset."""
+    swap = (d + HALF) % (2 * HALF)
+    x = tl.load(rows_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(rows_ptr + swap, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # Qwen3 QK-norm over the head dim, before RoPE
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / (2 * HALF) + eps)[:, None]
+        x = x * rstd * tl.load(w_ptr + d).to(tl.float32)
+        xs = xs * rstd * tl.load(w_ptr + swap).to(tl.float32)
+    return x * cos + tl.where(d < HALF, -1.0, 1.0) * xs * sin
+
+
+@jit
+def write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
+                  v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh,
+                  stride_vt, stride_vh, stride_cs,
+                  stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                  block_size, eps, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
+                  K_NORM: tl.constexpr, PATCH: tl.constexpr):
+    """The prologue's cache write: this KV head's k (normed, rotated) and v of the sequence's
+    R new tokens at positions seq_len - R + r, for those inside this split's keys [start,
+    end). The splits partition the context, so each new token is written once, by the one
+    program that reads it back. slots [RP]: the R tokens' cache slots (< 0: padding). Loads
+    are masked rather than branched on, so they issue together with the q loads. Returns the
+    split's first tile of keys/values k_first/v_first [BLOCK_N, D] (loaded before the PDL wait,
+    positions n_first) with the new tokens' rows put in (PATCH; else returned as given)."""
+    d = tl.arange(0, 2 * HALF)[None, :]  # [1, D]
+    r_idx = tl.arange(0, RP)
+    for r in tl.static_range(R):
+        t = b * R + r
+        pos = seq_len - R + r
+        slot = tl.sum(tl.where(r_idx == r, slots, 0))
+        mask = (d < 2 * HALF) & (pos >= start) & (pos < end) & (slot >= 0)
+        cs = t * stride_cs + d % HALF
+        c = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+        k = rope_rows(k_ptr + t * stride_kt + kvh * stride_kh, d, mask, c, s, kn_ptr, eps,
+                       HALF, K_NORM)
+        k = k.to(kc_ptr.dtype.element_ty)
+        v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d, mask=mask)
+        slot = tl.maximum(slot, 0)
+        blk = slot // block_size
+        off = slot % block_size
+        tl.store(kc_ptr + blk * stride_kc_b + off * stride_kc_o + kvh * stride_kc_h + d, k,
+                 mask=mask)
+        tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_o + kvh * stride_vc_h + d, v,
+                 mask=mask)
+        if PATCH:
+            hit = (n_first == pos)[:, None] & mask  # the token's row in the prefetched tile
+            k_first = tl.where(hit, k, k_first)
+            v_first = tl.where(hit, v, v_first)
+    return k_first, v_first

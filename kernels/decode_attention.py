@@ -26,79 +26,20 @@ chunked-prefill kernel's few programs per sequence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (FLOAT_DTYPES, check_tensor, dot_dtype, dot_precision,
+from kernels._triton import (check_tensor, dot_dtype, dot_precision,
                              interpreting, jit, next_pow2, num_sms, pdl_enter, pdl_launch)
+from kernels.attn_prologue import Prologue, check_prologue, rope_rows, write_new_kv
 from kernels.kv_write import check_q_and_cache
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MAX_GROUP_ROWS = 64  # rows_per_seq * (Hq / Hkv) query rows per program at most
 MERGE_TILE = 8192  # fp32 elements of one [rows, splits, D] tile when merging partials
-
-
-@jit
-def _rope_rows(rows_ptr, d, mask, cos, sin, w_ptr, eps, HALF: tl.constexpr,
-               NORM: tl.constexpr):
-    """RoPE(RMSNorm(x)) in fp32 for rows x [G, D] at rows_ptr [G, 1] (+ d [1, D]); cos/sin
-    [G, D] hold each row's cos/sin[d % HALF]. Rotate-half without splitting the row: out[d] =
-    x[d] * cos - x[d + HALF] * sin for d < HALF, x[d] * cos + x[d - HALF] * sin after, with the
-    partner read as a second (cached) load at the swapped offset."""
-    swap = (d + HALF) % (2 * HALF)
-    x = tl.load(rows_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    xs = tl.load(rows_ptr + swap, mask=mask, other=0.0).to(tl.float32)
-    if NORM:  # Qwen3 QK-norm over the head dim, before RoPE
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / (2 * HALF) + eps)[:, None]
-        x = x * rstd * tl.load(w_ptr + d).to(tl.float32)
-        xs = xs * rstd * tl.load(w_ptr + swap).to(tl.float32)
-    return x * cos + tl.where(d < HALF, -1.0, 1.0) * xs * sin
-
-
-@jit
-def _write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
-                  v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh,
-                  stride_vt, stride_vh, stride_cs,
-                  stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                  block_size, eps, R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
-                  K_NORM: tl.constexpr, PATCH: tl.constexpr):
-    """The prologue's cache write: this KV head's k (normed, rotated) and v of the sequence's
-    R new tokens at positions seq_len - R + r, for those inside this split's keys [start,
-    end). The splits partition the context, so each new token is written once, by the one
-    program that reads it back. slots [RP]: the R tokens' cache slots (< 0: padding). Loads
-    are masked rather than branched on, so they issue together with the q loads. Returns the
-    split's first tile of keys/values k_first/v_first [BLOCK_N, D] (loaded before the PDL wait,
-    positions n_first) with the new tokens' rows put in (PATCH; else returned as given)."""
-    d = tl.arange(0, 2 * HALF)[None, :]  # [1, D]
-    r_idx = tl.arange(0, RP)
-    for r in tl.static_range(R):
-        t = b * R + r
-        pos = seq_len - R + r
-        slot = tl.sum(tl.where(r_idx == r, slots, 0))
-        mask = (d < 2 * HALF) & (pos >= start) & (pos < end) & (slot >= 0)
-        cs = t * stride_cs + d % HALF
-        c = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-        k = _rope_rows(k_ptr + t * stride_kt + kvh * stride_kh, d, mask, c, s, kn_ptr, eps,
-                       HALF, K_NORM)
-        k = k.to(kc_ptr.dtype.element_ty)
-        v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d, mask=mask)
-        slot = tl.maximum(slot, 0)
-        blk = slot // block_size
-        off = slot % block_size
-        tl.store(kc_ptr + blk * stride_kc_b + off * stride_kc_o + kvh * stride_kc_h + d, k,
-                 mask=mask)
-        tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_o + kvh * stride_vc_h + d, v,
-                 mask=mask)
-        if PATCH:
-            hit = (n_first == pos)[:, None] & mask  # the token's row in the prefetched tile
-            k_first = tl.where(hit, k, k_first)
-            v_first = tl.where(hit, v, v_first)
-    return k_first, v_first
 
 
 @jit
@@ -250,9 +191,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_p
         heads = kvh * GROUP + g % GROUP  # the query heads that share this KV head
         q_rows = q_ptr + qrow[:, None] * stride_qb + heads[:, None] * stride_qh
         if PROLOGUE:  # q/k/v straight from the qkv projection: norm + RoPE + cache write here
-            q = _rope_rows(q_rows, d[None, :], row_ok[:, None], c, s, qn_ptr, eps, D // 2,
+            q = rope_rows(q_rows, d[None, :], row_ok[:, None], c, s, qn_ptr, eps, D // 2,
                            Q_NORM)
-            k_first, v_first = _write_new_kv(
+            k_first, v_first = write_new_kv(
                 k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
                 v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_cs, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
@@ -347,24 +288,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                    max_seq_len, rows_per_seq)
 
 
-@dataclass(frozen=True)
-class Prologue:
-    """What fused_decode_attention does before attending (kernels/attn_prologue.py's job):
-    the new tokens' k [T, Hkv, D] and v [T, Hkv, D] (strided views of the qkv projection are
-    fine), their per-token RoPE rows cos/sin [T, D/2] (fp32, engine.layers.RotaryEmbedding
-    .cos_sin), cache slots slot_mapping [T] (< 0: padding, not written), optional QK-norm
-    weights [D] and eps."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    eps: float = 1e-6
-
-
 def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
@@ -374,30 +297,9 @@ def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.T
     and the new k and writes k/v into the cache (as fused_qk_norm_rope_kv would) before
     reading it. One kernel per layer where there were three (prologue, split, reduce)."""
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
-    _check_prologue(q, prologue, k_cache.shape[2])
+    check_prologue(q, prologue, k_cache.shape[2])
     return _launch(q, prologue, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
                    None, rows_per_seq)
-
-
-def _check_prologue(q: torch.Tensor, p: Prologue, num_kv_heads: int) -> None:
-    T, _, D = q.shape
-    for name in ("k", "v"):
-        check_tensor(name, getattr(p, name), shape=(T, num_kv_heads, D), dtypes=(q.dtype,),
-                     device=q.device, last_contiguous=True)
-    for name in ("cos", "sin"):
-        check_tensor(name, getattr(p, name), shape=(T, D // 2), dtypes=FLOAT_DTYPES,
-                     device=q.device, last_contiguous=True)
-    if p.cos.stride(0) != p.sin.stride(0):
-        raise ValueError(f"sin: row stride {p.sin.stride(0)} differs from cos's {p.cos.stride(0)}")
-    check_tensor("slot_mapping", p.slot_mapping, shape=(T,), dtypes=(torch.int32, torch.int64),
-                 device=q.device)
-    for name in ("q_norm", "k_norm"):
-        w = getattr(p, name)
-        if w is not None:
-            check_tensor(name, w, shape=(D,), dtypes=FLOAT_DTYPES, device=q.device,
-                         last_contiguous=True)
-    if not p.eps > 0:
-        raise ValueError(f"eps: must be > 0, got {p.eps}")
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
