@@ -110,8 +110,9 @@ class DecoderLayer(nn.Module):
         """The same layer through kernels.gemv for 1..GEMV_ROWS rows (batch-1 decode, MTP
         verify of a few drafts). 5 kernels at batch 1: each norm rides in the next projection's
         prologue, SiLU-and-mul in down_proj's, both residual adds in the epilogues of o_proj
-        and down_proj, and QK-norm + RoPE + the KV write in the attention kernel. Returns (the residual stream after the layer, None): the adds
-        are done, so the next layer (or final norm) takes x alone."""
+        and down_proj, and QK-norm + RoPE + the KV write in the attention kernel. Returns (the
+        residual stream after the layer, None): the adds are done, so the next layer (or final
+        norm) takes x alone."""
         gemv = fused_kernels().gemv
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm

@@ -8,7 +8,8 @@ the rotated k and raw v straight into the cache slot. The rotated k is not retur
 reads it from the cache. (One program per token, all heads in it, left a batch-1 decode step
 with one busy SM per layer on this latency-bound kernel.) Decode and uniform verify steps skip
 this kernel: fused_decode_attention runs the same prologue inside the attention kernel, with
-the Prologue, check_prologue, rope_rows and write_new_kv defined at the end of this file.
+the Prologue, check_prologue and write_new_kv at the end of this file (and rope_rows, which
+both kernels share).
 
 RoPE is the rotate-half (GPT-NeoX) form used by HF Llama and Qwen3:
     out[:D/2] = x1 * cos - x2 * sin,   out[D/2:] = x2 * cos + x1 * sin,   x = [x1 | x2]
@@ -29,23 +30,20 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @jit
-def _norm_rope_heads(src, stride_src_h, dst, stride_dst_h, H, cos, sin, w_ptr, eps,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Rotate H heads of one token: src/dst point at head 0; cos/sin are [HALF] fp32."""
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < H
-    x1 = tl.load(src + h * stride_src_h + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + h * stride_src_h + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:  # RMSNorm over the head dim (Qwen3 QK-norm), before RoPE
-        ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-        rstd = tl.rsqrt(ms + eps)[:, None]
-        x1 = x1 * rstd * tl.load(w_ptr + d).to(tl.float32)
-        x2 = x2 * rstd * tl.load(w_ptr + HALF + d).to(tl.float32)
-    c = cos[None, :]
-    s = sin[None, :]
-    tl.store(dst + h * stride_dst_h + d, x1 * c - x2 * s, mask=mask)
-    tl.store(dst + h * stride_dst_h + HALF + d, x2 * c + x1 * s, mask=mask)
+def rope_rows(rows_ptr, d, mask, cos, sin, w_ptr, eps, HALF: tl.constexpr,
+              NORM: tl.constexpr):
+    """RoPE(RMSNorm(x)) in fp32 for rows x [G, D] at rows_ptr [G, 1] (+ d [1, D]); cos/sin
+    [G, D] hold each row's cos/sin[d % HALF]. Rotate-half without splitting the row: out[d] =
+    x[d] * cos - x[d + HALF] * sin for d < HALF, x[d] * cos + x[d - HALF] * sin after, with the
+    partner read as a second (cached) load at the swapped offset."""
+    swap = (d + HALF) % (2 * HALF)
+    x = tl.load(rows_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(rows_ptr + swap, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # Qwen3 QK-norm over the head dim, before RoPE
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / (2 * HALF) + eps)[:, None]
+        x = x * rstd * tl.load(w_ptr + d).to(tl.float32)
+        xs = xs * rstd * tl.load(w_ptr + swap).to(tl.float32)
+    return x * cos + tl.where(d < HALF, -1.0, 1.0) * xs * sin
 
 
 @jit
@@ -63,23 +61,23 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
         pos = tl.load(pos_ptr + t).to(tl.int64)
     else:  # cos/sin already hold one row per token
         pos = t
-    d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
-    h0 = g * GROUP
-    _norm_rope_heads(q_ptr + t * stride_qt + h0 * stride_qh, stride_qh,
-                     q_out_ptr + t * stride_ot + h0 * stride_oh, stride_oh, GROUP, cos, sin,
-                     qn_ptr, eps, HALF, BLOCK_G, Q_NORM)
+    d = tl.arange(0, 2 * HALF)[None, :]  # [1, D]
+    cos = tl.load(cos_ptr + pos * stride_cos + d % HALF).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + d % HALF).to(tl.float32)
+    h = g * GROUP + tl.arange(0, BLOCK_G)[:, None]  # [BLOCK_G, 1] query heads of the group
+    q_mask = (h < (g + 1) * GROUP) & (d < 2 * HALF)
+    q = rope_rows(q_ptr + t * stride_qt + h * stride_qh, d, q_mask, cos, sin, qn_ptr, eps, HALF,
+                  Q_NORM)
+    tl.store(q_out_ptr + t * stride_ot + h * stride_oh + d, q, mask=q_mask)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # slot < 0: padding token, nothing to cache
         blk = slot // block_size
         off = slot % block_size
-        kc = kc_ptr + blk * stride_kc_b + off * stride_kc_o + g * stride_kc_h
-        _norm_rope_heads(k_ptr + t * stride_kt + g * stride_kh, stride_kh, kc, stride_kc_h, 1,
-                         cos, sin, kn_ptr, eps, HALF, 1, K_NORM)
-        dd = tl.arange(0, 2 * HALF)
-        v = tl.load(v_ptr + t * stride_vt + g * stride_vh + dd)
-        tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_o + g * stride_vc_h + dd, v)
+        k = rope_rows(k_ptr + t * stride_kt + g * stride_kh, d, d < 2 * HALF, cos, sin, kn_ptr,
+                      eps, HALF, K_NORM)
+        tl.store(kc_ptr + blk * stride_kc_b + off * stride_kc_o + g * stride_kc_h + d, k)
+        v = tl.load(v_ptr + t * stride_vt + g * stride_vh + d)
+        tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_o + g * stride_vc_h + d, v)
 
 
 def _check_rope_args(q: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor,
@@ -141,7 +139,7 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return q_out
 
 
-# -- the prologue inside decode attention (kernels/decode_attention.py) ---------------------
+# -- the prologue inside decode attention (kernels/decode_attention.py; rope_rows above) ----
 
 @dataclass(frozen=True)
 class Prologue:
@@ -180,23 +178,6 @@ def check_prologue(q: torch.Tensor, p: Prologue, num_kv_heads: int) -> None:
                          last_contiguous=True)
     if not p.eps > 0:
         raise ValueError(f"eps: must be > 0, got {p.eps}")
-
-
-@jit
-def rope_rows(rows_ptr, d, mask, cos, sin, w_ptr, eps, HALF: tl.constexpr,
-               NORM: tl.constexpr):
-    """RoPE(RMSNorm(x)) in fp32 for rows x [G, D] at rows_ptr [G, 1] (+ d [1, D]); cos/sin
-    [G, D] hold each row's cos/sin[d % HALF]. Rotate-half without splitting the row: out[d] =
-    x[d] * cos - x[d + HALF] * sin for d < HALF, x[d] * cos + x[d - HALF] * sin after, with the
-    partner read as a second (cached) load at the swapped offset."""
-    swap = (d + HALF) % (2 * HALF)
-    x = tl.load(rows_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    xs = tl.load(rows_ptr + swap, mask=mask, other=0.0).to(tl.float32)
-    if NORM:  # Qwen3 QK-norm over the head dim, before RoPE
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / (2 * HALF) + eps)[:, None]
-        x = x * rstd * tl.load(w_ptr + d).to(tl.float32)
-        xs = xs * rstd * tl.load(w_ptr + swap).to(tl.float32)
-    return x * cos + tl.where(d < HALF, -1.0, 1.0) * xs * sin
 
 
 @jit

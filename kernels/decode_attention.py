@@ -192,7 +192,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_p
         q_rows = q_ptr + qrow[:, None] * stride_qb + heads[:, None] * stride_qh
         if PROLOGUE:  # q/k/v straight from the qkv projection: norm + RoPE + cache write here
             q = rope_rows(q_rows, d[None, :], row_ok[:, None], c, s, qn_ptr, eps, D // 2,
-                           Q_NORM)
+                          Q_NORM)
             k_first, v_first = write_new_kv(
                 k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
                 v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh, stride_vt,
@@ -252,9 +252,8 @@ def _tile_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
 
 def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       scale: float, rows_per_seq: int = 1) -> tuple[int, int]:
-    """Returns (block_size, Hkv)."""
-    T, HQ, D, bs, HKV = check_q_and_cache(q, k_cache, v_cache)
+                       scale: float, rows_per_seq: int = 1) -> None:
+    T, HQ, _, _, HKV = check_q_and_cache(q, k_cache, v_cache)
     if not isinstance(rows_per_seq, int) or rows_per_seq < 1 or T % rows_per_seq:
         raise ValueError(f"rows_per_seq: {rows_per_seq!r} must be an int >= 1 dividing q's "
                          f"{T} rows")
@@ -267,7 +266,6 @@ def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=(torch.int32,), device=q.device)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: must be a positive finite number, got {scale}")
-    return bs, HKV
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
