@@ -75,12 +75,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _quartiles(xs: list[float]) -> list[float]:
+    if not xs:
+        return []
+    s = sorted(xs)
+    return [round(s[int(q * (len(s) - 1))], 3) for q in (0.0, 0.25, 0.5, 0.75, 1.0)]
+
+
+def _ends(xs: list[float]) -> list[float]:
+    n = max(1, len(xs) // 8)
+    return [round(sum(xs[:n]) / n, 3), round(sum(xs[-n:]) / n, 3)] if xs else []
+
+
 def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device: str,
                 ignore_eos: bool = True) -> dict:
     """Run each batch of prompts to completion, one batch after the other; decode tok/s over
     the steps after every request of the batch had its first token."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     tokens, seconds, steps = 0, 0.0, 0
+    step_ms: list[float] = []
     engine.stats.host_s.clear()
     steps0 = engine.stats.steps
     for prompts in batches:
@@ -96,11 +109,15 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
                 tokens += sum(len(o.new_token_ids) for o in outs)
                 seconds += now - t
                 steps += 1
+                step_ms.append(1e3 * (now - t))
             started.update(o.request_id for o in outs if o.new_token_ids)
             t = now
     n = max(1, engine.stats.steps - steps0)
     out = {"tok_s": tokens / max(seconds, 1e-9), "tokens": tokens, "steps": steps,
            "ms_per_step": 1000 * seconds / max(steps, 1),
+           # spread over the run (the context grows by max_tokens): quartiles and the means
+           # of the first and last eighth of the steps
+           "step_ms_quartiles": _quartiles(step_ms), "step_ms_first_last": _ends(step_ms),
            # host ms per engine step by phase; 'sample' waits for the GPU, 'draft' is MTP
            "step_phases_ms": {k: round(1e3 * v / n, 4) for k, v in engine.stats.host_s.items()}}
     stats = engine.spec_stats

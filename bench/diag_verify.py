@@ -88,8 +88,16 @@ def _cc(only: tuple[tuple[int, int], ...] | None = None):
     return pick
 
 
+def _dot_before_split(N: int, K: int, T: int):
+    """pick_config with the tensor-core tiles of 2026-11-23 (32/16 columns, no K split)."""
+    if T == 1:
+        return ORIGINAL_PICK(N, K, T)
+    return gemv_mod.GemvConfig(32 if -(-N // 32) >= 132 else 16, min(256, 1 << (K - 1).bit_length()),
+                               4, 4, tensor_cores=True)
+
+
 QKV, GATE_UP, DOWN = (6144, 4096), (24576, 4096), (4096, 12288)  # Qwen3-8B (N, K)
-VARIANTS = {"default": ORIGINAL_PICK, "cc_qkv_down": _cc((QKV, DOWN)), "cc_all": _cc(),
+VARIANTS = {"default": ORIGINAL_PICK, "dot_before_split": _dot_before_split, "cc_qkv_down": _cc((QKV, DOWN)), "cc_all": _cc(),
             "cc_norm": _cc((QKV, GATE_UP)), "cc_norm_down": _cc((QKV, GATE_UP, DOWN))}
 
 

@@ -137,3 +137,34 @@ def check_launchable(name: str, t: torch.Tensor) -> None:
 def check_head_dim(name: str, head_dim: int) -> None:
     if not is_pow2(head_dim) or not 16 <= head_dim <= 256:
         raise ValueError(f"{name}: head_dim {head_dim} must be a power of 2 in [16, 256]")
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_SCRATCH: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _grown(pool: dict[torch.device, list[torch.Tensor]], device: torch.device, n: int,
+           dtype: torch.dtype, what: str) -> torch.Tensor:
+    bufs = pool.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what}: {n} elements needed during CUDA-graph capture; run "
+                               "the batch eagerly once first")
+        bufs.append(torch.zeros(max(n, 1 << 16), dtype=dtype, device=device))
+    return bufs[-1]
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros for kernels whose last-arriving program finishes a reduction (split-K
+    decode attention, split-K GEMV): how many programs of a group have stored their partial.
+    That program resets its counter, so the buffer is zero between launches (launches on one
+    device are stream-ordered; a PDL launch touches it only after its wait). Allocated once
+    per device, before any CUDA-graph capture (the warm-up runs first); buffers a graph may
+    hold stay alive."""
+    return _grown(_COUNTERS, device, n, torch.int32, "arrival counters")
+
+
+def scratch_fp32(device: torch.device, n: int) -> torch.Tensor:
+    """fp32 scratch for split-K partials (written before they are read in the same launch),
+    shared by every launch on the device, under the same rules as arrival_counters."""
+    return _grown(_SCRATCH, device, n, torch.float32, "split-K scratch")

@@ -52,15 +52,17 @@ def _time_config(ws, x, res, nw, prologue: str, cfg) -> float:
 
 def _candidates(T: int) -> list:
     """T = 1 (CUDA-core kernel): a grid of tiles with <= 64 fp32 accumulators per thread.
-    T > 1 (tensor-core kernel): output widths, K steps and pipeline depths."""
+    T > 1 (tensor-core kernel): output widths, K steps, pipeline depths and K splits."""
     from kernels.gemv import GemvConfig
 
     if T == 1:
         grid = itertools.product((2, 4, 8, 16, 32), (256, 512, 1024), (4, 8))
         return [GemvConfig(bn, bk, w, 1) for bn, bk, w in grid
                 if bn * bk <= 2048 * w and bn * bk >= 1024]
-    grid = itertools.product((16, 32, 64), (64, 128, 256), (3, 4))
-    return [GemvConfig(bn, bk, 4, st) for bn, bk, st in grid]
+    grid = itertools.product((16, 32, 64), (128, 256), (3, 4), (1, 2, 4))
+    deep = itertools.product((16, 32), (512,), (2, 3), (1, 2))
+    return [GemvConfig(bn, bk, 4, st, tensor_cores=True, split_k=sk)
+            for bn, bk, st, sk in itertools.chain(grid, deep)]
 
 
 def sweep_shape(name: str, N: int, K: int, prologue: str, T: int) -> dict:
@@ -71,7 +73,7 @@ def sweep_shape(name: str, N: int, K: int, prologue: str, T: int) -> dict:
     ws, x, res, nw = _setup(N, K, T, prologue)
     nbytes = N * K * 2
     rows = [(_time_config(ws, x, res, nw, prologue, c), c) for c in _candidates(T)
-            if -(-N // c.block_n) >= 132]
+            if -(-N // c.block_n) * c.split_k >= 132]
     rows.sort(key=lambda r: r[0])
     if T == 1:
         for _, cfg in list(rows[:3]):

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (check_tensor, dot_dtype, dot_precision,
+from kernels._triton import (arrival_counters, check_tensor, dot_dtype, dot_precision,
                              interpreting, jit, next_pow2, num_sms, pdl_enter, pdl_launch)
 from kernels.attn_prologue import Prologue, check_prologue, rope_rows, write_new_kv
 from kernels.kv_write import check_q_and_cache
@@ -300,23 +300,6 @@ def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.T
                    None, rows_per_seq)
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, one per (sequence, KV head): how many split programs have stored their
-    partial. Each launch's merging program resets its counter, so the buffer is zero between
-    launches (launches on one device are stream-ordered). Allocated once per device, before
-    any CUDA-graph capture (the warm-up runs first); buffers a graph may hold stay alive."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode attention: {n} split counters needed during CUDA-graph "
-                               "capture; run the batch eagerly once first")
-        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
             num_splits: int | None, max_seq_len: int | None, R: int) -> torch.Tensor:
@@ -335,7 +318,7 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     if num_splits > 1:
         mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
-        counters = _arrival_counters(q.device, B * HKV)
+        counters = arrival_counters(q.device, B * HKV)
     group, block_s = HQ // HKV, next_pow2(num_splits)
     k, v, cos, sin, slots = (q,) * 5 if p is None else (p.k, p.v, p.cos, p.sin, p.slot_mapping)
     qn = q if p is None or p.q_norm is None else p.q_norm

@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, dot_dtype,
-                             dot_precision, interpreting, jit, next_pow2, pdl_enter, pdl_launch)
+from kernels._triton import (FLOAT_DTYPES, arrival_counters, check_launchable, check_tensor,
+                             dot_dtype, dot_precision, interpreting, jit, next_pow2, pdl_enter,
+                             pdl_launch, scratch_fp32)
 from kernels.rmsnorm import fused_add_rmsnorm
 from kernels.silu_mul import silu_and_mul
 
@@ -58,6 +59,9 @@ class GemvConfig:
     # weights are read once per step: loaded evict-first so they do not push the activation
     # rows (read by every program) out of the caches
     stream_weights: bool = True
+    # tensor-core kernel: K split over this many programs per output tile, the last to finish
+    # summing the fp32 partials (more programs in flight for narrow, deep matrices)
+    split_k: int = 1
 
 
 @jit
@@ -131,10 +135,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
 
 
 @jit
-def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, N, K, T, stride_x, stride_w, stride_y,
-                     stride_add, HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T, stride_x,
+                     stride_w, stride_y, stride_add, HAS_ADD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     W_EVICT: tl.constexpr, USE_PDL: tl.constexpr):
     """y[T, N] = x[T, K] @ W[N, K]^T (+ add) for 2..BLOCK_M rows on the tensor cores: the rows
     are padded to tl.dot's minimum M (16; padding rows cost no memory traffic) and each K step
     is one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot, software-pipelined by Triton. (With a
@@ -142,8 +147,15 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, N, K, T, stride_x, stride_w, 
     slower on an H100, bench/results/gemv_dot_fused_prologue_sweep_h100_2026-11-23.json; gemv() runs those
     prologues as their own small kernel first. A SiLU-and-mul epilogue -- gate and up tiles
     into two accumulators, replacing the SiLU kernel of a verify step -- made the forced k=1
-    step slower, 6.79 -> 7.56 ms, bench/results/diag_verify_glu_h100_2026-11-24.json.)"""
+    step slower, 6.79 -> 7.56 ms, bench/results/diag_verify_glu_h100_2026-11-24.json; so did
+    splitting each norm across the GEMVs around it, 6.74 -> 6.89 ms,
+    bench/results/diag_verify_handoff_h100_2026-11-24.json.)
+
+    SPLIT_K > 1: program (n, s) sums K steps s, s + SPLIT_K, ... into a partial [BLOCK_M,
+    BLOCK_N] tile, stores it to part_ptr [SPLIT_K, BLOCK_M, N] and bumps tile n's arrival
+    counter; the last of the SPLIT_K to arrive adds the partials up and runs the epilogue."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < T
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -152,18 +164,32 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, N, K, T, stride_x, stride_w, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     pdl_enter(USE_PDL)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + offs_k0
         k_ok = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy=W_EVICT)
         x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PREC)
     out_mask = row_ok[:, None] & n_ok[None, :]
-    if HAS_ADD:
-        acc += tl.load(add_ptr + rows[:, None] * stride_add + offs_n[None, :], mask=out_mask,
-                       other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], acc, mask=out_mask)
+    tile = rows[:, None] * N + offs_n[None, :]  # [BLOCK_M, BLOCK_N] offsets in one partial
+    last = True
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split * BLOCK_M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
+    if last:
+        if SPLIT_K > 1:
+            tl.store(count_ptr + pid, 0)  # all have arrived: reset for the next launch
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+        if HAS_ADD:
+            acc += tl.load(add_ptr + rows[:, None] * stride_add + offs_n[None, :],
+                           mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], acc, mask=out_mask)
 
 
 def pick_config(N: int, K: int, T: int) -> GemvConfig:
@@ -186,13 +212,23 @@ def pick_config(N: int, K: int, T: int) -> GemvConfig:
 
 
 def pick_dot_config(N: int, K: int) -> GemvConfig:
-    """Tile of the tensor-core kernel (2..16 rows)."""
+    """Tile of the tensor-core kernel (2..16 rows), from a sweep at 2 rows on an H100 over
+    output widths, K steps, pipeline depths and K splits at Qwen3-8B's shapes
+    (bench/results/gemv_dot_split_sweep_h100_2026-11-24.json): 64 columns per program where
+    that still leaves >= 264 programs (gate_up 70.8 -> 70.0 us, lm_head 406 -> 400), else 32;
+    narrow matrices (< 192 programs) split K so that >= 256 programs run: o_proj in 2
+    (14.2 -> 13.7 us), down_proj (K = 12288) in 4 with 128-wide K steps (39.2 -> 37.4)."""
     if interpreting():
         return GemvConfig(min(64, max(16, next_pow2(N))), min(128, max(16, next_pow2(K))),
                           tensor_cores=True)
-    block_n = 32 if triton.cdiv(N, 32) >= 132 else 16
-    return GemvConfig(block_n, min(256, next_pow2(K)), num_warps=4, num_stages=4,
-                      tensor_cores=True)
+    block_n = 64 if triton.cdiv(N, 64) >= 264 else 32
+    grid_n = triton.cdiv(N, block_n)
+    if grid_n >= 192 or K < 1024:
+        return GemvConfig(block_n, min(256, next_pow2(K)), num_warps=4, num_stages=4,
+                          tensor_cores=True)
+    split = 4 if K >= 8192 else 2
+    return GemvConfig(block_n, 128, num_warps=4, num_stages=3 if split == 4 else 4,
+                      tensor_cores=True, split_k=split)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, residual: torch.Tensor | None,
@@ -272,9 +308,9 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """2..16 rows: the prologue as its own kernel (activation rounded to x.dtype, as in an
     unfused layer), then the tensor-core kernel."""
-    if min(cfg.block_n, cfg.block_k) < 16:
-        raise ValueError(f"config: the tensor-core kernel needs block_n and block_k >= 16, "
-                         f"got {cfg}")
+    if min(cfg.block_n, cfg.block_k) < 16 or not 1 <= cfg.split_k <= 16:
+        raise ValueError(f"config: the tensor-core kernel needs block_n and block_k >= 16 "
+                         f"and split_k in 1..16, got {cfg}")
     h = x
     if prologue == "norm":  # PDL-chained: between Triton kernels of a verify step
         x, h = fused_add_rmsnorm(x, residual, norm_weight, eps, pdl=True)
@@ -283,9 +319,15 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
     T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     out = y if add is None else add
-    _gemv_dot_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, weight, y, out, N, K, T, x.stride(0), weight.stride(0), y.stride(0), out.stride(0),
-        HAS_ADD=add is not None, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PREC=dot_precision(x.dtype), DOT_DTYPE=dot_dtype(x.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(x))
+    grid_n = triton.cdiv(N, cfg.block_n)
+    parts, counts = y, y
+    if cfg.split_k > 1:
+        parts = scratch_fp32(x.device, cfg.split_k * 16 * N)
+        counts = arrival_counters(x.device, grid_n)
+    _gemv_dot_kernel[(grid_n, cfg.split_k)](
+        x, weight, y, out, parts, counts, N, K, T, x.stride(0), weight.stride(0), y.stride(0),
+        out.stride(0), HAS_ADD=add is not None, BLOCK_M=16, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PREC=dot_precision(x.dtype),
+        DOT_DTYPE=dot_dtype(x.dtype), W_EVICT="evict_first" if cfg.stream_weights else "",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     return (y, h) if prologue == "norm" else y

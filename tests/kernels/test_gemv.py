@@ -57,10 +57,14 @@ def test_silu_prologue_matches_reference(dtype, T, N, K, device, close):
                                    (4, GemvConfig(8, 32)),
                                    (3, GemvConfig(16, 32, tensor_cores=True)),
                                    (3, GemvConfig(32, 64, num_stages=3, tensor_cores=True)),
-                                   (5, GemvConfig(64, 16, num_warps=8, tensor_cores=True))])
+                                   (5, GemvConfig(64, 16, num_warps=8, tensor_cores=True)),
+                                   (3, GemvConfig(16, 32, tensor_cores=True, split_k=3)),
+                                   (2, GemvConfig(32, 16, tensor_cores=True, split_k=2)),
+                                   (4, GemvConfig(16, 32, tensor_cores=True, split_k=8))])
 def test_every_tile_shape_covers_ragged_edges(T, cfg, device, close):
     """N and K not multiples of the tile: masked tails in both dims, on the CUDA-core kernel
-    (1..4 rows, prologue fused) and the tensor-core one (prologue as its own kernel)."""
+    (1..4 rows, prologue fused) and the tensor-core one (prologue as its own kernel), K split
+    over 2-8 programs (8 > the 5 K steps: some splits have nothing to add)."""
     x, w, gen = _data(T, 45, 157, torch.float32, device)
     res = torch.randn(T, 157, generator=gen).to(device)
     nw = torch.rand(157, generator=gen).to(device)
@@ -125,3 +129,17 @@ def test_cuda_core_rows_equal_tensor_core_rows(prologue, T, device, close):
         for got, want in zip(out if prologue == "norm" else (out,),
                              ref if prologue == "norm" else (ref,)):
             close(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_repeated_launches_with_residual_add(dtype, device, close):
+    """Split-K partials are summed by the last program of each output tile, which resets the
+    tile's arrival counter: back-to-back launches (different shapes, same counters) each
+    equal the reference, with the residual-add epilogue applied once."""
+    for T, N, K, split in ((2, 70, 300, 4), (4, 33, 96, 2), (2, 70, 300, 4), (16, 48, 64, 3)):
+        x, w, gen = _data(T, N, K, dtype, device, stride_pad=2)
+        add = torch.randn(T, N, generator=gen).to(device, dtype)
+        cfg = GemvConfig(16, 32, tensor_cores=True, split_k=split)
+        close(gemv(x, w, add=add, config=cfg), gemv_ref(x, w, add=add), dtype)
+    with pytest.raises(ValueError, match="split_k in 1..16"):
+        gemv(x, w, config=GemvConfig(16, 32, tensor_cores=True, split_k=17))
