@@ -118,6 +118,8 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
            # spread over the run (the context grows by max_tokens): quartiles and the means
            # of the first and last eighth of the steps
            "step_ms_quartiles": _quartiles(step_ms), "step_ms_first_last": _ends(step_ms),
+           "slow_steps": [(i, round(ms, 2)) for i, ms in enumerate(step_ms)
+                          if ms > 1.25 * _quartiles(step_ms)[2]],
            # host ms per engine step by phase; 'sample' waits for the GPU, 'draft' is MTP
            "step_phases_ms": {k: round(1e3 * v / n, 4) for k, v in engine.stats.host_s.items()}}
     stats = engine.spec_stats

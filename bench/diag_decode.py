@@ -130,9 +130,9 @@ def engine_timeline(engine, vocab: int) -> dict:
 def variant(name: str, tiles: dict | None = None, splits: int | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), and the decode attention's split count (None: the kernel's own choice)."""
-    def pick(N: int, K: int, T: int):
+    def pick(N: int, K: int, T: int, elem_size: int = 2):
         import dataclasses
-        cfg = ORIGINAL_PICK(N, K, T)
+        cfg = ORIGINAL_PICK(N, K, T, elem_size)
         return dataclasses.replace(cfg, **(tiles or {}).get((N, K), {})) if T == 1 else cfg
     return name, pick, splits
 

@@ -81,19 +81,19 @@ def sweep(rows: list[int]) -> tuple[list[dict], dict]:
 def _cc(only: tuple[tuple[int, int], ...] | None = None):
     """pick_config with the CUDA-core kernel (prologue fused) at 2 rows, for every matrix or
     only the (N, K) in `only`."""
-    def pick(N: int, K: int, T: int):
+    def pick(N: int, K: int, T: int, elem_size: int = 2):
         if T == 2 and (only is None or (N, K) in only):
             return gemv_mod.GemvConfig(4 if N * K < (32 << 20) else 8, 512, 4, 1)
-        return ORIGINAL_PICK(N, K, T)
+        return ORIGINAL_PICK(N, K, T, elem_size)
     return pick
 
 
-def _dot_before_split(N: int, K: int, T: int):
+def _dot_before_split(N: int, K: int, T: int, elem_size: int = 2):
     """pick_config with the tensor-core tiles of 2026-11-23 (32/16 columns, no K split)."""
     if T == 1:
-        return ORIGINAL_PICK(N, K, T)
-    return gemv_mod.GemvConfig(32 if -(-N // 32) >= 132 else 16, min(256, 1 << (K - 1).bit_length()),
-                               4, 4, tensor_cores=True)
+        return ORIGINAL_PICK(N, K, T, elem_size)
+    return gemv_mod.GemvConfig(32 if -(-N // 32) >= 132 else 16,
+                               min(256, 1 << (K - 1).bit_length()), 4, 4, tensor_cores=True)
 
 
 QKV, GATE_UP, DOWN = (6144, 4096), (24576, 4096), (4096, 12288)  # Qwen3-8B (N, K)

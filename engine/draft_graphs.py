@@ -117,7 +117,7 @@ class DraftGraphs:
         cseq = v32["cseq"].view(-1, self.buckets[-1])
         drafts = []
         for s in range(k):
-            tok = self.model.compute_logits(g, as_float=False).argmax(dim=-1)  # [B]
+            tok = self.model.greedy(g)  # [B]
             drafts.append(tok)
             if s + 1 < k:
                 meta_s = self._meta(B, 1, cslots[s, :B], cseq[s, :B], tables,

@@ -68,7 +68,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(
             config.model, cache.num_blocks, cache.block_size, torch_dtype(cache.kv_dtype), self.device)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, argmax=model.argmax)
         self._states: dict[str, SamplerState] = {}
         self.cuda_graphs = maybe_decode_graphs(config, model, self.kv_cache)  # decode steps
         overlap = config.overlap_decode == "on" or (

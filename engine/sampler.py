@@ -158,8 +158,12 @@ class HostCopy:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """argmax: [B, V] -> int64 [B] for the greedy rows (the model's: a Triton kernel on
+        its fused path), torch.argmax by default."""
         self.seed = seed
+        self.argmax = argmax if argmax is not None else (lambda x: x.argmax(dim=-1))
         self._counter = itertools.count()  # distinct streams for unseeded requests
         self._host_copy = HostCopy()
 
@@ -199,7 +203,7 @@ class Sampler:
         the next forward from them)."""
         params = [r.sampling_params for r in requests]
         processed = self._process(logits, requests, states)  # [B, V], -inf outside support
-        token_ids = processed.argmax(dim=-1)  # greedy rows keep this
+        token_ids = self.argmax(processed)  # greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
         if random_rows:
             rows = to_device(random_rows, torch.int64, logits.device)

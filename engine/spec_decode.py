@@ -222,7 +222,7 @@ class SpecDecoder:
         out: dict[str, list[int]] = {}
         greedy = [i for i, (req, _, _) in enumerate(items)
                   if req.sampling_params.temperature < SAMPLING_EPS]
-        argmax = logits.argmax(dim=-1).tolist() if greedy else []
+        argmax = self.model.argmax(logits).tolist() if greedy else []
         offset = 0
         for i, (req, drafts, _) in enumerate(items):
             k = len(drafts)
@@ -388,7 +388,7 @@ class SpecDecoder:
         """One draft per row [n] (on the device): argmax for greedy requests; for random ones
         a draw from q, the request's processed MTP distribution (kept in qs for the
         acceptance test)."""
-        tokens = logits.argmax(dim=-1)
+        tokens = self.model.argmax(logits)
         for i, job in enumerate(jobs):
             req = job.request
             if req.sampling_params.temperature < SAMPLING_EPS:

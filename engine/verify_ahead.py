@@ -93,7 +93,7 @@ class VerifyAhead:
         bucket = graphs.fits(rows, q, k_next)  # worst case: every row accepted
         if bucket is None:
             return None
-        argmax = self.spec.model.compute_logits(hidden, as_float=False).argmax(dim=-1)  # [B*q]
+        argmax = self.spec.model.greedy(hidden)  # [B * q]
         self._argmax.start(argmax)  # queued before the drafting: the host reads it first
         amv = argmax.view(B, q)
         drafts = to_device([d for _, d, _ in items], torch.int64, hidden.device)  # [B, k]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import sdpa_prefill
+from kernels.argmax import argmax
 from kernels.attn_prologue import fused_qk_norm_rope_kv
 from kernels.decode_attention import (MAX_GROUP_ROWS, Prologue, choose_num_splits,
                                       fused_decode_attention, paged_decode_attention)
@@ -32,9 +33,10 @@ if TYPE_CHECKING:  # the arrows point engine -> kernels; no runtime import back
     from engine.attention import AttentionMetadata
 
 __all__ = [
-    "GEMV_ROWS", "Prologue", "TritonAttentionBackend", "attend_with_prologue", "attention",
-    "choose_num_splits", "fused_add_rmsnorm", "fused_decode_attention", "fused_qk_norm_rope_kv",
-    "gemv", "paged_decode_attention", "paged_prefill_attention", "silu_and_mul", "write_kv",
+    "GEMV_ROWS", "Prologue", "TritonAttentionBackend", "argmax", "attend_with_prologue",
+    "attention", "choose_num_splits", "fused_add_rmsnorm", "fused_decode_attention",
+    "fused_qk_norm_rope_kv", "gemv", "paged_decode_attention", "paged_prefill_attention",
+    "silu_and_mul", "write_kv",
 ]
 
 

@@ -192,7 +192,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T,
         tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], acc, mask=out_mask)
 
 
-def pick_config(N: int, K: int, T: int) -> GemvConfig:
+def pick_config(N: int, K: int, T: int, elem_size: int = 2) -> GemvConfig:
     """Tile for y[T, N] = a[T, K] @ W[N, K]^T. One row (the CUDA-core kernel), from a sweep on
     an H100 at Qwen3-8B's shapes (bench/results/gemv_sweep_h100_2026-11-22.json): 1024-wide K
     steps and 4 warps won everywhere, pipelining stages made no difference, 8 output columns
@@ -201,7 +201,7 @@ def pick_config(N: int, K: int, T: int) -> GemvConfig:
     (the tensor-core kernel): see pick_dot_config.
     The CPU interpreter runs one program at a time, so there few big tiles are fastest."""
     if T > 1:
-        return pick_dot_config(N, K)
+        return pick_dot_config(N, K, elem_size)
     if interpreting():
         return GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
     block_k = min(1024, next_pow2(K))
@@ -211,23 +211,26 @@ def pick_config(N: int, K: int, T: int) -> GemvConfig:
     return GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
 
 
-def pick_dot_config(N: int, K: int) -> GemvConfig:
+def pick_dot_config(N: int, K: int, elem_size: int = 2) -> GemvConfig:
     """Tile of the tensor-core kernel (2..16 rows), from a sweep at 2 rows on an H100 over
     output widths, K steps, pipeline depths and K splits at Qwen3-8B's shapes
     (bench/results/gemv_dot_split_sweep_h100_2026-11-24.json): 64 columns per program where
     that still leaves >= 264 programs (gate_up 70.8 -> 70.0 us, lm_head 406 -> 400), else 32;
     narrow matrices (< 192 programs) split K so that >= 256 programs run: o_proj in 2
-    (14.2 -> 13.7 us), down_proj (K = 12288) in 4 with 128-wide K steps (39.2 -> 37.4)."""
+    (14.2 -> 13.7 us), down_proj (K = 12288) in 4 with 128-wide K steps (39.2 -> 37.4).
+    fp32 (elem_size 4) halves the K step: 4 stages of 64 x 256 fp32 tiles exceed an H100's
+    shared memory."""
     if interpreting():
         return GemvConfig(min(64, max(16, next_pow2(N))), min(128, max(16, next_pow2(K))),
                           tensor_cores=True)
     block_n = 64 if triton.cdiv(N, 64) >= 264 else 32
     grid_n = triton.cdiv(N, block_n)
+    wide = 2 if elem_size <= 2 else 1  # 256- or 128-wide K steps
     if grid_n >= 192 or K < 1024:
-        return GemvConfig(block_n, min(256, next_pow2(K)), num_warps=4, num_stages=4,
+        return GemvConfig(block_n, min(128 * wide, next_pow2(K)), num_warps=4, num_stages=4,
                           tensor_cores=True)
     split = 4 if K >= 8192 else 2
-    return GemvConfig(block_n, 128, num_warps=4, num_stages=3 if split == 4 else 4,
+    return GemvConfig(block_n, 64 * wide, num_warps=4, num_stages=3 if split == 4 else 4,
                       tensor_cores=True, split_k=split)
 
 
@@ -278,7 +281,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     """
     _check(x, weight, prologue, residual, norm_weight, eps, add)
     T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
-    cfg = config or pick_config(N, K, T)
+    cfg = config or pick_config(N, K, T, x.element_size())
     if T > 1 and cfg.tensor_cores:
         return _gemv_rows(x, weight, prologue, residual, norm_weight, eps, add, cfg)
     if T > CUDA_CORE_ROWS:

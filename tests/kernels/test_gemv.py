@@ -143,3 +143,12 @@ def test_split_k_repeated_launches_with_residual_add(dtype, device, close):
         close(gemv(x, w, add=add, config=cfg), gemv_ref(x, w, add=add), dtype)
     with pytest.raises(ValueError, match="split_k in 1..16"):
         gemv(x, w, config=GemvConfig(16, 32, tensor_cores=True, split_k=17))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K", [(17000, 1100), (600, 9000)])
+def test_default_tiles_fit_every_dtype(dtype, N, K, device, close):
+    """The tiles pick_config chooses at 2 rows launch for fp32 too (on a GPU, 4 stages of
+    64 x 256 fp32 tiles would exceed shared memory), wide (64 columns) and split-K shapes."""
+    x, w, _ = _data(2, N, K, dtype, device)
+    close(gemv(x, w), gemv_ref(x, w), dtype)
