@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels  # noqa: F401  first: picks compiled (GPU) or interpreted (CPU) Triton
-from bench.engine_probes import (count_kernels, gemv_bandwidth, kernel_times, log,
+from bench.engine_probes import (GcWatch, count_kernels, gemv_bandwidth, kernel_times, log,
                                  random_prompts, run_hf, time_ms)
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm import build_engine
@@ -165,7 +165,9 @@ def bench_decode_batch1(engine, graphs, plan: Plan, bw: float, wbytes: int, kvb:
     drive(engine, random_prompts(1, plan.decode_prompt, vocab, 1), 8)  # warm-up
     engine.stats.host_s.clear()
     steps0 = engine.stats.steps
-    steps = drive(engine, random_prompts(1, plan.decode_prompt, vocab, 2), plan.decode_tokens + 1)
+    with GcWatch() as gcw:
+        steps = drive(engine, random_prompts(1, plan.decode_prompt, vocab, 2),
+                      plan.decode_tokens + 1)
     n_steps = max(1, engine.stats.steps - steps0)
     host_ms = {k: round(1e3 * v / n_steps, 4) for k, v in engine.stats.host_s.items()}
     dec = [s for s in steps if s["decode"]]
@@ -176,6 +178,9 @@ def bench_decode_batch1(engine, graphs, plan: Plan, bw: float, wbytes: int, kvb:
     roofline_kv = bw * 1e9 / (wbytes + mid_ctx * kvb)
     return {"prompt": plan.decode_prompt, "decode_tokens": len(dec), "tok_s": tok_s,
             "step_ms_median": 1e3 * statistics.median(s["s"] for s in dec),
+            "slow_steps_ms": [round(1e3 * s["s"], 2) for s in dec
+                              if s["s"] > 1.25 * statistics.median(x["s"] for x in dec)],
+            "gc": gcw.report(),
             "gpu_only_step_ms": gpu_ms, "gpu_only_tok_s": 1e3 / gpu_ms, "gpu_only_mode": how,
             "roofline_tok_s": roofline, "pct_of_roofline": 100 * tok_s / roofline,
             "gpu_only_pct_of_roofline": 100e3 / gpu_ms / roofline,

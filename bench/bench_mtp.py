@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.engine_probes import GcWatch
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import SpecConfig
@@ -96,6 +97,7 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
     step_ms: list[float] = []
     engine.stats.host_s.clear()
     steps0 = engine.stats.steps
+    gcw = GcWatch().__enter__()
     for prompts in batches:
         rids = [engine.add_request(p, params)[0] for p in prompts]
         started: set[str] = set()
@@ -112,8 +114,9 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
                 step_ms.append(1e3 * (now - t))
             started.update(o.request_id for o in outs if o.new_token_ids)
             t = now
+    gcw.__exit__()
     n = max(1, engine.stats.steps - steps0)
-    out = {"tok_s": tokens / max(seconds, 1e-9), "tokens": tokens, "steps": steps,
+    out = {"tok_s": tokens / max(seconds, 1e-9), "gc": gcw.report(), "tokens": tokens, "steps": steps,
            "ms_per_step": 1000 * seconds / max(steps, 1),
            # spread over the run (the context grows by max_tokens): quartiles and the means
            # of the first and last eighth of the steps

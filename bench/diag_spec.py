@@ -52,7 +52,18 @@ def gpu_gaps(engine, steps: int) -> dict:
         row[0] += 1 / steps
         row[1] += (e.time_range.end - e.time_range.start) / 1e3 / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    # one step in order, outside the layers' repeated kernels: [gap before it (us), name, us]
+    seq, t_prev = [], None
+    for e in ev[len(ev) // 2:]:
+        gap = 0.0 if t_prev is None else (e.time_range.start - t_prev) / 1e3
+        seq.append((round(1e3 * gap, 1), e.name[:50], round((e.time_range.end - e.time_range.start) / 1e3 * 1e3, 1)))
+        t_prev = max(t_prev or 0, e.time_range.end)
+    n_per = len(ev) // steps
+    seq = [r for r in seq[:n_per] if not r[1].startswith(("_gemv", "_decode_kernel",
+                                                         "_add_rmsnorm", "_silu"))
+           or r[0] > 3.0]
     return {"steps": steps, "span_ms": span, "busy_ms": busy, "idle_ms": sum(g[0] for g in gaps),
+            "one_step_outside_layers": seq,
             "top_gaps": [{"ms": round(g, 3), "after": a, "before": b} for g, a, b in gaps[:15]],
             "per_step_by_kernel": {n: {"count": round(c, 2), "ms": round(t, 4)}
                                    for n, (c, t) in top}}
@@ -60,10 +71,11 @@ def gpu_gaps(engine, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--k", type=int, default=1, help="drafts per step (0: no speculation)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    spec = SpecConfig(num_speculative_tokens=args.k, batch_k_caps=(), forced_acceptance=True)
+    spec = (SpecConfig(num_speculative_tokens=args.k, batch_k_caps=(), forced_acceptance=True)
+            if args.k > 0 else None)  # --k 0: plain decode
     engine = build_engine("qwen3-8b", device="cuda", num_blocks=1024, block_size=16,
                           max_num_seqs=4, max_model_len=2048, use_triton=True,
                           use_cuda_graphs=True, speculative=spec)

@@ -9,6 +9,34 @@ from collections import Counter
 import torch
 
 
+class GcWatch:
+    """Python garbage collections while the block runs: count per generation and seconds
+    spent in them (a full collection of a process holding torch and Triton can take ms, which
+    lands in whichever engine step triggers it)."""
+
+    def __enter__(self) -> "GcWatch":
+        import gc
+
+        self.counts, self.seconds, self._t0 = [0, 0, 0], 0.0, 0.0
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._t0
+
+    def report(self) -> dict:
+        return {"collections_by_generation": self.counts, "ms": round(1e3 * self.seconds, 3)}
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 

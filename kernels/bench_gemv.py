@@ -50,7 +50,7 @@ def _time_config(ws, x, res, nw, prologue: str, cfg) -> float:
     return _graph_us(lambda: [gemv(x, w, prologue, config=cfg, **kw) for w in ws], len(ws))
 
 
-def _candidates(T: int) -> list:
+def _candidates(T: int, more_warps: bool = False) -> list:
     """T = 1 (CUDA-core kernel): a grid of tiles with <= 64 fp32 accumulators per thread.
     T > 1 (tensor-core kernel): output widths, K steps, pipeline depths and K splits."""
     from kernels.gemv import GemvConfig
@@ -59,20 +59,25 @@ def _candidates(T: int) -> list:
         grid = itertools.product((2, 4, 8, 16, 32), (256, 512, 1024), (4, 8))
         return [GemvConfig(bn, bk, w, 1) for bn, bk, w in grid
                 if bn * bk <= 2048 * w and bn * bk >= 1024]
+    if more_warps:  # wider tiles on 8 warps, deeper pipelines
+        grid = itertools.product((32, 64, 128), (128, 256), (3, 4, 5), (1, 2))
+        return [GemvConfig(bn, bk, w, st, tensor_cores=True, split_k=sk)
+                for bn, bk, st, sk in grid for w in (4, 8) if bn * bk * st <= 64 * 256 * 5]
     grid = itertools.product((16, 32, 64), (128, 256), (3, 4), (1, 2, 4))
     deep = itertools.product((16, 32), (512,), (2, 3), (1, 2))
     return [GemvConfig(bn, bk, 4, st, tensor_cores=True, split_k=sk)
             for bn, bk, st, sk in itertools.chain(grid, deep)]
 
 
-def sweep_shape(name: str, N: int, K: int, prologue: str, T: int) -> dict:
+def sweep_shape(name: str, N: int, K: int, prologue: str, T: int,
+                more_warps: bool = False) -> dict:
     """Time every candidate tile (and 2-3 pipeline stages on the best three when T = 1);
     returns the JSON row."""
     from kernels.gemv import GemvConfig, pick_config
 
     ws, x, res, nw = _setup(N, K, T, prologue)
     nbytes = N * K * 2
-    rows = [(_time_config(ws, x, res, nw, prologue, c), c) for c in _candidates(T)
+    rows = [(_time_config(ws, x, res, nw, prologue, c), c) for c in _candidates(T, more_warps)
             if -(-N // c.block_n) * c.split_k >= 132]
     rows.sort(key=lambda r: r[0])
     if T == 1:
@@ -102,14 +107,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--rows", default="1,2,4", help="T values (comma-separated)")
+    parser.add_argument("--only", default="", help="projection names (comma-separated)")
+    parser.add_argument("--more-warps", action="store_true",
+                        help="tensor-core grid of 4/8 warps, wider tiles, 3-5 stages")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels.bench_gemv needs a CUDA device")
     t0, results = time.time(), []
     rows = [int(t) for t in args.rows.split(",")]
+    only = set(filter(None, args.only.split(",")))
     for name, N, K, prologue in SHAPES:
+        if only and name not in only:
+            continue
         for T in rows:
-            row = sweep_shape(name, N, K, prologue, T)
+            row = sweep_shape(name, N, K, prologue, T, args.more_warps)
             results.append(row)
             print(f"[{time.time() - t0:5.0f}s] T={T} {name}: best {row['best']} heuristic "
                   f"{row['heuristic']['GBps']} GB/s, cuBLAS {row['cublas_matmul_only']['GBps']}",
