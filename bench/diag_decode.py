@@ -137,14 +137,15 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None):
     return name, pick, splits
 
 
-VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in
-                                  (QKV, O_PROJ, (24576, 4096), (4096, 12288), (151936, 4096))})]
+SHAPES = (QKV, O_PROJ, (24576, 4096), (4096, 12288), (151936, 4096))
+VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES})]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
+    ap.add_argument("--variants", default="", help="only these VARIANTS (comma-separated)")
     args = ap.parse_args()
     plan = Plan()
     engine = build_engine(plan.preset, device="cuda", dtype="bfloat16", num_blocks=2048,
@@ -154,7 +155,9 @@ def main() -> None:
     model, vocab = runner.model, engine.config.model.vocab_size
     drive(engine, random_prompts(1, 700, vocab, 0), 4)  # real KV in the first blocks
     results = {}
-    variants = [variant("default")] + ([] if args.quick else VARIANTS)
+    only = set(filter(None, args.variants.split(",")))
+    variants = [variant("default")] + ([] if args.quick else
+                                       [v for v in VARIANTS if not only or v[0] in only])
     best = None
     for name, pick, splits in variants:
         gemv_mod.pick_config = pick
