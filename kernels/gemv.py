@@ -145,11 +145,13 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T,
     is one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot, software-pipelined by Triton. (With a
     norm or SiLU prologue computed inside the loop, Triton stopped pipelining the loads: 4-5x
     slower on an H100, bench/results/gemv_dot_fused_prologue_sweep_h100_2026-11-23.json; gemv() runs those
-    prologues as their own small kernel first. A SiLU-and-mul epilogue -- gate and up tiles
-    into two accumulators, replacing the SiLU kernel of a verify step -- made the forced k=1
-    step slower, 6.79 -> 7.56 ms, bench/results/diag_verify_glu_h100_2026-11-24.json; so did
-    splitting each norm across the GEMVs around it, 6.74 -> 6.89 ms,
-    bench/results/diag_verify_handoff_h100_2026-11-24.json.)
+    prologues as their own small kernel first. Removing those small kernels does not pay
+    either: a SiLU-and-mul epilogue (two accumulators: forced k=1 step 6.79 -> 7.56 ms,
+    bench/results/diag_verify_glu_h100_2026-11-23.json; gate and up rows gathered into one
+    tile: 6.57 -> 6.74, diag_verify_glu_gather_h100_2026-11-24.json), each norm split across
+    the GEMVs around it (6.74 -> 6.89, diag_verify_handoff_h100_2026-11-24.json), and even a
+    timing-only layer with no norm or SiLU kernels at all (6.56 -> 6.63-6.73,
+    diag_verify_no_small_kernels_h100_2026-11-24.json) were slower.)
 
     SPLIT_K > 1: program (n, s) sums K steps s, s + SPLIT_K, ... into a partial [BLOCK_M,
     BLOCK_N] tile, stores it to part_ptr [SPLIT_K, BLOCK_M, N] and bumps tile n's arrival
