@@ -49,6 +49,11 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     return (y, h) if prologue == "norm" else y
 
 
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> int64 [B]: the first index of each row's maximum (kernels.argmax)."""
+    return logits.argmax(dim=-1)
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_pos, D/2] (fp32) from inv_freq [D/2] (already scaled, e.g. llama3)."""
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32, device=inv_freq.device),
