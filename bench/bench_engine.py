@@ -35,7 +35,7 @@ import torch
 
 import kernels  # noqa: F401  first: picks compiled (GPU) or interpreted (CPU) Triton
 from bench.engine_probes import (GcWatch, count_kernels, gemv_bandwidth, kernel_times, log,
-                                 random_prompts, run_hf, time_ms)
+                                 random_prompts, run_hf, slow_steps, time_ms)
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
@@ -178,8 +178,7 @@ def bench_decode_batch1(engine, graphs, plan: Plan, bw: float, wbytes: int, kvb:
     roofline_kv = bw * 1e9 / (wbytes + mid_ctx * kvb)
     return {"prompt": plan.decode_prompt, "decode_tokens": len(dec), "tok_s": tok_s,
             "step_ms_median": 1e3 * statistics.median(s["s"] for s in dec),
-            "slow_steps_ms": [round(1e3 * s["s"], 2) for s in dec
-                              if s["s"] > 1.25 * statistics.median(x["s"] for x in dec)],
+            "slow_steps_ms": [ms for _, ms in slow_steps([1e3 * s["s"] for s in dec])],
             "gc": gcw.report(),
             "gpu_only_step_ms": gpu_ms, "gpu_only_tok_s": 1e3 / gpu_ms, "gpu_only_mode": how,
             "roofline_tok_s": roofline, "pct_of_roofline": 100 * tok_s / roofline,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.engine_probes import GcWatch
+from bench.engine_probes import GcWatch, slow_steps
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import SpecConfig
@@ -88,16 +88,11 @@ def _ends(xs: list[float]) -> list[float]:
     return [round(sum(xs[:n]) / n, 3), round(sum(xs[-n:]) / n, 3)] if xs else []
 
 
-def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device: str,
-                ignore_eos: bool = True) -> dict:
-    """Run each batch of prompts to completion, one batch after the other; decode tok/s over
-    the steps after every request of the batch had its first token."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    tokens, seconds, steps = 0, 0.0, 0
-    step_ms: list[float] = []
-    engine.stats.host_s.clear()
-    steps0 = engine.stats.steps
-    gcw = GcWatch().__enter__()
+def _timed_steps(engine, batches: list[list[list[int]]], params: SamplingParams,
+                 device: str) -> tuple[int, list[float]]:
+    """Each batch to completion; (tokens, ms of each step) over the steps after every request
+    of its batch had its first token."""
+    tokens, step_ms = 0, []
     for prompts in batches:
         rids = [engine.add_request(p, params)[0] for p in prompts]
         started: set[str] = set()
@@ -109,20 +104,29 @@ def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device:
             now = time.perf_counter()
             if all_in:
                 tokens += sum(len(o.new_token_ids) for o in outs)
-                seconds += now - t
-                steps += 1
                 step_ms.append(1e3 * (now - t))
             started.update(o.request_id for o in outs if o.new_token_ids)
             t = now
-    gcw.__exit__()
+    return tokens, step_ms
+
+
+def decode_rate(engine, batches: list[list[list[int]]], max_tokens: int, device: str,
+                ignore_eos: bool = True) -> dict:
+    """Run each batch of prompts to completion, one batch after the other; decode tok/s over
+    the steps after every request of the batch had its first token."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    engine.stats.host_s.clear()
+    steps0 = engine.stats.steps
+    with GcWatch() as gcw:
+        tokens, step_ms = _timed_steps(engine, batches, params, device)
+    seconds, steps = sum(step_ms) / 1e3, len(step_ms)
     n = max(1, engine.stats.steps - steps0)
-    out = {"tok_s": tokens / max(seconds, 1e-9), "gc": gcw.report(), "tokens": tokens, "steps": steps,
-           "ms_per_step": 1000 * seconds / max(steps, 1),
+    out = {"tok_s": tokens / max(seconds, 1e-9), "gc": gcw.report(), "tokens": tokens,
+           "steps": steps, "ms_per_step": 1000 * seconds / max(steps, 1),
            # spread over the run (the context grows by max_tokens): quartiles and the means
            # of the first and last eighth of the steps
            "step_ms_quartiles": _quartiles(step_ms), "step_ms_first_last": _ends(step_ms),
-           "slow_steps": [(i, round(ms, 2)) for i, ms in enumerate(step_ms)
-                          if ms > 1.25 * _quartiles(step_ms)[2]],
+           "slow_steps": slow_steps(step_ms),
            # host ms per engine step by phase; 'sample' waits for the GPU, 'draft' is MTP
            "step_phases_ms": {k: round(1e3 * v / n, 4) for k, v in engine.stats.host_s.items()}}
     stats = engine.spec_stats

@@ -53,11 +53,12 @@ def gpu_gaps(engine, steps: int) -> dict:
         row[1] += (e.time_range.end - e.time_range.start) / 1e3 / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
     # one step in order, outside the layers' repeated kernels: [gap before it (us), name, us]
+    # (the profiler's times are in us)
     seq, t_prev = [], None
     for e in ev[len(ev) // 2:]:
-        gap = 0.0 if t_prev is None else (e.time_range.start - t_prev) / 1e3
-        seq.append((round(1e3 * gap, 1), e.name[:50], round((e.time_range.end - e.time_range.start) / 1e3 * 1e3, 1)))
-        t_prev = max(t_prev or 0, e.time_range.end)
+        gap = 0.0 if t_prev is None else e.time_range.start - t_prev
+        seq.append((round(gap, 1), e.name[:50], round(e.time_range.end - e.time_range.start, 1)))
+        t_prev = e.time_range.end if t_prev is None else max(t_prev, e.time_range.end)
     n_per = len(ev) // steps
     seq = [r for r in seq[:n_per] if not r[1].startswith(("_gemv", "_decode_kernel",
                                                          "_add_rmsnorm", "_silu"))

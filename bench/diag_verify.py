@@ -114,8 +114,10 @@ def _without_small_kernels(self, x, residual, cos, sin, meta, kv_cache):
 
 QKV, GATE_UP, DOWN = (6144, 4096), (24576, 4096), (4096, 12288)  # Qwen3-8B (N, K)
 LAYER_FORWARDS = {"no_small_kernels": _without_small_kernels}  # DecoderLayer._forward_gemv
-VARIANTS = {"default": ORIGINAL_PICK, "no_small_kernels": ORIGINAL_PICK, "dot_before_split": _dot_before_split, "cc_qkv_down": _cc((QKV, DOWN)), "cc_all": _cc(),
-            "cc_norm": _cc((QKV, GATE_UP)), "cc_norm_down": _cc((QKV, GATE_UP, DOWN))}
+VARIANTS = {"default": ORIGINAL_PICK, "no_small_kernels": ORIGINAL_PICK,
+            "dot_before_split": _dot_before_split, "cc_qkv_down": _cc((QKV, DOWN)),
+            "cc_all": _cc(), "cc_norm": _cc((QKV, GATE_UP)),
+            "cc_norm_down": _cc((QKV, GATE_UP, DOWN))}
 
 
 def in_model(names: list[str], ks: list[int], repeats: int) -> dict:

@@ -2,11 +2,20 @@
 times, batch-1 matmul bandwidth, and the transformers peer (same shape, random weights)."""
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import Counter
 
 import torch
+
+
+def slow_steps(step_ms: list[float], factor: float = 1.25) -> list[tuple[int, float]]:
+    """(index, ms) of the steps slower than factor x the median step."""
+    if not step_ms:
+        return []
+    limit = factor * statistics.median(step_ms)
+    return [(i, round(ms, 2)) for i, ms in enumerate(step_ms) if ms > limit]
 
 
 class GcWatch:
@@ -15,15 +24,11 @@ class GcWatch:
     lands in whichever engine step triggers it)."""
 
     def __enter__(self) -> "GcWatch":
-        import gc
-
         self.counts, self.seconds, self._t0 = [0, 0, 0], 0.0, 0.0
         gc.callbacks.append(self._cb)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import gc
-
         gc.callbacks.remove(self._cb)
 
     def _cb(self, phase: str, info: dict) -> None:

@@ -176,7 +176,7 @@ class Model(nn.Module):
         """[N, hidden] -> [N, vocab] float32 (only the rows that sample, to save the big matmul).
         as_float=False keeps the weights' dtype: enough for an argmax (greedy drafting and
         verifying), and it skips a conversion pass over the logits."""
-        if self.norm.fused and 0 < hidden.shape[0] <= fused_kernels().GEMV_ROWS:
+        if self._head_is_gemv(hidden.shape[0]):
             logits = fused_kernels().gemv(hidden, self.lm_head.weight)
         else:
             logits = self.lm_head(hidden)
@@ -188,9 +188,13 @@ class Model(nn.Module):
         batch 1). after_head: logits came straight from compute_logits, so the kernel may be
         a programmatic dependent launch when the head was the GEMV kernel."""
         if self.norm.fused and logits.is_cuda:
-            k = fused_kernels()
-            return k.argmax(logits, pdl=after_head and logits.shape[0] <= k.GEMV_ROWS)
+            pdl = after_head and self._head_is_gemv(logits.shape[0])
+            return fused_kernels().argmax(logits, pdl=pdl)
         return logits.argmax(dim=-1)
+
+    def _head_is_gemv(self, rows: int) -> bool:
+        """Whether compute_logits runs the LM head for `rows` rows as the GEMV kernel."""
+        return self.norm.fused and 0 < rows <= fused_kernels().GEMV_ROWS
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> int64 [N]: the argmax tokens (greedy drafting and verifying)."""
