@@ -124,8 +124,9 @@ class DecodeGraphs:
         """Replay the bucket's graph for this step: (hidden, prenorm) [T, H] views of the
         graph's outputs (valid until the next replay; keep_prenorm returns a copy of prenorm,
         for MTP drafting, which keeps it), or None when the step must run eagerly.
-        input_ids [T] on the device, if given, replace batch.input_ids (overlapped decode:
-        the previous step's sampled ids, not yet read by the host)."""
+        input_ids on the device, if given, replace batch.input_ids (overlapped decode: the
+        previous step's sampled ids, not yet read by the host): all of them [T], or the last
+        c of each sequence's q [B, c] (an MTP verify: its drafts; the rest come staged)."""
         bucket = self.fits(batch)
         if bucket is None:
             return None
@@ -133,7 +134,11 @@ class DecodeGraphs:
             self.capture([bucket])
         self.inputs.stage(batch, bucket)
         if input_ids is not None:
-            self.input_ids[:len(batch.input_ids)].copy_(input_ids)
+            T = len(batch.input_ids)
+            if input_ids.dim() == 1:
+                self.input_ids[:T].copy_(input_ids)
+            else:
+                self.input_ids[:T].view(-1, self.q)[:, self.q - input_ids.shape[1]:].copy_(input_ids)
         graph, hidden, prenorm = self.graphs[bucket]
         graph.replay()
         self.replays += 1

@@ -63,7 +63,7 @@ class DraftGraphs:
         n, Q, C, dev = self.buckets[-1], max_k + 1, max(max_k - 1, 1), kv_cache.device
         # one flat int64 and one int32 buffer per side: a step stages in two copies
         self._i64 = {"ids": n * Q, "pos": n * Q, "slots": n * Q, "sel": n,
-                     "cpos": C * n, "cslots": C * n}
+                     "cpos": C * n, "cslots": C * n, "drafts": n * max_k}
         self._i32 = {"seq": n, "cseq": C * n, "tables": n * self.width}
         pin = dev.type == "cuda"
         self.h64 = torch.zeros(sum(self._i64.values()), dtype=torch.int64, pin_memory=pin)
@@ -84,6 +84,7 @@ class DraftGraphs:
         # the host buffers' last copy has left them: with catch-ups launched before the host
         # sync (catch_up_from_device), nothing else orders the next stage() after that copy
         self._copied = torch.cuda.Event() if pin else None
+        self._accept = accept_ref  # the Triton kernel on the fused path (use_accept_kernel)
         self._host_copy = HostCopy()
         self.replays = 0  # graph replays
         self.served = 0  # proposals made here (graph or eager)
@@ -141,8 +142,16 @@ class DraftGraphs:
                 return None
         return bucket
 
-    def stage(self, rows: list[DraftRow], hidden: torch.Tensor, B: int, q: int, k: int) -> None:
-        """Fill the host buffers for rows (bucket B), copy them and the hidden rows over."""
+    def use_accept_kernel(self, kernel: Callable[..., None]) -> None:
+        """Run launch_after_verify's acceptance as `kernel` (kernels.spec_accept on the fused
+        path) instead of accept_ref's torch ops."""
+        self._accept = kernel
+
+    def stage(self, rows: list[DraftRow], hidden: torch.Tensor, B: int, q: int, k: int,
+              verified: list[list[int]] | None = None) -> None:
+        """Fill the host buffers for rows (bucket B), copy them and the hidden rows over.
+        verified: each row's drafts of the verify step before (launch_after_verify), staged
+        with the rest, [len(rows), q - 1]."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the buffers
         v64, v32 = self.np64, self.np32
@@ -169,6 +178,8 @@ class DraftGraphs:
                 cpos[s, i], cslots[s, i], cseq[s, i] = x, table[x // bs] * bs + x % bs, x + 1
             used = -(-(r.start + max(q, m + k - 1)) // bs)
             tables[i, :used] = table[:used]
+        if verified is not None:
+            v64["drafts"][:len(rows) * (q - 1)] = np.asarray(verified, dtype=np.int64).reshape(-1)
         self.d64.copy_(self.h64, non_blocking=True)
         self.d32.copy_(self.h32, non_blocking=True)
         if self._copied is not None:
@@ -198,26 +209,24 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def launch_after_verify(self, rows: list[DraftRow], hidden: torch.Tensor, B: int, q: int,
-                            k: int, ids: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+                            k: int, argmax: torch.Tensor, verified: list[list[int]],
+                            forced: bool = False) -> torch.Tensor:
         """The proposal after a verify step whose acceptance is still on the device
         (engine/verify_ahead.py): rows staged as if all q rows were accepted (each row's
-        next_tokens has q placeholders; B = fits(rows, q, k)), then ids [len(rows) * q] (the
-        token after each verify row) and accepted [len(rows)] (n: drafts accepted, m = n + 1)
-        move the selected row and the chain's positions on the device. Returns the drafts
-        [len(rows), k] on the device; their copy to the host is queued (read_drafts)."""
-        n = len(rows)
-        self.stage(rows, hidden, B, q, k)  # queues the host -> device copy of the buffers
-        back = (q - 1) - accepted  # [n] rows staged past each sequence's accepted prefix
-        v64, v32, nmax, bs = self.dv64, self.dv32, self.buckets[-1], self.block_size
-        v64["ids"][:n * q].copy_(ids)
-        v64["sel"][:n].sub_(back)
-        if k > 1:  # chain step s sits at start + m + s - 1: back positions earlier
-            cpos = v64["cpos"].view(-1, nmax)[:k - 1, :n]
-            cpos.sub_(back[None, :])
-            tables = v32["tables"].view(nmax, self.width)[:n].to(torch.int64)
-            blocks = tables.gather(1, (cpos // bs).t()).t()  # [k - 1, n]
-            v64["cslots"].view(-1, nmax)[:k - 1, :n].copy_(blocks * bs + cpos % bs)
-            v32["cseq"].view(-1, nmax)[:k - 1, :n].copy_(cpos + 1)
+        next_tokens has q placeholders; B = fits(rows, q, k)), with verified [len(rows),
+        q - 1] (the drafts that step checked); then the acceptance (self._accept) compares
+        them with argmax [len(rows) * q] (the target's, on the device) and moves the input
+        ids, the selected rows and the chain's positions to each accepted prefix. Returns
+        the drafts [len(rows), k] on the device; their copy to the host is queued
+        (read_drafts)."""
+        n, nmax = len(rows), self.buckets[-1]
+        self.stage(rows, hidden, B, q, k, verified)  # queues the host -> device copies
+        v64, v32 = self.dv64, self.dv32
+        chain = max(k - 1, 0)
+        self._accept(argmax, v64["drafts"][:n * (q - 1)].view(n, q - 1), v64["ids"][:n * q],
+                     v64["sel"][:n], v64["cpos"].view(-1, nmax)[:chain],
+                     v64["cslots"].view(-1, nmax)[:chain], v32["cseq"].view(-1, nmax)[:chain],
+                     v32["tables"].view(nmax, self.width), self.block_size, forced=forced)
         drafts = self._run(B, q, k)[:n]
         self._host_copy.start(drafts)
         return drafts
@@ -269,6 +278,35 @@ class DraftGraphs:
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(B, q, k)] = (graph, out)
+
+
+def accept_ref(argmax: torch.Tensor, drafts: torch.Tensor, ids: torch.Tensor,
+                    sel: torch.Tensor, cpos: torch.Tensor, cslots: torch.Tensor,
+                    cseq: torch.Tensor, tables: torch.Tensor, block_size: int,
+                    forced: bool = False) -> None:
+    """Greedy acceptance on the device for launch_after_verify, in torch ops: the reference
+    of kernels.spec_accept.spec_accept (same arguments, same in-place writes), which the
+    fused path runs instead (one kernel where these are ~10).
+    n = the leading drafts equal to the target's argmax (k if forced); ids = drafts before n,
+    the argmax from n on; sel = i * q + n; chain positions back by k - n, with their slots
+    and lengths."""
+    B, k = drafts.shape
+    q = k + 1
+    amv = argmax.view(B, q)
+    if forced:
+        n = torch.full((B,), k, dtype=torch.int64, device=drafts.device)
+    else:
+        n = (drafts == amv[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    cols = torch.arange(q, device=drafts.device)
+    padded = torch.cat([drafts, amv[:, k:]], dim=1)
+    ids.copy_(torch.where(cols[None, :] < n[:, None], padded, amv).reshape(-1))
+    sel.copy_(torch.arange(B, device=drafts.device) * q + n)
+    if cpos.shape[0] > 0 and B > 0:
+        p = cpos[:, :B] - (k - n)[None, :]  # [C, B]
+        blocks = tables[:B].to(torch.int64).gather(1, (p // block_size).t()).t()
+        cpos[:, :B].copy_(p)
+        cslots[:, :B].copy_(blocks * block_size + p % block_size)
+        cseq[:, :B].copy_(p + 1)
 
 
 def _views(flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:

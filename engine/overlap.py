@@ -85,9 +85,11 @@ class DecodeAhead:
 
     def launch(self, batch: HostBatch, input_ids: torch.Tensor,
                graphs: DecodeGraphs | None = None) -> bool:
-        """Run the forward of `batch` with input ids [T] taken from the device (sampled or
-        drafted, not yet read), through `graphs` (default: the decode graphs; an MTP verify
-        batch passes its VerifyGraphs). Returns False when no graph fits (nothing launched)."""
+        """Run the forward of `batch` with input ids taken from the device (sampled or
+        drafted, not yet read): all of them [T], or the last c of each sequence's tokens
+        [B, c] with the others from batch.input_ids (DecodeGraphs.run_host), through `graphs`
+        (default: the decode graphs; an MTP verify batch passes its VerifyGraphs). Returns
+        False when no graph fits (nothing launched)."""
         self._launched = None
         graphs = graphs if graphs is not None else self.graphs
         if graphs is not None:
@@ -96,7 +98,11 @@ class DecodeAhead:
                 return False
             hidden, prenorm = out
         else:  # eager (CPU tests): the same logic, without the overlap
-            _, positions, meta = batch.to_device(self.kv_cache.device)
+            host_ids, positions, meta = batch.to_device(self.kv_cache.device)
+            if input_ids.dim() == 2:  # the last c ids of each row from the device
+                rows = host_ids.view(input_ids.shape[0], -1)
+                rows[:, rows.shape[1] - input_ids.shape[1]:] = input_ids
+                input_ids = rows.reshape(-1)
             hidden, prenorm = self.model(input_ids, positions, meta, self.kv_cache,
                                          return_prenorm=True)
         self._launched = _Launched(batch, hidden, prenorm)

@@ -33,6 +33,7 @@ from engine.spec_decode import DraftJob, SpecConfig, SpecDecoder
 from engine.spec_graphs import maybe_verify_graphs
 from engine.verify_ahead import VerifyAhead
 from engine.device_io import rows_of
+from engine.layers import fused_kernels
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -76,7 +77,6 @@ class ModelRunner:
         self.ahead = DecodeAhead(model, self.kv_cache, self.cuda_graphs, self.block_size,
                                  config.scheduler.max_model_len) if overlap else None
         self.timing: dict[str, float] = {}  # the last step's host phases (see run)
-        self._last_pinned: torch.Tensor | None = None  # staging for _launch_verify
         self.spec: SpecDecoder | None = None
         if spec is not None:
             if mtp_head is None or config.model.num_mtp_layers < 1:
@@ -264,25 +264,16 @@ class ModelRunner:
             tables.append(req.block_table[:-(-(start + q) // bs)])
             last.append(emitted[-1])
         B = len(out.scheduled)
-        return HostBatch([-1] * (B * q), pos, slots, [q] * B, seqs, tables, bs), last
+        ids = [-1] * (B * q)  # the drafts come from the device (_launch_verify)
+        ids[::q] = last
+        return HostBatch(ids, pos, slots, [q] * B, seqs, tables, bs), last
 
     def _launch_verify(self, nxt: tuple[HostBatch, list[int]], k: int,
                        drafts: torch.Tensor) -> None:
-        """The next verify forward, its input ids [B * (k+1)] = each request's last emitted
-        token (from the host, through a pinned buffer: no sync) then its drafts [B, k] still on
-        the device."""
-        batch, last = nxt
-        dev = drafts.device
-        if dev.type == "cuda":
-            if self._last_pinned is None or self._last_pinned.numel() < len(last):
-                self._last_pinned = torch.empty(max(256, len(last)), dtype=torch.int64,
-                                                pin_memory=True)
-            self._last_pinned[:len(last)] = torch.tensor(last)
-            last_dev = self._last_pinned[:len(last)].to(dev, non_blocking=True)
-        else:
-            last_dev = torch.tensor(last, dtype=torch.int64)
-        ids = torch.cat([last_dev[:, None], drafts], dim=1).reshape(-1)
-        self.ahead.launch(batch, ids, self.verify_graphs.get(k))
+        """The next verify forward: its input ids [B, k + 1] are each request's last emitted
+        token (staged from the host with the other inputs: no sync) then its drafts [B, k],
+        still on the device (copied into the graph's input buffer)."""
+        self.ahead.launch(nxt[0], drafts, self.verify_graphs.get(k))
 
     def _may_catch_up_early(self, out: SchedulerOutput, num_spec: int) -> bool:
         """Whether this step's MTP catch-up can run from the sampler's device ids: a plain
@@ -397,9 +388,12 @@ def maybe_draft_graphs(config: EngineConfig, spec: SpecConfig, model: Model,
     graphs = config.use_cuda_graphs and kv_cache.device.type == "cuda"
     if spec.draft_graphs == "off" or (spec.draft_graphs == "auto" and not graphs):
         return None
-    return DraftGraphs(model, head, kv_cache, config.cache.block_size,
-                       config.scheduler.max_model_len, spec.num_speculative_tokens,
-                       config.scheduler.max_num_seqs, use_graphs=graphs)
+    draft = DraftGraphs(model, head, kv_cache, config.cache.block_size,
+                        config.scheduler.max_model_len, spec.num_speculative_tokens,
+                        config.scheduler.max_num_seqs, use_graphs=graphs)
+    if config.use_triton:
+        draft.use_accept_kernel(fused_kernels().spec_accept)
+    return draft
 
 
 def _max_spec_batch(spec: SpecConfig, max_num_seqs: int) -> int:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device_io import to_device
 from engine.draft_graphs import DraftRow
 from engine.request import Request
 from engine.sampler import SAMPLING_EPS, HostCopy
@@ -95,18 +94,9 @@ class VerifyAhead:
             return None
         argmax = self.spec.model.greedy(hidden)  # [B * q]
         self._argmax.start(argmax)  # queued before the drafting: the host reads it first
-        amv = argmax.view(B, q)
-        drafts = to_device([d for _, d, _ in items], torch.int64, hidden.device)  # [B, k]
-        if self.spec.spec.forced_acceptance:
-            n = torch.full((B,), k, dtype=torch.int64, device=hidden.device)
-        else:  # the leading run of drafts equal to the target's argmax
-            n = (drafts == amv[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
-        # the token after verify row j: the accepted draft (j < n), else the target's argmax
-        # (the correction at j = n; rows past it are never selected)
-        cols = torch.arange(q, device=hidden.device)
-        padded = torch.cat([drafts, amv[:, k:]], dim=1)
-        ids = torch.where(cols[None, :] < n[:, None], padded, amv)
-        out = graphs.launch_after_verify(rows, hidden, bucket, q, k_next, ids.reshape(-1), n)
+        out = graphs.launch_after_verify(rows, hidden, bucket, q, k_next, argmax,
+                                         [d for _, d, _ in items],
+                                         forced=self.spec.spec.forced_acceptance)
         for r, _, _ in items:
             self.spec.free_request_drafts(r.request_id)
         self.launched += 1

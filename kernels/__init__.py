@@ -28,6 +28,7 @@ from kernels.kv_write import write_kv
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import fused_add_rmsnorm
 from kernels.silu_mul import silu_and_mul
+from kernels.spec_accept import spec_accept
 
 if TYPE_CHECKING:  # the arrows point engine -> kernels; no runtime import back
     from engine.attention import AttentionMetadata
@@ -36,7 +37,7 @@ __all__ = [
     "GEMV_ROWS", "Prologue", "TritonAttentionBackend", "argmax", "attend_with_prologue",
     "attention", "choose_num_splits", "fused_add_rmsnorm", "fused_decode_attention",
     "fused_qk_norm_rope_kv", "gemv", "paged_decode_attention", "paged_prefill_attention",
-    "silu_and_mul", "write_kv",
+    "silu_and_mul", "spec_accept", "write_kv",
 ]
 
 
