@@ -251,7 +251,7 @@ def bench_kernel_counts(engine, graphs: DecodeGraphs, plan: Plan) -> dict:
     with torch.inference_mode():
         x = torch.randn(1, cfg.hidden_size, device=dev, dtype=next(model.parameters()).dtype)
         res = torch.randn_like(x)
-        cos, sin = model.rotary.cos_sin(graphs.positions[:1])
+        cos, sin, meta = model.rope(graphs.positions[:1], meta)  # as the forward passes them
         layer = model.layers[min(1, cfg.num_layers - 1)]
         one = count_kernels(lambda: layer(x, res, cos, sin, meta, engine.runner.kv_cache), dev)
         whole = count_kernels(lambda: graphs.forward_eager(1), dev)

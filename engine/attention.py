@@ -31,6 +31,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # set by Model.rope on the fused path: [T] positions into the RoPE tables that the layers
+    # then get as cos/sin (the attention kernels pick each token's row); None: per-token rows
+    rope_positions: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -121,6 +121,15 @@ class RotaryEmbedding(nn.Module):
     def _freqs(self, positions: torch.Tensor) -> torch.Tensor:
         return positions[:, None].float() * self.inv_freq(positions.device)[None, :]
 
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin tables [max_pos, head_dim // 2] float32 (strided views of the reserved
+        table) for kernels that index them by position, or None before reserve() on
+        `device`."""
+        table = self._table
+        if table is None or table.device != device:
+            return None
+        return table[:, 0], table[:, 1]
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> cos, sin [T, head_dim // 2] float32 (row views of one
         [T, 2, head_dim // 2] gather once reserve() has built the table on this device)."""

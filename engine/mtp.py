@@ -82,7 +82,7 @@ class MTPHead(nn.Module):
                 step: int = 0) -> torch.Tensor:
         """input_ids [T] (token t+1), hidden [T, H] (position t), positions [T] (= t) ->
         normed [T, H]. Chain step `step` uses layer step % num_mtp_layers."""
-        cos, sin = target.rotary.cos_sin(positions)
+        cos, sin, meta = target.rope(positions, meta)
         layer = self.layers[step % len(self.layers)]
         return layer(target.embed(input_ids), hidden.to(target.embed_tokens.weight.dtype),
                      cos, sin, meta, kv_cache)

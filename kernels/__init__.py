@@ -70,7 +70,7 @@ def attend_with_prologue(backend: object, q: torch.Tensor, prologue: Prologue,
                                           meta.seq_lens, scale, num_splits=backend.num_splits,
                                           rows_per_seq=rows)
     p = prologue
-    q = fused_qk_norm_rope_kv(q, p.k, p.v, None, p.cos, p.sin, k_cache, v_cache,
+    q = fused_qk_norm_rope_kv(q, p.k, p.v, p.positions, p.cos, p.sin, k_cache, v_cache,
                               p.slot_mapping, p.q_norm, p.k_norm, p.eps)
     return backend.attend(q, k_cache, v_cache, meta, scale)
 

@@ -144,9 +144,11 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @dataclass(frozen=True)
 class Prologue:
     """What fused_decode_attention does before attending (this module's job, done inside the
-    attention kernel with the helpers below): the new tokens' k [T, Hkv, D] and v [T, Hkv, D] (strided views of the qkv projection are
-    fine), their per-token RoPE rows cos/sin [T, D/2] (fp32, engine.layers.RotaryEmbedding
-    .cos_sin), cache slots slot_mapping [T] (< 0: padding, not written), optional QK-norm
+    attention kernel with the helpers below): the new tokens' k [T, Hkv, D] and v [T, Hkv, D]
+    (strided views of the qkv projection are fine), their RoPE cos/sin (fp32): per-token rows
+    [T, D/2] (engine.layers.RotaryEmbedding.cos_sin), or with positions [T] tables
+    [max_pos, D/2] that the kernel indexes (RotaryEmbedding.tables: no gather kernel per
+    forward); cache slots slot_mapping [T] (< 0: padding, not written), optional QK-norm
     weights [D] and eps."""
 
     k: torch.Tensor
@@ -157,6 +159,7 @@ class Prologue:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     eps: float = 1e-6
+    positions: torch.Tensor | None = None
 
 
 def check_prologue(q: torch.Tensor, p: Prologue, num_kv_heads: int) -> None:
@@ -164,9 +167,12 @@ def check_prologue(q: torch.Tensor, p: Prologue, num_kv_heads: int) -> None:
     for name in ("k", "v"):
         check_tensor(name, getattr(p, name), shape=(T, num_kv_heads, D), dtypes=(q.dtype,),
                      device=q.device, last_contiguous=True)
+    rows = None if p.positions is not None else T  # tables: any number of positions
     for name in ("cos", "sin"):
-        check_tensor(name, getattr(p, name), shape=(T, D // 2), dtypes=FLOAT_DTYPES,
+        check_tensor(name, getattr(p, name), shape=(rows, D // 2), dtypes=FLOAT_DTYPES,
                      device=q.device, last_contiguous=True)
+    if p.positions is not None:
+        check_tensor("positions", p.positions, shape=(T,), dtypes=INDEX_DTYPES, device=q.device)
     if p.cos.stride(0) != p.sin.stride(0):
         raise ValueError(f"sin: row stride {p.sin.stride(0)} differs from cos's {p.cos.stride(0)}")
     check_tensor("slot_mapping", p.slot_mapping, shape=(T,), dtypes=(torch.int32, torch.int64),
@@ -181,7 +187,8 @@ def check_prologue(q: torch.Tensor, p: Prologue, num_kv_heads: int) -> None:
 
 
 @jit
-def write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
+def write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_rows_r, kc_ptr, vc_ptr,
+                  k_first,
                   v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh,
                   stride_vt, stride_vh, stride_cs,
                   stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
@@ -190,7 +197,8 @@ def write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, 
     """The prologue's cache write: this KV head's k (normed, rotated) and v of the sequence's
     R new tokens at positions seq_len - R + r, for those inside this split's keys [start,
     end). The splits partition the context, so each new token is written once, by the one
-    program that reads it back. slots [RP]: the R tokens' cache slots (< 0: padding). Loads
+    program that reads it back. slots [RP]: the R tokens' cache slots (< 0: padding);
+    rope_rows_r [RP]: their rows of cos/sin (positions into tables, or token indices). Loads
     are masked rather than branched on, so they issue together with the q loads. Returns the
     split's first tile of keys/values k_first/v_first [BLOCK_N, D] (loaded before the PDL wait,
     positions n_first) with the new tokens' rows put in (PATCH; else returned as given)."""
@@ -201,7 +209,7 @@ def write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, 
         pos = seq_len - R + r
         slot = tl.sum(tl.where(r_idx == r, slots, 0))
         mask = (d < 2 * HALF) & (pos >= start) & (pos < end) & (slot >= 0)
-        cs = t * stride_cs + d % HALF
+        cs = tl.sum(tl.where(r_idx == r, rope_rows_r, 0)) * stride_cs + d % HALF
         c = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
         k = rope_rows(k_ptr + t * stride_kt + kvh * stride_kh, d, mask, c, s, kn_ptr, eps,

@@ -139,7 +139,8 @@ def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob, 
 
 
 @jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr, kc_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
+                   kc_ptr,
                    vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, count_ptr,
                    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
                    stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
@@ -148,8 +149,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_p
                    RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_S: tl.constexpr, RC: tl.constexpr, PROLOGUE: tl.constexpr,
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
-                   K_NORM: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -175,11 +176,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_p
     row_ok = g < R * GROUP
     qrow = b * R + g // GROUP  # [BLOCK_G] row of q / out
     if PROLOGUE:
-        cs = qrow[:, None] * stride_cs + (d % (D // 2))[None, :]
-        c = tl.load(cos_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         r_idx = tl.arange(0, RP)
         slots = tl.load(slot_ptr + b * R + r_idx, mask=r_idx < R, other=-1).to(tl.int64)
+        if HAS_POS:  # cos/sin are tables: each token's row is its position
+            rope_r = tl.load(pos_ptr + b * R + r_idx, mask=r_idx < R, other=0).to(tl.int64)
+            crow = tl.load(pos_ptr + qrow, mask=row_ok, other=0).to(tl.int64)
+        else:  # one cos/sin row per token
+            rope_r = b * R + r_idx
+            crow = qrow
+        cs = crow[:, None] * stride_cs + (d % (D // 2))[None, :]
+        c = tl.load(cos_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     if PREFETCH:  # small grids (split-K): their programs wait on few SMs, registers spare
         k_first, v_first = _load_tile(k_base, v_base, bt_row, n_first, end, stride_kc_b,
                                       stride_kc_o, stride_vc_b, stride_vc_o, block_size, D)
@@ -194,7 +201,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_p
             q = rope_rows(q_rows, d[None, :], row_ok[:, None], c, s, qn_ptr, eps, D // 2,
                           Q_NORM)
             k_first, v_first = write_new_kv(
-                k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, kc_ptr, vc_ptr, k_first,
+                k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_r, kc_ptr, vc_ptr, k_first,
                 v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_cs, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
                 stride_vc_o, stride_vc_h, block_size, eps, R, RP, D // 2, K_NORM, PREFETCH)
@@ -321,10 +328,11 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         counters = arrival_counters(q.device, B * HKV)
     group, block_s = HQ // HKV, next_pow2(num_splits)
     k, v, cos, sin, slots = (q,) * 5 if p is None else (p.k, p.v, p.cos, p.sin, p.slot_mapping)
+    pos = p.positions if p is not None and p.positions is not None else slots
     qn = q if p is None or p.q_norm is None else p.q_norm
     kn = q if p is None or p.k_norm is None else p.k_norm
     _decode_kernel[(B, HKV, num_splits)](
-        q, k, v, cos, sin, qn, kn, slots, k_cache, v_cache, block_tables, seq_lens, out, mid_o,
+        q, k, v, pos, cos, sin, qn, kn, slots, k_cache, v_cache, block_tables, seq_lens, out, mid_o,
         mid_lse, counters, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -335,7 +343,8 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         RC=max(1, min(next_pow2(R * group), MERGE_TILE // (block_s * D))),
         PROLOGUE=p is not None, PREFETCH=p is not None and num_splits > 1,
         Q_NORM=p is not None and p.q_norm is not None,
-        K_NORM=p is not None and p.k_norm is not None, PREC=dot_precision(q.dtype),
+        K_NORM=p is not None and p.k_norm is not None,
+        HAS_POS=p is not None and p.positions is not None, PREC=dot_precision(q.dtype),
         DOT_DTYPE=dot_dtype(q.dtype), num_warps=num_warps,
         num_stages=1 if interpreting() else num_stages, **pdl_launch(q))
     return out

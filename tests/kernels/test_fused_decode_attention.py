@@ -91,3 +91,38 @@ def test_prologue_arguments_name_the_field(device, paged_cache):
     for field, prologue in bad.items():
         with pytest.raises((ValueError, TypeError), match=field):
             fused_decode_attention(q, prologue, *args)
+
+
+@pytest.mark.parametrize("R,splits", [(1, 4), (3, 16), (2, 1)])
+def test_rope_tables_indexed_by_positions_equal_per_token_rows(R, splits, device, paged_cache,
+                                                               close):
+    """Prologue(positions=...): cos/sin are tables [max_pos, D/2] (strided views of one
+    [max_pos, 2, D/2] table, as engine.layers.RotaryEmbedding keeps it) that the kernel
+    indexes by position, for the q rows and for the new k rows it caches; the result equals
+    the same kernel given the gathered per-token rows. Positions are shuffled table rows
+    (not the context index), so a kernel that ignored them would differ."""
+    hkv, d, group = 2, 64, 3
+    cache = paged_cache([40, 0, 17], 8, hkv, d, torch.float32)
+    q, p = _case(cache, R, group * hkv, d, torch.float32, device, True, seed=R)
+    gen = torch.Generator().manual_seed(11)
+    angles = torch.rand(97, d // 2, generator=gen) * 6.0
+    table = torch.stack((angles.cos(), angles.sin()), dim=1).to(device)  # [max_pos, 2, D/2]
+    positions = torch.randperm(97, generator=gen)[:q.shape[0]].to(device)
+    rows = Prologue(p.k, p.v, table[positions, 0], table[positions, 1], p.slot_mapping,
+                    p.q_norm, p.k_norm, p.eps)
+    tables = Prologue(p.k, p.v, table[:, 0], table[:, 1], p.slot_mapping, p.q_norm, p.k_norm,
+                      p.eps, positions=positions)
+    kv_before = cache.kv.clone()
+    want = fused_decode_attention(q, rows, cache.k, cache.v, cache.block_tables,
+                                  cache.seq_lens, d ** -0.5, num_splits=splits, rows_per_seq=R)
+    kv_want = cache.kv.clone()
+    cache.kv.copy_(kv_before)
+    got = fused_decode_attention(q, tables, cache.k, cache.v, cache.block_tables,
+                                 cache.seq_lens, d ** -0.5, num_splits=splits, rows_per_seq=R)
+    close(got, want, torch.float32)
+    close(cache.kv, kv_want, torch.float32)
+    with pytest.raises(ValueError, match="positions"):
+        fused_decode_attention(q, Prologue(p.k, p.v, table[:, 0], table[:, 1], p.slot_mapping,
+                                           positions=positions[:-1]),
+                               cache.k, cache.v, cache.block_tables, cache.seq_lens, 1.0,
+                               rows_per_seq=R)
