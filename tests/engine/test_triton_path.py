@@ -99,11 +99,16 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
+@pytest.mark.parametrize("rope_tables", [False, True], ids=["rope_rows", "rope_tables"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_logits_match_torch_path(preset: str, dtype: torch.dtype) -> None:
-    """Batched prefill, then a chunked prefill beside decodes, then decode-only steps."""
+def test_logits_match_torch_path(preset: str, dtype: torch.dtype, rope_tables: bool) -> None:
+    """Batched prefill, then a chunked prefill beside decodes, then decode-only steps.
+    rope_tables: the fast model has reserved RoPE tables (as on CUDA), so its kernels index
+    them by position (Model.rope) instead of taking gathered rows."""
     ref, fast = _pair(preset, dtype)
+    if rope_tables:
+        fast.rotary.reserve(64, DEVICE)
     vocab = ref.config.vocab_size
     runs = [Driver(ref), Driver(fast)]
     a, b, c = _tokens(9, 1, vocab), _tokens(6, 2, vocab), _tokens(14, 3, vocab)
