@@ -56,13 +56,25 @@ class MTPLayer(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """embeds, hidden [T, H] -> normed output [T, H] (lm_head input, and the next draft's h)."""
-        x = torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1)
+        x = self._joined(embeds, hidden)  # [T, 2H]
         if self.fused and 0 < x.shape[0] <= fused_kernels().GEMV_ROWS:
             x = fused_kernels().gemv(x, self.eh_proj.weight)
         else:
             x = self.eh_proj(x)
         x, residual = self.block(x, None, cos, sin, meta, kv_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def _joined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[enorm(embeds) | hnorm(hidden)] [T, 2H]; the fused norms write their halves in
+        place (no cat kernel)."""
+        if not (self.enorm.fused and embeds.dim() == 2):
+            return torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1)
+        T, H = embeds.shape
+        x = torch.empty(T, 2 * H, dtype=embeds.dtype, device=embeds.device)
+        norm = fused_kernels().fused_add_rmsnorm
+        norm(embeds, None, self.enorm.weight, self.enorm.eps, out=x[:, :H])
+        norm(hidden, None, self.hnorm.weight, self.hnorm.eps, out=x[:, H:])
+        return x
 
 
 class MTPHead(nn.Module):

@@ -38,8 +38,11 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x
 
 
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, pdl: bool = False, out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual) for x [T, H], residual [T, H] or None, weight [H].
+    out: where normed goes, [T, H] in x.dtype with contiguous rows, e.g. one half of a
+    concatenation (an MTP layer's [enorm(e) | hnorm(h)]: no cat kernel); default a new tensor.
 
     pdl=True launches it as a programmatic dependent launch: only between PDL-chained Triton
     kernels (the GEMVs of a verify step). After a cuBLAS GEMM it invalidated CUDA graph
@@ -47,7 +50,7 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 
     new_residual = x + residual (fp32 add, stored in x.dtype; x itself when residual is None),
     normed = new_residual * rsqrt(mean(new_residual^2) + eps) * weight, in x.dtype.
-    Rows may be strided; the hidden dim must be contiguous. Outputs are new tensors.
+    Rows may be strided; the hidden dim must be contiguous. Outputs are new tensors (but out).
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("x", x)
@@ -61,7 +64,11 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
         raise ValueError(f"x: hidden size {H} exceeds {MAX_HIDDEN}")
     if not eps > 0:
         raise ValueError(f"eps: must be > 0, got {eps}")
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, shape=(T, H), dtypes=(x.dtype,), device=x.device,
+                     last_contiguous=True)
     new_res = x if residual is None else torch.empty_like(out)
     if T == 0:
         return out, new_res

@@ -70,3 +70,22 @@ def test_bad_arguments_name_the_field(device):
         fused_add_rmsnorm(x, None, w, 0.0)
     with pytest.raises(TypeError, match="x: dtype"):
         fused_add_rmsnorm(x.int(), None, w, 1e-6)
+
+
+def test_out_halves_of_a_concatenation(device, close):
+    """out= a strided half of [T, 2H] (the MTP layer's [enorm(e) | hnorm(h)]): each call fills
+    its half and leaves the other untouched; a wrong out shape or dtype names the field."""
+    T, H = 3, 577
+    e, h = torch.randn(T, H, device=device), torch.randn(T, H, device=device)
+    we, wh = torch.rand(H, device=device) + 0.5, torch.rand(H, device=device) + 0.5
+    x = torch.full((T, 2 * H), 7.0, device=device)
+    fused_add_rmsnorm(e, None, we, 1e-6, out=x[:, :H])
+    assert torch.all(x[:, H:] == 7.0)
+    fused_add_rmsnorm(h, None, wh, 1e-6, out=x[:, H:])
+    want = torch.cat([add_rmsnorm_ref(e, None, we, 1e-6)[0], add_rmsnorm_ref(h, None, wh, 1e-6)[0]],
+                     dim=-1)
+    close(x, want, torch.float32)
+    with pytest.raises(ValueError, match="out"):
+        fused_add_rmsnorm(e, None, we, 1e-6, out=x[:, :H - 1])
+    with pytest.raises(TypeError, match="out"):
+        fused_add_rmsnorm(e, None, we, 1e-6, out=x.half()[:, :H])
