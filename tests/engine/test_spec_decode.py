@@ -329,6 +329,8 @@ def test_verify_steps_replay_cuda_graphs() -> None:
     assert sorted(graphs) == [1, 2] and sum(g.replays for g in graphs.values()) > 0
     assert llm.engine.spec_stats.num_accepted_tokens > 0
     assert llm.engine.runner.spec.draft_graphs.replays > 0  # drafting replayed graphs too
+    # uniform greedy steps took the device-side acceptance (kernels.spec_accept)
+    assert llm.engine.runner.verify_ahead.launched > 0
 
 
 @pytest.mark.gpu
