@@ -61,14 +61,17 @@ class DraftGraphs:
         self.width = -(-max_model_len // block_size)
         self.buckets = decode_buckets(max_batch)
         n, Q, C, dev = self.buckets[-1], max_k + 1, max(max_k - 1, 1), kv_cache.device
-        # one flat int64 and one int32 buffer per side: a step stages in two copies
+        # one flat int64 and one int32 buffer per side
         self._i64 = {"ids": n * Q, "pos": n * Q, "slots": n * Q, "sel": n,
                      "cpos": C * n, "cslots": C * n, "drafts": n * max_k}
         self._i32 = {"seq": n, "cseq": C * n, "tables": n * self.width}
         pin = dev.type == "cuda"
-        self.h64 = torch.zeros(sum(self._i64.values()), dtype=torch.int64, pin_memory=pin)
-        self.h32 = torch.zeros(sum(self._i32.values()), dtype=torch.int32, pin_memory=pin)
-        self.d64, self.d32 = self.h64.to(dev), self.h32.to(dev)
+        # both flat buffers live in one byte buffer per side: a step stages in one copy
+        n64, n32 = sum(self._i64.values()), sum(self._i32.values())
+        self.hraw = torch.zeros(8 * n64 + 4 * n32, dtype=torch.uint8, pin_memory=pin)
+        self.draw = self.hraw.to(dev)
+        self.h64, self.h32 = _int_views(self.hraw, n64)
+        self.d64, self.d32 = _int_views(self.draw, n64)
         # named views of the flat buffers, made once: device tensors for the captured
         # function, numpy arrays of the pinned host side for staging
         self.dv64, self.dv32 = _views(self.d64, self._i64), _views(self.d32, self._i32)
@@ -109,11 +112,11 @@ class DraftGraphs:
         tables = v32["tables"].view(-1, self.width)[:B]
         meta = self._meta(B, q, v64["slots"][:n], v32["seq"][:B], tables,
                           host32["seq"][:B].tolist())
+        # [B, H] at each last accepted position (k = 0: all n rows, unused)
         g = self.head(self.model, v64["ids"][:n], self.hid[:n], v64["pos"][:n], meta,
-                      self.kv_cache, step=0)  # [n, H]
+                      self.kv_cache, step=0, select=v64["sel"][:B] if k > 0 else None)
         if k == 0:
             return None
-        g = g.index_select(0, v64["sel"][:B])  # [B, H] at each last accepted position
         cpos, cslots = v64["cpos"].view(-1, self.buckets[-1]), v64["cslots"].view(-1, self.buckets[-1])
         cseq = v32["cseq"].view(-1, self.buckets[-1])
         drafts = []
@@ -125,7 +128,7 @@ class DraftGraphs:
                                     host32["cseq"].view(-1, self.buckets[-1])[s, :B].tolist())
                 g = self.head(self.model, tok, g, cpos[s, :B], meta_s, self.kv_cache,
                               step=s + 1)
-        return torch.stack(drafts, dim=1)
+        return drafts[0][:, None] if k == 1 else torch.stack(drafts, dim=1)  # [B, k]
 
     # -- a step --------------------------------------------------------------------------------
     def fits(self, rows: list[DraftRow], q: int, k: int) -> int | None:
@@ -180,8 +183,7 @@ class DraftGraphs:
             tables[i, :used] = table[:used]
         if verified is not None:
             v64["drafts"][:len(rows) * (q - 1)] = np.asarray(verified, dtype=np.int64).reshape(-1)
-        self.d64.copy_(self.h64, non_blocking=True)
-        self.d32.copy_(self.h32, non_blocking=True)
+        self.draw.copy_(self.hraw, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         self.hid[:len(rows) * q].copy_(hidden[:len(rows) * q])
@@ -307,6 +309,11 @@ def accept_ref(argmax: torch.Tensor, drafts: torch.Tensor, ids: torch.Tensor,
         cpos[:, :B].copy_(p)
         cslots[:, :B].copy_(blocks * block_size + p % block_size)
         cseq[:, :B].copy_(p + 1)
+
+
+def _int_views(raw: torch.Tensor, n64: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int64 [n64] and int32 [rest] views of one byte buffer (int64 first: aligned)."""
+    return raw[:8 * n64].view(torch.int64), raw[8 * n64:].view(torch.int32)
 
 
 def _views(flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -54,14 +54,22 @@ class MTPLayer(nn.Module):
         self.fused = False  # decode-sized batches: eh_proj as a PDL-chained GEMV kernel
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """embeds, hidden [T, H] -> normed output [T, H] (lm_head input, and the next draft's h)."""
+                sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                select: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds, hidden [T, H] -> normed output [T, H] (lm_head input, and the next draft's
+        h); select int64 [B]: only those rows, [B, H], gathered by the final norm's kernel."""
         x = self._joined(embeds, hidden)  # [T, 2H]
         if self.fused and 0 < x.shape[0] <= fused_kernels().GEMV_ROWS:
             x = fused_kernels().gemv(x, self.eh_proj.weight)
         else:
             x = self.eh_proj(x)
         x, residual = self.block(x, None, cos, sin, meta, kv_cache)
+        if select is not None:
+            if self.norm.fused and x.dim() == 2:
+                return fused_kernels().fused_add_rmsnorm(x, residual, self.norm.weight,
+                                                         self.norm.eps, rows=select)[0]
+            x = x.index_select(0, select)
+            residual = None if residual is None else residual.index_select(0, select)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def _joined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -91,13 +99,14 @@ class MTPHead(nn.Module):
 
     def forward(self, target: Model, input_ids: torch.Tensor, hidden: torch.Tensor,
                 positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-                step: int = 0) -> torch.Tensor:
+                step: int = 0, select: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] (token t+1), hidden [T, H] (position t), positions [T] (= t) ->
-        normed [T, H]. Chain step `step` uses layer step % num_mtp_layers."""
+        normed [T, H], or [B, H] at the rows `select` [B] picks. Chain step `step` uses
+        layer step % num_mtp_layers."""
         cos, sin, meta = target.rope(positions, meta)
         layer = self.layers[step % len(self.layers)]
         return layer(target.embed(input_ids), hidden.to(target.embed_tokens.weight.dtype),
-                     cos, sin, meta, kv_cache)
+                     cos, sin, meta, kv_cache, select)
 
     def set_fused(self, enabled: bool) -> "MTPHead":
         """Same switch as Model.use_fused_ops, for this head's norms, MLP and prologue."""

@@ -15,18 +15,20 @@ MAX_HIDDEN = 65536  # one row must fit one program's registers
 
 
 @jit
-def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_res,
-                        stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
-                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows_ptr, H, stride_x,
+                        stride_res, stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
+                        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # PDL (pdl=True): between the GEMVs of a verify step (2..4 rows) this kernel is scheduled
     # while the projection before it drains instead of breaking the chain of early launches
-    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
+    src = tl.load(rows_ptr + row).to(tl.int64) if HAS_ROWS else row  # before the wait
+    pdl_enter(USE_PDL)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
-    h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(x_ptr + src * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        h += tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        h += tl.load(res_ptr + src * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL or HAS_ROWS:  # new_residual: the sum, or the gathered rows of x
         # Normalise the sum as stored (rounded to the activation dtype), so the fused layer
         # computes exactly what the unfused one would.
         h_io = h.to(res_out_ptr.dtype.element_ty)
@@ -38,9 +40,13 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x
 
 
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float, pdl: bool = False, out: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, pdl: bool = False, out: torch.Tensor | None = None,
+                      rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual) for x [T, H], residual [T, H] or None, weight [H].
+    rows: int64 [R] (on the device, not checked there: each in [0, T)) picks the rows to
+    normalise, in that order: both outputs are [R, H] (x[rows] + residual[rows] ...), the
+    gather done by the same kernel (an MTP layer's output at the accepted positions). rows
+    is read before a PDL wait: with pdl=True it must not come from the kernel just before.
     out: where normed goes, [T, H] in x.dtype with contiguous rows, e.g. one half of a
     concatenation (an MTP layer's [enorm(e) | hnorm(h)]: no cat kernel); default a new tensor.
 
@@ -64,19 +70,26 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
         raise ValueError(f"x: hidden size {H} exceeds {MAX_HIDDEN}")
     if not eps > 0:
         raise ValueError(f"eps: must be > 0, got {eps}")
+    if rows is not None:
+        check_tensor("rows", rows, ndim=1, dtypes=(torch.int64,), device=x.device)
+    R = T if rows is None else rows.shape[0]
     if out is None:
-        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        out = torch.empty((R, H), dtype=x.dtype, device=x.device)
     else:
-        check_tensor("out", out, shape=(T, H), dtypes=(x.dtype,), device=x.device,
+        check_tensor("out", out, shape=(R, H), dtypes=(x.dtype,), device=x.device,
                      last_contiguous=True)
-    new_res = x if residual is None else torch.empty_like(out)
-    if T == 0:
+    if residual is not None or rows is not None:
+        new_res = torch.empty((R, H), dtype=x.dtype, device=x.device)
+    else:
+        new_res = x
+    if R == 0:
         return out, new_res
     block = next_pow2(H)
     res = x if residual is None else residual
-    _add_rmsnorm_kernel[(T,)](
-        x, res, weight, out, new_res, H, x.stride(0), res.stride(0), out.stride(0),
-        new_res.stride(0), float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block,
+    _add_rmsnorm_kernel[(R,)](
+        x, res, weight, out, new_res, x if rows is None else rows, H, x.stride(0),
+        res.stride(0), out.stride(0), new_res.stride(0), float(eps),
+        HAS_RESIDUAL=residual is not None, HAS_ROWS=rows is not None, BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
         **(pdl_launch(x) if pdl else {"USE_PDL": False}))
     return out, new_res

@@ -89,3 +89,22 @@ def test_out_halves_of_a_concatenation(device, close):
         fused_add_rmsnorm(e, None, we, 1e-6, out=x[:, :H - 1])
     with pytest.raises(TypeError, match="out"):
         fused_add_rmsnorm(e, None, we, 1e-6, out=x.half()[:, :H])
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rows_gather_then_normalise(with_residual, device, close):
+    """rows= picks rows (repeated, out of order) in the same kernel: both outputs equal the
+    reference on x[rows] (and residual[rows]); no rows gives empty outputs."""
+    T, H = 7, 333
+    x = torch.randn(T, H, device=device)
+    res = torch.randn(T, H, device=device) if with_residual else None
+    w = torch.rand(H, device=device) + 0.5
+    rows = torch.tensor([6, 0, 3, 3], device=device)
+    normed, new_res = fused_add_rmsnorm(x, res, w, 1e-6, rows=rows)
+    want, want_res = add_rmsnorm_ref(x[rows], None if res is None else res[rows], w, 1e-6)
+    close(normed, want, torch.float32)
+    close(new_res, want_res, torch.float32)
+    empty, _ = fused_add_rmsnorm(x, res, w, 1e-6, rows=rows[:0])
+    assert empty.shape == (0, H)
+    with pytest.raises(TypeError, match="rows"):
+        fused_add_rmsnorm(x, res, w, 1e-6, rows=rows.int())
