@@ -137,8 +137,9 @@ class DecodeGraphs:
             T = len(batch.input_ids)
             if input_ids.dim() == 1:
                 self.input_ids[:T].copy_(input_ids)
-            else:
-                self.input_ids[:T].view(-1, self.q)[:, self.q - input_ids.shape[1]:].copy_(input_ids)
+            else:  # [B, c]: the last c columns of each sequence's q rows
+                rows = self.input_ids[:T].view(-1, self.q)
+                rows[:, self.q - input_ids.shape[1]:].copy_(input_ids)
         graph, hidden, prenorm = self.graphs[bucket]
         graph.replay()
         self.replays += 1

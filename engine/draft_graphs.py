@@ -282,10 +282,9 @@ class DraftGraphs:
         self.graphs[(B, q, k)] = (graph, out)
 
 
-def accept_ref(argmax: torch.Tensor, drafts: torch.Tensor, ids: torch.Tensor,
-                    sel: torch.Tensor, cpos: torch.Tensor, cslots: torch.Tensor,
-                    cseq: torch.Tensor, tables: torch.Tensor, block_size: int,
-                    forced: bool = False) -> None:
+def accept_ref(argmax: torch.Tensor, drafts: torch.Tensor, ids: torch.Tensor, sel: torch.Tensor,
+               cpos: torch.Tensor, cslots: torch.Tensor, cseq: torch.Tensor,
+               tables: torch.Tensor, block_size: int, forced: bool = False) -> None:
     """Greedy acceptance on the device for launch_after_verify, in torch ops: the reference
     of kernels.spec_accept.spec_accept (same arguments, same in-place writes), which the
     fused path runs instead (one kernel where these are ~10).

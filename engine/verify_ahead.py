@@ -6,9 +6,10 @@ every speculative step (~0.2-0.5 ms on an H100 at batch 1, bench/results/diag_sp
 step is uniform -- every request greedy, verifying the same k drafts in q = k + 1 rows laid out
 in order -- and static drafting fits, everything is queued behind the verify forward instead:
 
-    GPU   verify forward -> LM head, argmax [B, q] -> accepted n [B] -> copy argmax to host
-          -> MTP catch-up over the q rows + chain (engine/draft_graphs.py, inputs derived on
-             the device from n) -> copy drafts to host
+    GPU   verify forward -> LM head, argmax [B, q] (copied to the host on a side stream)
+          -> acceptance: accepted n [B] and the drafting's inputs derived from it, one kernel
+             (kernels/spec_accept.py; engine.draft_graphs.accept_ref in torch)
+          -> MTP catch-up over the q rows + chain (engine/draft_graphs.py) -> copy drafts
     host  reads the argmax while the drafting runs, emits the tokens (the same greedy rule as
           SpecDecoder.verify), launches the next verify forward from the drafts still on the
           device (the runner's _launch_verify), then reads the drafts.
