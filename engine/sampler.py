@@ -151,10 +151,11 @@ class HostCopy:
         if ids.device.type != "cuda":  # nothing runs ahead of the host on a CPU
             self._ids = ids.tolist()
             return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(ids.device)
+            self._event, self._produced = torch.cuda.Event(), torch.cuda.Event()
         if self._buf is None or self._buf.numel() < self._n:
             self._buf = torch.empty(max(self._n, 256), dtype=torch.int64, pin_memory=True)
-            self._event, self._produced = torch.cuda.Event(), torch.cuda.Event()
-            self._stream = torch.cuda.Stream(ids.device)
         self._produced.record()  # on the compute stream, after the ids' producer
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._produced)
