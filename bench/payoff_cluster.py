@@ -173,10 +173,11 @@ async def run(cfg: dict) -> int:
 
     from router.frontend import load_frontend
     from router.serve import stop_stack
+    from worker.local_ray import start_local_ray
 
     frontend = load_frontend(cfg["model"], cfg["max_model_len"])
-    ray.init(include_dashboard=False, namespace=f"payoff-{uuid.uuid4().hex[:6]}",
-             log_to_driver=True)
+    start_local_ray(include_dashboard=False, namespace=f"payoff-{uuid.uuid4().hex[:6]}",
+                    log_to_driver=True)
     stack, commands = None, stdin_lines()
     try:
         for setup in cfg["setups"]:

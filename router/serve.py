@@ -129,13 +129,15 @@ def _start_ray(args: argparse.Namespace, namespace: str) -> bool:
     """Join --address or start a local instance (token auth on, no dashboard). True = ours."""
     import ray
 
+    from worker.local_ray import start_local_ray
+
     if args.address:
         ray.init(address=args.address, namespace=namespace, log_to_driver=True)
         return False
     mode = os.environ.get("RAY_AUTH_MODE", "token")
     if mode != "token":
         log.warning("RAY_AUTH_MODE=%s: the local Ray cluster runs WITHOUT token authentication", mode)
-    ray.init(include_dashboard=False, namespace=namespace, log_to_driver=True)
+    start_local_ray(include_dashboard=False, namespace=namespace, log_to_driver=True)
     return True
 
 

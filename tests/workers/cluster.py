@@ -1,10 +1,6 @@
 """Test helpers: a real local Ray instance, worker actors, gRPC stubs to them."""
 from __future__ import annotations
 
-import glob
-import os
-import re
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +13,7 @@ from proto import pdserve_pb2_grpc as pbg
 from proto.rpc import make_channel
 from worker.actor import launch_worker
 from worker.config import WorkerConfig
+from worker.local_ray import start_local_ray
 
 
 @dataclass
@@ -39,52 +36,12 @@ class Worker:
         self.stub = pbg.WorkerStub(self.channel)
 
 
-def start_ray(attempts: int = 3) -> None:
-    """Start the local Ray instance once per test process.
-
-    A head's GCS must publish its port within Ray's 30 s; on a loaded 2-core CI machine it
-    once did not (and the next module's start a minute later worked). Such a start is
-    retried after a clean shutdown, and the failed GCS's own log is shown, so that a real
-    fault still fails with its cause."""
-    for attempt in range(1, attempts + 1):
-        if ray.is_initialized():
-            return
-        try:
-            ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-            return
-        except RuntimeError as e:
-            if "gcs_server_port" not in str(e) or attempt == attempts:
-                raise
-            print(f"start_ray: attempt {attempt} failed ({e}); GCS log:\n{_gcs_log_tail(str(e))}",
-                  file=sys.stderr)
-            ray.shutdown()
-            _kill_orphan_ray_children()
-            time.sleep(5.0 * attempt)
-
-
-def _kill_orphan_ray_children() -> None:
-    """A failed ray.init leaves the processes it started (GCS, raylet) running: end them."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if any(n in child.name() for n in ("gcs_server", "raylet")):
-                child.kill()
-                child.wait(10)
-        except psutil.Error:
-            pass
-
-
-def _gcs_log_tail(error: str, lines: int = 20) -> str:
-    """The last lines of the GCS logs of the session the error names."""
-    session = re.search(r"(/\S+/session_[^/\s]+)/", error)
-    logs = sorted(glob.glob(f"{session.group(1)}/logs/gcs_server.*")) if session else []
-    out = []
-    for path in logs:
-        with open(path, errors="replace") as f:
-            out += [f"{os.path.basename(path)}: {line.rstrip()}" for line in f.readlines()[-lines:]]
-    return "\n".join(out) or "(no gcs_server log)"
+def start_ray() -> None:
+    """The test process's local Ray instance, started once (worker.local_ray retries a head
+    whose GCS misses Ray's port deadline on a loaded machine)."""
+    if not ray.is_initialized():
+        start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                        configure_logging=False)
 
 
 def start_worker(role: str, worker_id: str, timeout_s: float = 300, **kw: object) -> Worker:
