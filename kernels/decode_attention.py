@@ -14,7 +14,10 @@ derives its key range from seq_lens on the device, so the launch is CUDA-graph s
 fused_decode_attention also takes over the attention prologue (QK-norm + RoPE + k/v cache
 write, kernels/attn_prologue.py): each program normalises and rotates its q rows itself, and
 the program whose keys include a new token writes that token's k/v before reading it. A
-batch-1 decode layer's attention is then one kernel, where it was three.
+batch-1 decode layer's attention is then one kernel, where it was three. Its RoPE rows are
+per-token cos/sin [T, D/2], or (Prologue.positions) the whole tables [max_pos, D/2], which it
+indexes by each token's position, loaded before the PDL wait: the forward then needs no
+gather kernel for them (engine Model.rope).
 
 Several query rows per sequence (rows_per_seq = R, an MTP verify step: the last token + R - 1
 drafts) ride in the same programs: row r of sequence b is the token at position
