@@ -40,7 +40,9 @@ def start_ray() -> None:
     """The test process's local Ray instance, started once (worker.local_ray retries a head
     whose GCS misses Ray's port deadline on a loaded machine)."""
     if not ray.is_initialized():
-        start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
+        # the worker actors take no CPU resource (start_worker): 2 CPUs, not the machine's,
+        # so Ray prestarts 2 idle workers while the test process waits for its actors
+        start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False,
                         configure_logging=False)
 
 
