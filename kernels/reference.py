@@ -129,4 +129,3 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores = scores.masked_fill(hidden[None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals).to(q.dtype)
     return out
-
