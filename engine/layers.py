@@ -49,16 +49,24 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None, out: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """rows int64 [R]: normalise only those rows (outputs [R, H]; the fused kernel gathers
+        them itself); out: where the normed rows go (e.g. one half of a concatenation)."""
         if self.fused and x.dim() == 2:
-            normed, new_residual = fused_kernels().fused_add_rmsnorm(x, residual, self.weight,
-                                                                     self.eps)
+            normed, new_residual = fused_kernels().fused_add_rmsnorm(
+                x, residual, self.weight, self.eps, out=out, rows=rows)
             return normed if residual is None else (normed, new_residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        if rows is not None:
+            x = x.index_select(0, rows)
+            residual = None if residual is None else residual.index_select(0, rows)
+        if residual is not None:
+            x = x + residual
+        normed = self._norm(x)
+        if out is not None:
+            normed = out.copy_(normed)
+        return normed if residual is None else (normed, x)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

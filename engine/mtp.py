@@ -57,31 +57,24 @@ class MTPLayer(nn.Module):
                 sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                 select: torch.Tensor | None = None) -> torch.Tensor:
         """embeds, hidden [T, H] -> normed output [T, H] (lm_head input, and the next draft's
-        h); select int64 [B]: only those rows, [B, H], gathered by the final norm's kernel."""
+        h); select int64 [B]: only those rows, [B, H], gathered by the final norm."""
         x = self._joined(embeds, hidden)  # [T, 2H]
         if self.fused and 0 < x.shape[0] <= fused_kernels().GEMV_ROWS:
             x = fused_kernels().gemv(x, self.eh_proj.weight)
         else:
             x = self.eh_proj(x)
         x, residual = self.block(x, None, cos, sin, meta, kv_cache)
-        if select is not None:
-            if self.norm.fused and x.dim() == 2:
-                return fused_kernels().fused_add_rmsnorm(x, residual, self.norm.weight,
-                                                         self.norm.eps, rows=select)[0]
-            x = x.index_select(0, select)
-            residual = None if residual is None else residual.index_select(0, select)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+        if residual is None:
+            return self.norm(x, rows=select)
+        return self.norm(x, residual, rows=select)[0]
 
     def _joined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """[enorm(embeds) | hnorm(hidden)] [T, 2H]; the fused norms write their halves in
-        place (no cat kernel)."""
-        if not (self.enorm.fused and embeds.dim() == 2):
-            return torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1)
+        """[enorm(embeds) | hnorm(hidden)] [T, 2H]: each norm writes its half in place (no
+        cat kernel on the fused path)."""
         T, H = embeds.shape
-        x = torch.empty(T, 2 * H, dtype=embeds.dtype, device=embeds.device)
-        norm = fused_kernels().fused_add_rmsnorm
-        norm(embeds, None, self.enorm.weight, self.enorm.eps, out=x[:, :H])
-        norm(hidden, None, self.hnorm.weight, self.hnorm.eps, out=x[:, H:])
+        x = embeds.new_empty(T, 2 * H)
+        self.enorm(embeds, out=x[:, :H])
+        self.hnorm(hidden, out=x[:, H:])
         return x
 
 

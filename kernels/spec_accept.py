@@ -77,11 +77,9 @@ def spec_accept(argmax: torch.Tensor, drafts: torch.Tensor, ids: torch.Tensor,
         raise ValueError(f"tables: {tables.shape[0]} rows for {B} sequences")
     if block_size < 1:
         raise ValueError(f"block_size: must be >= 1, got {block_size}")
-    for name, t in (("drafts", drafts), ("ids", ids), ("sel", sel)):
+    for name, t in (("argmax", argmax), ("drafts", drafts), ("ids", ids), ("sel", sel)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous, strides {t.stride()}")
-    if not argmax.is_contiguous():
-        raise ValueError(f"argmax: must be contiguous, strides {argmax.stride()}")
     check_launchable("argmax", argmax)
     if B == 0:
         return
