@@ -83,17 +83,17 @@ def sweep(rows: list[int]) -> tuple[list[dict], dict]:
 def _cc(only: tuple[tuple[int, int], ...] | None = None):
     """pick_config with the CUDA-core kernel (prologue fused) at 2 rows, for every matrix or
     only the (N, K) in `only`."""
-    def pick(N: int, K: int, T: int, elem_size: int = 2):
+    def pick(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False):
         if T == 2 and (only is None or (N, K) in only):
             return gemv_mod.GemvConfig(4 if N * K < (32 << 20) else 8, 512, 4, 1)
-        return ORIGINAL_PICK(N, K, T, elem_size)
+        return ORIGINAL_PICK(N, K, T, elem_size, prefetch)
     return pick
 
 
-def _dot_before_split(N: int, K: int, T: int, elem_size: int = 2):
+def _dot_before_split(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False):
     """pick_config with the tensor-core tiles of 2026-11-23 (32/16 columns, no K split)."""
     if T == 1:
-        return ORIGINAL_PICK(N, K, T, elem_size)
+        return ORIGINAL_PICK(N, K, T, elem_size, prefetch)
     return gemv_mod.GemvConfig(32 if -(-N // 32) >= 132 else 16,
                                min(256, 1 << (K - 1).bit_length()), 4, 4, tensor_cores=True)
 
@@ -112,9 +112,27 @@ def _without_small_kernels(self, x, residual, cos, sin, meta, kv_cache):
     return gemv(gate_up[:, :gate_up.shape[1] // 2], mlp.down_proj.weight, add=h), None
 
 
+def _l2(shares: dict[tuple[int, int], float], rows: tuple[int, ...] = (1, 2, 3, 4)):
+    """pick_config with the L2 prefetch share set per (N, K) at these row counts."""
+    def pick(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False):
+        cfg = ORIGINAL_PICK(N, K, T, elem_size, prefetch)
+        if (N, K) in shares and T in rows:
+            cfg = dataclasses.replace(cfg, l2_prefetch=shares[(N, K)])
+        return cfg
+    return pick
+
+
 QKV, GATE_UP, DOWN = (6144, 4096), (24576, 4096), (4096, 12288)  # Qwen3-8B (N, K)
+O_PROJ, LM_HEAD, EH_PROJ = (4096, 4096), (151936, 4096), (4096, 8192)
 LAYER_FORWARDS = {"no_small_kernels": _without_small_kernels}  # DecoderLayer._forward_gemv
 VARIANTS = {"default": ORIGINAL_PICK, "no_small_kernels": ORIGINAL_PICK,
+            # L2 prefetch before a PDL wait for the verify GEMVs behind the small norm / SiLU
+            # kernels; the two LM heads (behind the final norms) and eh_proj (behind the
+            # enorm / hnorm kernels)
+            "small_pf": _l2({QKV: 1 / 16, GATE_UP: 1 / 16, DOWN: 1 / 8}, (2, 3, 4)),
+            "head_pf": _l2({LM_HEAD: 1 / 32, EH_PROJ: 1 / 8}),
+            # o_proj without its L2 prefetch during the attention
+            "o_pf_off": _l2({O_PROJ: 0.0}),
             "dot_before_split": _dot_before_split, "cc_qkv_down": _cc((QKV, DOWN)),
             "cc_all": _cc(), "cc_norm": _cc((QKV, GATE_UP)),
             "cc_norm_down": _cc((QKV, GATE_UP, DOWN))}

@@ -121,7 +121,11 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv, h = gemv(x, attn.qkv_proj.weight, "norm", residual, ln1.weight, ln1.eps)
-        h = gemv(attn.attend_qkv(qkv, cos, sin, meta, kv_cache), attn.o_proj.weight, add=h)
+        o = attn.attend_qkv(qkv, cos, sin, meta, kv_cache)
+        # o_proj's programs ask L2 for its weight while the (latency-bound) attention runs:
+        # batch-1 step 5.66-5.70 -> 5.49-5.57 ms on an H100; the attention kernel asking for
+        # it instead was slower (bench/results/diag_decode_h100_2026-11-24_prefetch*.json)
+        h = gemv(o, attn.o_proj.weight, add=h, prefetch=True)
         gate_up, _ = gemv(h, mlp.gate_up_proj.weight, "norm", None, ln2.weight, ln2.eps)
         return gemv(gate_up, mlp.down_proj.weight, "silu", add=h), None
 

@@ -85,6 +85,35 @@ def pdl_enter(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@jit
+def _prefetch_l2(addr):
+    """prefetch.global.L2 of the 128-byte line holding each int64 address in addr: fire and
+    forget (holds no register, waits for nothing). Compiled kernels only (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
+def l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, part, num_parts,
+                     LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for rows offs_n of W [N, K], columns from part * ceil(K / num_parts) on, LINES
+    cache lines of LINE elements (128 bytes) each. Addresses are clamped into W, so edge
+    programs only fetch lines again. Meant for before a PDL wait behind a latency-bound
+    kernel, which leaves HBM idle (kernels.gemv)."""
+    start = part * tl.cdiv(K, num_parts)
+    cols = tl.minimum(start + tl.arange(0, LINES) * LINE, K - 1)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    _prefetch_l2((w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.int64, bitcast=True))
+
+
+def prefetch_lines(K: int, num_parts: int, share: float, elem_size: int) -> int:
+    """LINES for l2_prefetch_rows: a power of two covering `share` of a part's K columns."""
+    if share <= 0:
+        return 0
+    per_line = 128 // elem_size
+    return next_pow2(max(1, round(share * triton.cdiv(triton.cdiv(K, num_parts), per_line))))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs must not silently drop to TF32 in tl.dot (10-bit mantissa breaks 1e-4 checks)."""
     return "ieee" if dtype == torch.float32 else "tf32"

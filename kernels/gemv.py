@@ -26,15 +26,15 @@ H100, bench/results/gemv_sweep_*.json).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels._triton import (FLOAT_DTYPES, arrival_counters, check_launchable, check_tensor,
-                             dot_dtype, dot_precision, interpreting, jit, next_pow2, pdl_enter,
-                             pdl_launch, scratch_fp32)
+                             dot_dtype, dot_precision, interpreting, jit, l2_prefetch_rows,
+                             next_pow2, pdl_enter, pdl_launch, prefetch_lines, scratch_fp32)
 from kernels.rmsnorm import fused_add_rmsnorm
 from kernels.silu_mul import silu_and_mul
 
@@ -45,6 +45,9 @@ CUDA_CORE_ROWS = 4  # the CUDA-core kernel keeps a [T, BLOCK_N, BLOCK_K] fp32 ac
 # with separate norm / SiLU kernels between them.
 MODEL_ROWS = 4
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
+# gemv(prefetch=True): the share of each program's weight slice asked into L2 before its PDL
+# wait (see gemv)
+PREFETCH_SHARE = 1.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class GemvConfig:
     # tensor-core kernel: K split over this many programs per output tile, the last to finish
     # summing the fp32 partials (more programs in flight for narrow, deep matrices)
     split_k: int = 1
+    # share of each program's weight slice asked into L2 before the PDL wait (0: none); set
+    # by gemv(prefetch=True) for a launch behind a latency-bound kernel
+    l2_prefetch: float = 0.0
 
 
 @jit
@@ -88,7 +94,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
                  stride_res, stride_w, stride_y, stride_ro, stride_add, eps, T: tl.constexpr,
                  TP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr, PF_LINES: tl.constexpr,
+                 PF_LINE: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, TP)
     row_ok = rows < T
@@ -106,6 +113,10 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
     # tile early: 6.88): the waiting programs hold registers the running kernel needs
     # (bench/diag_decode.py, bench/results/diag_decode_h100_2026-11-23.json). An L2-only
     # prefetch (prefetch.global.L2) of each program's slice before the wait: 6.94 ms (_run2).
+    # That was every GEMV, each behind another GEMV that already keeps HBM busy; PF_LINES is
+    # for one behind a latency-bound kernel (o_proj behind the decode attention).
+    if PF_LINES > 0:
+        l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, 0, 1, PF_LINES, PF_LINE)
     pdl_enter(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs_k0
@@ -139,7 +150,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T,
                      stride_w, stride_y, stride_add, HAS_ADD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     W_EVICT: tl.constexpr, USE_PDL: tl.constexpr):
+                     W_EVICT: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """y[T, N] = x[T, K] @ W[N, K]^T (+ add) for 2..BLOCK_M rows on the tensor cores: the rows
     are padded to tl.dot's minimum M (16; padding rows cost no memory traffic) and each K step
     is one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot, software-pipelined by Triton. (With a
@@ -165,6 +177,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T,
     offs_k0 = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    if PF_LINES > 0:  # this program's share of the tile's columns (the union covers W)
+        l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, split, SPLIT_K, PF_LINES, PF_LINE)
     pdl_enter(USE_PDL)
     for k0 in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + offs_k0
@@ -194,23 +208,29 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T,
         tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], acc, mask=out_mask)
 
 
-def pick_config(N: int, K: int, T: int, elem_size: int = 2) -> GemvConfig:
+def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False
+                ) -> GemvConfig:
     """Tile for y[T, N] = a[T, K] @ W[N, K]^T. One row (the CUDA-core kernel), from a sweep on
     an H100 at Qwen3-8B's shapes (bench/results/gemv_sweep_h100_2026-11-22.json): 1024-wide K
     steps and 4 warps won everywhere, pipelining stages made no difference, 8 output columns
     per program won on the big matrices (gate_up, down, lm_head) and 4 on the small (q/k/v,
     o); narrow matrices shrink BLOCK_N so at least ~2 programs per SM exist. Two or more rows
     (the tensor-core kernel): see pick_dot_config.
-    The CPU interpreter runs one program at a time, so there few big tiles are fastest."""
+    The CPU interpreter runs one program at a time, so there few big tiles are fastest.
+    prefetch: the launch follows a latency-bound kernel (see gemv); the interpreter has no L2."""
     if T > 1:
-        return pick_dot_config(N, K, elem_size)
-    if interpreting():
-        return GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
-    block_k = min(1024, next_pow2(K))
-    block_n = 8 if N * K >= (32 << 20) else 4
-    while block_n > 1 and triton.cdiv(N, block_n) < 264:
-        block_n //= 2
-    return GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
+        cfg = pick_dot_config(N, K, elem_size)
+    elif interpreting():
+        cfg = GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
+    else:
+        block_k = min(1024, next_pow2(K))
+        block_n = 8 if N * K >= (32 << 20) else 4
+        while block_n > 1 and triton.cdiv(N, block_n) < 264:
+            block_n //= 2
+        cfg = GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
+    if prefetch and not interpreting():
+        cfg = replace(cfg, l2_prefetch=PREFETCH_SHARE)
+    return cfg
 
 
 def pick_dot_config(N: int, K: int, elem_size: int = 2) -> GemvConfig:
@@ -270,8 +290,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, residual: torch
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, add: torch.Tensor | None = None, config: GemvConfig | None = None
-         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+         eps: float = 1e-6, add: torch.Tensor | None = None, config: GemvConfig | None = None,
+         prefetch: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y = prologue(x) @ weight.T (+ add) for x [T, K_in] with T <= MAX_ROWS, weight [N, K].
 
     prologue "none": K_in = K. "silu": K_in = 2K ([gate | up]). "norm": K_in = K, needs
@@ -280,10 +300,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     contiguous. add [T, N] (the residual stream) is summed in fp32 before y is rounded.
     y is a new contiguous [T, N] tensor in x.dtype. One row runs on the CUDA cores, 2..16 on
     the tensor cores.
+
+    prefetch=True is for a launch right behind a latency-bound kernel (o_proj behind the decode
+    attention, which reads a few MB in ~7 us and leaves HBM idle): the programs that PDL
+    schedules while that kernel runs ask L2 for their weight slice before they wait on it, so
+    the weights stream in during the attention instead of after it. (Behind a GEMV, which
+    already keeps HBM busy, the same prefetch was slower; see _gemv_kernel.)
     """
     _check(x, weight, prologue, residual, norm_weight, eps, add)
     T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
-    cfg = config or pick_config(N, K, T, x.element_size())
+    cfg = config or pick_config(N, K, T, x.element_size(), prefetch)
     if T > 1 and cfg.tensor_cores:
         return _gemv_rows(x, weight, prologue, residual, norm_weight, eps, add, cfg)
     if T > CUDA_CORE_ROWS:
@@ -302,9 +328,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
         TP=next_pow2(T),
         PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None,
         HAS_ADD=add is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        W_EVICT="evict_first" if cfg.stream_weights else "", num_warps=cfg.num_warps,
+        W_EVICT="evict_first" if cfg.stream_weights else "",
+        **_prefetch_args(cfg, K, 1, weight), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch(x))
     return (y, res_out) if prologue == "norm" else y
+
+
+def _prefetch_args(cfg: GemvConfig, K: int, parts: int, weight: torch.Tensor) -> dict:
+    """PF_LINES / PF_LINE: cache lines (of 128 bytes) per weight row each program prefetches."""
+    lines = 0 if interpreting() else prefetch_lines(K, parts, cfg.l2_prefetch,
+                                                     weight.element_size())
+    return {"PF_LINES": lines, "PF_LINE": 128 // weight.element_size()}
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
@@ -334,5 +368,6 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
         out.stride(0), HAS_ADD=add is not None, BLOCK_M=16, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PREC=dot_precision(x.dtype),
         DOT_DTYPE=dot_dtype(x.dtype), W_EVICT="evict_first" if cfg.stream_weights else "",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
+        **_prefetch_args(cfg, K, cfg.split_k, weight), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch(x))
     return (y, h) if prologue == "norm" else y

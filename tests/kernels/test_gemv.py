@@ -152,3 +152,29 @@ def test_default_tiles_fit_every_dtype(dtype, N, K, device, close):
     64 x 256 fp32 tiles would exceed shared memory), wide (64 columns) and split-K shapes."""
     x, w, _ = _data(2, N, K, dtype, device)
     close(gemv(x, w), gemv_ref(x, w), dtype)
+
+
+@pytest.mark.parametrize("T,cfg", [(1, GemvConfig(4, 64, l2_prefetch=1.0)),
+                                   (1, GemvConfig(8, 32, l2_prefetch=0.3)),
+                                   (2, GemvConfig(16, 32, tensor_cores=True, split_k=3,
+                                                  l2_prefetch=1.0)),
+                                   (3, GemvConfig(32, 64, tensor_cores=True, l2_prefetch=0.5))])
+def test_l2_prefetch_leaves_results_unchanged(T, cfg, device, close):
+    """Programs asking L2 for (a share of) their weight slice before the PDL wait, with
+    ragged N and K (the prefetch addresses are clamped into W), on both kernels; and
+    gemv(prefetch=True) with the default tiles. (The interpreter has no L2: there the
+    prefetch is compiled out and only the plumbing runs.)"""
+    x, w, gen = _data(T, 45, 157, torch.float32, device)
+    add = torch.randn(T, 45, generator=gen).to(device)
+    close(gemv(x, w, add=add, config=cfg), gemv_ref(x, w, add=add), torch.float32)
+    close(gemv(x, w, add=add, prefetch=True), gemv_ref(x, w, add=add), torch.float32)
+
+
+def test_prefetch_lines_cover_the_share_in_128_byte_lines():
+    from kernels._triton import prefetch_lines
+
+    assert prefetch_lines(4096, 1, 1.0, 2) == 64  # a bf16 row of 8 KiB: 64 lines
+    assert prefetch_lines(4096, 2, 1.0, 2) == 32  # each of 2 K parts: half a row
+    assert prefetch_lines(12288, 4, 0.125, 2) == 8  # 3072 columns: 48 lines, an eighth: 6 -> 8
+    assert prefetch_lines(157, 1, 1.0, 4) == 8  # ragged fp32 row: 5 lines -> a power of two
+    assert prefetch_lines(4096, 1, 0.0, 2) == 0
