@@ -59,6 +59,10 @@ class Plan:
     use_cuda_graphs: bool = True
     smollm_model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
     mtp_head: str | None = None  # None = the head shipped for it (engine/mtp_heads)
+    # > 0: every k also runs drafting over this many token ids (SpecConfig.draft_vocab),
+    # as cases k{k}_dv (ceiling) and k{k}_dv (SmolLM2, real acceptance)
+    draft_vocab: int = 0
+    smollm_draft_vocab: int = 0  # the same for part 3 (SmolLM2 has 49,152 ids)
 
 
 TINY = Plan(preset="tiny-qwen3", device="cpu", prompt_len=16, decode_tokens=12, ks=(1, 3),
@@ -195,11 +199,18 @@ def ceiling(plan: Plan) -> dict:
     out = {"none": run_case(plan, plan.preset, None, [[prompt]], plan.decode_tokens,
                             "batch1 none")}
     for k in plan.ks:
-        spec = SpecConfig(num_speculative_tokens=k, batch_k_caps=(), forced_acceptance=True)
-        out[f"k{k}"] = run_case(plan, plan.preset, spec, [[prompt]], plan.decode_tokens,
-                                f"batch1 k={k} forced")
-        out[f"k{k}"]["speedup"] = out[f"k{k}"]["tok_s"] / out["none"]["tok_s"]
+        for name, dv in _draft_vocabs(k, plan.draft_vocab):
+            spec = SpecConfig(num_speculative_tokens=k, batch_k_caps=(), forced_acceptance=True,
+                              draft_vocab=dv)
+            out[name] = run_case(plan, plan.preset, spec, [[prompt]], plan.decode_tokens,
+                                 f"batch1 k={k} forced draft_vocab={dv or 'full'}")
+            out[name]["speedup"] = out[name]["tok_s"] / out["none"]["tok_s"]
     return out
+
+
+def _draft_vocabs(k: int, draft_vocab: int) -> list[tuple[str, int]]:
+    """(case name, SpecConfig.draft_vocab) per k: the full vocabulary, and draft_vocab if > 0."""
+    return [(f"k{k}", 0)] + ([(f"k{k}_dv", draft_vocab)] if draft_vocab else [])
 
 
 def concurrency(plan: Plan) -> dict:
@@ -224,8 +235,10 @@ def smollm(plan: Plan) -> dict:
 
     tok = load_tokenizer(plan.smollm_model)
     prompts = [chat(tok, m) for m in heldout_prompts(plan.smollm_prompts)]
-    cases = {"none": None} | {f"k{k}": SpecConfig(num_speculative_tokens=k, batch_k_caps=())
-                              for k in plan.ks}
+    cases = {"none": None} | {name: SpecConfig(num_speculative_tokens=k, batch_k_caps=(),
+                                               draft_vocab=dv)
+                              for k in plan.ks
+                              for name, dv in _draft_vocabs(k, plan.smollm_draft_vocab)}
     out: dict = {}
     for name, spec in cases.items():  # batch 1: one prompt after another; EOS ends a reply
         r = run_case(plan, plan.smollm_model, spec, [[p] for p in prompts], plan.smollm_tokens,
@@ -244,7 +257,8 @@ def summary(result: dict) -> dict:
     c = result.get("ceiling", {})
     if "none" in c:
         s["ceiling_none_tok_s"] = c["none"]["tok_s"]
-    for k, target in (("k1", 1.7), ("k2", None), ("k3", 2.6)):
+    for k, target in (("k1", 1.7), ("k2", None), ("k3", 2.6), ("k1_dv", 1.7), ("k2_dv", None),
+                      ("k3_dv", 2.6)):
         if k in c:
             s[f"ceiling_{k}_speedup"] = {"value": c[k]["speedup"], "tok_s": c[k]["tok_s"]}
             if target is not None:
@@ -255,7 +269,7 @@ def summary(result: dict) -> dict:
         s["concurrency_ratio"] = {"value": r, "target": ">= 0.95", "met": r >= 0.95}
     if "none" in result.get("smollm2", {}):
         s["smollm2_none_tok_s"] = result["smollm2"]["none"]["tok_s"]
-    for k in ("k1", "k2", "k3"):
+    for k in ("k1", "k2", "k3", "k1_dv", "k2_dv", "k3_dv"):
         if k in result.get("smollm2", {}):
             m = result["smollm2"][k]
             s[f"smollm2_{k}"] = {"speedup": m["speedup"], "acceptance_rate": m["acceptance_rate"],
@@ -277,6 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mtp-head", default=None,
                     help="MTP head for part 3, from `pdserve train-mtp` (default: the head "
                          "shipped in engine/mtp_heads)")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="also run every ceiling k drafting over N token ids "
+                         "(SpecConfig.draft_vocab)")
+    ap.add_argument("--smollm-draft-vocab", type=int, default=0, metavar="N",
+                    help="the same for part 3 (SmolLM2, real acceptance)")
     args = ap.parse_args(argv)
     for flag, path in (("--smollm-model", args.smollm_model), ("--mtp-head", args.mtp_head)):
         if path is not None and not os.path.isfile(path):
@@ -284,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     plan = TINY if args.tiny or device == "cpu" else Plan()
     plan = dataclasses.replace(plan, device=device, smollm_model=args.smollm_model,
+                               draft_vocab=args.draft_vocab,
+                               smollm_draft_vocab=args.smollm_draft_vocab,
                                mtp_head=args.mtp_head and os.path.abspath(args.mtp_head))
     if plan.use_triton:
         import kernels  # noqa: F401  picks compiled Triton before anything imports triton

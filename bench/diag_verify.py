@@ -122,6 +122,22 @@ def _l2(shares: dict[tuple[int, int], float], rows: tuple[int, ...] = (1, 2, 3, 
     return pick
 
 
+def _tiles(tiles: dict[tuple[int, int], "gemv_mod.GemvConfig"]):
+    """pick_config with these tensor-core tiles per (N, K) at 2+ rows (occupancy experiments:
+    fewer stages / narrower tiles let a waiting PDL dependent share an SM with the running
+    GEMV, which a 160 KB-shared-memory gate_up tile does not)."""
+    def pick(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False):
+        cfg = ORIGINAL_PICK(N, K, T, elem_size, prefetch)
+        if T > 1 and (N, K) in tiles:
+            cfg = dataclasses.replace(tiles[(N, K)], l2_prefetch=cfg.l2_prefetch)
+        return cfg
+    return pick
+
+
+def _tc(block_n: int, block_k: int, stages: int, split: int = 1) -> "gemv_mod.GemvConfig":
+    return gemv_mod.GemvConfig(block_n, block_k, 4, stages, tensor_cores=True, split_k=split)
+
+
 QKV, GATE_UP, DOWN = (6144, 4096), (24576, 4096), (4096, 12288)  # Qwen3-8B (N, K)
 O_PROJ, LM_HEAD, EH_PROJ = (4096, 4096), (151936, 4096), (4096, 8192)
 LAYER_FORWARDS = {"no_small_kernels": _without_small_kernels}  # DecoderLayer._forward_gemv
@@ -135,7 +151,16 @@ VARIANTS = {"default": ORIGINAL_PICK, "no_small_kernels": ORIGINAL_PICK,
             "o_pf_off": _l2({O_PROJ: 0.0}),
             "dot_before_split": _dot_before_split, "cc_qkv_down": _cc((QKV, DOWN)),
             "cc_all": _cc(), "cc_norm": _cc((QKV, GATE_UP)),
-            "cc_norm_down": _cc((QKV, GATE_UP, DOWN))}
+            "cc_norm_down": _cc((QKV, GATE_UP, DOWN)),
+            "gu_n32": _tiles({GATE_UP: _tc(32, 256, 4)}),
+            "gu_k128": _tiles({GATE_UP: _tc(64, 128, 4)}),
+            "gu_s3": _tiles({GATE_UP: _tc(64, 256, 3)}),
+            "qkv_n16": _tiles({QKV: _tc(16, 256, 4)}),
+            "qkv_split2": _tiles({QKV: _tc(32, 128, 4, 2)}),
+            "qkv_k128": _tiles({QKV: _tc(32, 128, 4)}),
+            "lm_n32": _tiles({LM_HEAD: _tc(32, 256, 4)}),
+            "small_smem": _tiles({GATE_UP: _tc(64, 128, 4), QKV: _tc(32, 128, 4),
+                                  LM_HEAD: _tc(64, 128, 4)})}
 
 
 def in_model(names: list[str], ks: list[int], repeats: int) -> dict:

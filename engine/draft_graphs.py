@@ -121,7 +121,7 @@ class DraftGraphs:
         cseq = v32["cseq"].view(-1, self.buckets[-1])
         drafts = []
         for s in range(k):
-            tok = self.model.greedy(g)  # [B]
+            tok = self.head.draft_greedy(self.model, g)  # [B]
             drafts.append(tok)
             if s + 1 < k:
                 meta_s = self._meta(B, 1, cslots[s, :B], cseq[s, :B], tables,

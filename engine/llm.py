@@ -50,7 +50,7 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
                  use_cuda_graphs: bool = False, overlap_decode: str = "auto", seed: int = 0,
                  speculative: str | SpecConfig | None = None,
                  num_speculative_tokens: int | None = None,
-                 mtp_head: str | None = None) -> LLMEngine:
+                 mtp_head: str | None = None, draft_vocab: int | None = None) -> LLMEngine:
     """Load a model (path, preset name or None = embedded default) and wrap it in an engine.
 
     use_triton: Triton kernels (fused norms, SiLU-mul, attention prologue, paged attention);
@@ -61,7 +61,8 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
 
     speculative="mtp" (or a SpecConfig): MTP speculative decoding with the model's MTP head:
     `mtp_head` (a train-mtp file), the checkpoint's MTP layers, random for presets, or the
-    trained head shipped for the default model. num_speculative_tokens overrides k."""
+    trained head shipped for the default model. num_speculative_tokens overrides k;
+    draft_vocab N drafts over N token ids only (SpecConfig.draft_vocab)."""
     device = device or default_device()
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     source = resolve_model(model)
@@ -73,7 +74,7 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
     net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=seed,
                                            backend=backend)
     net.use_fused_ops(use_triton)
-    spec = _spec_config(speculative, num_speculative_tokens)
+    spec = _spec_config(speculative, num_speculative_tokens, draft_vocab)
     head, head_id = None, ""
     if spec is not None:  # the KV cache gets one more layer per MTP layer
         head, model_cfg, head_id = resolve_mtp_head(source, model_cfg, as_dtype(dtype), device,
@@ -102,8 +103,11 @@ def build_engine(model: str | None = None, *, device: str | None = None, dtype: 
     return LLMEngine(config, net, tokenizer, spec=spec, mtp_head=head, mtp_head_id=head_id)
 
 
-def _spec_config(speculative: str | SpecConfig | None, k: int | None) -> SpecConfig | None:
+def _spec_config(speculative: str | SpecConfig | None, k: int | None,
+                 draft_vocab: int | None = None) -> SpecConfig | None:
     if speculative is None or speculative == "none":
+        if draft_vocab:
+            raise ConfigError("draft_vocab: needs speculative='mtp'")
         return None
     if isinstance(speculative, SpecConfig):
         spec = speculative
@@ -111,7 +115,11 @@ def _spec_config(speculative: str | SpecConfig | None, k: int | None) -> SpecCon
         spec = SpecConfig(method=speculative)
     else:
         raise ConfigError(f"speculative: expected 'mtp' or a SpecConfig, got {speculative!r}")
-    return dataclasses.replace(spec, num_speculative_tokens=k) if k is not None else spec
+    if k is not None:
+        spec = dataclasses.replace(spec, num_speculative_tokens=k)
+    if draft_vocab is not None:
+        spec = dataclasses.replace(spec, draft_vocab=draft_vocab)
+    return spec
 
 
 class LLM:

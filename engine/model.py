@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, TorchAttentionBackend
@@ -193,14 +194,17 @@ class Model(nn.Module):
             return (*self.rotary.cos_sin(positions), meta)
         return (*tables, replace(meta, rope_positions=positions))
 
-    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True,
+                       weight: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (only the rows that sample, to save the big matmul).
         as_float=False keeps the weights' dtype: enough for an argmax (greedy drafting and
-        verifying), and it skips a conversion pass over the logits."""
+        verifying), and it skips a conversion pass over the logits. weight [V', hidden]: other
+        head rows instead of lm_head's (a reduced draft vocabulary, engine/mtp.py)."""
+        weight = self.lm_head.weight if weight is None else weight
         if self._head_is_gemv(hidden.shape[0]):
-            logits = fused_kernels().gemv(hidden, self.lm_head.weight)
+            logits = fused_kernels().gemv(hidden, weight)
         else:
-            logits = self.lm_head(hidden)
+            logits = F.linear(hidden, weight)
         return logits.float() if as_float else logits
 
     def argmax(self, logits: torch.Tensor, after_head: bool = False) -> torch.Tensor:
@@ -217,6 +221,7 @@ class Model(nn.Module):
         """Whether compute_logits runs the LM head for `rows` rows as the GEMV kernel."""
         return self.norm.fused and 0 < rows <= fused_kernels().GEMV_ROWS
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> int64 [N]: the argmax tokens (greedy drafting and verifying)."""
-        return self.argmax(self.compute_logits(hidden, as_float=False), after_head=True)
+    def greedy(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> int64 [N]: the argmax tokens (greedy drafting and verifying); with
+        `weight`, indices into its rows (see compute_logits)."""
+        return self.argmax(self.compute_logits(hidden, False, weight), after_head=True)

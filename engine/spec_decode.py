@@ -63,6 +63,9 @@ class SpecConfig:
     # static-shape drafting (engine/draft_graphs.py): "auto" = replayed as CUDA graphs when
     # the engine uses them, "on" = also run eagerly elsewhere (tests of the logic), "off"
     draft_graphs: str = "auto"
+    # draft over the lowest N token ids (+ EOS) only: a cheaper draft LM head, verification
+    # unchanged (MTPHead.use_draft_vocab); 0 = the full vocabulary
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -73,6 +76,10 @@ class SpecConfig:
         if self.draft_graphs not in ("auto", "on", "off"):
             raise ConfigError("speculative.draft_graphs: must be 'auto', 'on' or 'off', got "
                               f"{self.draft_graphs!r}")
+        if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or \
+                self.draft_vocab < 0:
+            raise ConfigError("speculative.draft_vocab: must be an int >= 0 (0 = the full "
+                              f"vocabulary), got {self.draft_vocab!r}")
         prev = 0
         for max_batch, cap in self.batch_k_caps:
             if max_batch <= prev or cap < 0:
@@ -199,6 +206,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.eos = frozenset(eos_token_ids)
         self.device = kv_cache.device
+        head.use_draft_vocab(model, spec.draft_vocab, tuple(eos_token_ids))
         self.stats = SpecStats(num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
         self._q: dict[str, torch.Tensor] = {}  # request -> [k, V] draft distributions (random)
         self._gens: dict[str, torch.Generator] = {}
@@ -351,7 +359,7 @@ class SpecDecoder:
         steps: list[tuple[list[int], torch.Tensor]] = []  # (jobs drafting, their tokens)
         step = 0
         while True:
-            logits = self.model.compute_logits(g)
+            logits = self.head.draft_logits(self.model, g)
             tokens = self._draw(logits, [jobs[a] for a in active], states, qs)
             steps.append((active, tokens))
             step += 1

@@ -24,6 +24,16 @@ def _speculative_tokens(text: str) -> int:
     return k
 
 
+def _draft_vocab(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = the full vocabulary), got {n}")
+    return n
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """--speculative / --num-speculative-tokens / --mtp-head (vLLM/SGLang-style names),
     shared by `generate` and `serve`."""
@@ -36,6 +46,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                                      "(default 1; larger batches draft fewer, none above 48)")
     p.add_argument("--mtp-head", default=None, metavar="PATH",
                    help="MTP head file from `pdserve train-mtp` (with --speculative mtp)")
+    p.add_argument("--draft-vocab", type=_draft_vocab, default=None, metavar="N",
+                   help="draft over the lowest N token ids (+ EOS) only, as SGLang's "
+                        "--speculative-token-map: a cheaper draft LM head, verification "
+                        "unchanged (with --speculative mtp; default: the full vocabulary)")
 
 
 def check_speculative(args: argparse.Namespace, check_files: bool = True) -> str | None:
@@ -45,7 +59,8 @@ def check_speculative(args: argparse.Namespace, check_files: bool = True) -> str
         args.speculative = None
     if args.speculative is None:
         for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens),
-                            ("--mtp-head", args.mtp_head)):
+                            ("--mtp-head", args.mtp_head),
+                            ("--draft-vocab", args.draft_vocab)):
             if value is not None:
                 return f"{flag}: needs --speculative mtp"
     if args.mtp_head is not None and check_files:
@@ -88,7 +103,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         llm = LLM(args.model, device=args.device, speculative=args.speculative,
-                  num_speculative_tokens=args.num_speculative_tokens, mtp_head=args.mtp_head)
+                  num_speculative_tokens=args.num_speculative_tokens, mtp_head=args.mtp_head,
+                  draft_vocab=args.draft_vocab)
     except ConfigError as e:  # e.g. a head trained for another model, a model without one
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2

@@ -166,7 +166,7 @@ def _launch_workers(args: argparse.Namespace) -> list:
                                host=args.worker_host, lease_ttl_s=args.lease_ttl,
                                speculative=args.speculative,
                                num_speculative_tokens=args.num_speculative_tokens,
-                               mtp_head=args.mtp_head)
+                               mtp_head=args.mtp_head, draft_vocab=args.draft_vocab)
             actor = launch_worker(cfg, num_gpus=num_gpus, num_cpus=num_cpus,
                                   max_restarts=args.max_restarts)
             refs.append(RayWorkerRef(actor, cfg.worker_id, role))

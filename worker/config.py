@@ -43,6 +43,7 @@ class WorkerConfig:
     speculative: str | None = None
     num_speculative_tokens: int | None = None  # k; None = the SpecConfig default
     mtp_head: str | None = None  # a train-mtp file; None = the model's own / the shipped head
+    draft_vocab: int | None = None  # draft over N token ids only (SpecConfig.draft_vocab)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -69,3 +70,9 @@ class WorkerConfig:
                 raise ValueError(f"mtp_head: must be a non-empty path, got {self.mtp_head!r}")
             if self.speculative is None:
                 raise ValueError("mtp_head: needs speculative='mtp'")
+        if self.draft_vocab is not None:
+            if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) \
+                    or self.draft_vocab < 0:
+                raise ValueError(f"draft_vocab: must be an int >= 0, got {self.draft_vocab!r}")
+            if self.speculative is None:
+                raise ValueError("draft_vocab: needs speculative='mtp'")

@@ -42,7 +42,7 @@ def build_worker_engine(cfg: WorkerConfig) -> LLMEngine:
                           use_cuda_graphs=cfg.use_cuda_graphs, seed=cfg.seed,
                           speculative=cfg.speculative,
                           num_speculative_tokens=cfg.num_speculative_tokens,
-                          mtp_head=cfg.mtp_head)
+                          mtp_head=cfg.mtp_head, draft_vocab=cfg.draft_vocab)
     # prefill role: ship the last hidden state (with MTP the decode worker drafts from it;
     # the MTP layer's KV of the prompt is written here and travels in the same blocks)
     engine.keep_hidden = cfg.role == "prefill"
