@@ -34,6 +34,9 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["--num-speculative-tokens", "2"], "--num-speculative-tokens"),
     (["--mtp-head", str(HEAD)], "--mtp-head"),
     (["--speculative", "mtp", "--mtp-head", "/no/such/head.safetensors"], "--mtp-head"),
+    (["--draft-vocab", "4096"], "--draft-vocab"),
+    (["--speculative", "mtp", "--draft-vocab", "-1"], "--draft-vocab"),
+    (["--speculative", "mtp", "--draft-vocab", "many"], "--draft-vocab"),
 ])
 def test_bad_speculative_flags_name_the_flag(command, args, flag, capsys) -> None:
     argv = [command, *(["hello"] if command == "generate" else []), *args]
@@ -53,6 +56,9 @@ def test_bad_speculative_flags_name_the_flag(command, args, flag, capsys) -> Non
     (dict(num_speculative_tokens=2), "num_speculative_tokens"),
     (dict(mtp_head="/x.safetensors"), "mtp_head"),
     (dict(speculative="mtp", mtp_head=""), "mtp_head"),
+    (dict(draft_vocab=4096), "draft_vocab"),
+    (dict(speculative="mtp", draft_vocab=-1), "draft_vocab"),
+    (dict(speculative="mtp", draft_vocab="4096"), "draft_vocab"),
 ])
 def test_worker_config_names_the_bad_field(kw, field) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
@@ -77,12 +83,13 @@ def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
                         lambda cfg, **kw: launched.append(cfg) or types.SimpleNamespace())
     args = build_parser().parse_args(["serve", "--prefill", "2", "--decode", "1", "--speculative",
                                       "mtp", "--num-speculative-tokens", "3", "--mtp-head",
-                                      os.path.relpath(HEAD)])
+                                      os.path.relpath(HEAD), "--draft-vocab", "16384"])
     assert _check(args) is None
     _launch_workers(args)
     assert sorted(c.role for c in launched) == ["decode", "prefill", "prefill"]
-    assert {(c.speculative, c.num_speculative_tokens, c.mtp_head) for c in launched} == {
-        ("mtp", 3, str(HEAD))}  # an absolute path: Ray workers may run elsewhere
+    assert {(c.speculative, c.num_speculative_tokens, c.mtp_head, c.draft_vocab)
+            for c in launched} == {("mtp", 3, str(HEAD), 16384)}  # an absolute head path:
+    # Ray workers may run elsewhere
     launched.clear()
     args = build_parser().parse_args(["serve"])
     assert _check(args) is None
