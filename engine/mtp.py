@@ -111,8 +111,8 @@ class MTPHead(nn.Module):
         and rejection sampling stays exact (the draft distribution is zero outside the set).
         The ids are the lowest ones (byte-level BPE numbers tokens in merge order, most
         frequent first) plus `keep` (EOS ids). A draft can only be accepted where the target's
-        token is in the set: SmolLM2's greedy outputs fall in its lowest 16K ids 95% of the
-        time, the lowest 32K 99%. 0 = the full vocabulary."""
+        token is in the set: 93.9% of SmolLM2's held-out greedy tokens lie in its lowest 16K
+        ids, 97.5% in the lowest 32K (bench/bench_draft_vocab.py). 0 = the full vocabulary."""
         vocab = target.lm_head.weight.shape[0]
         if not 0 <= size <= vocab:
             raise ConfigError(f"speculative.draft_vocab: must be in [0, {vocab}] (0 = the full "
@@ -120,7 +120,7 @@ class MTPHead(nn.Module):
         if size in (0, vocab):
             self.draft_ids = self.draft_weight = None
             return
-        keep = sorted({int(t) for t in keep if 0 <= int(t) < vocab} - set(range(size)))
+        keep = sorted({int(t) for t in keep if size <= int(t) < vocab})  # ids above the set
         ids = list(range(size - len(keep))) + keep
         dev = target.lm_head.weight.device
         self.draft_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [V'] ascending

@@ -14,24 +14,23 @@ import sys
 MAX_SPECULATIVE_TOKENS = 16  # engine.spec_decode.SpecConfig's bound
 
 
-def _speculative_tokens(text: str) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
-    return k
-
-
-def _draft_vocab(text: str) -> int:
+def _int_arg(text: str, lo: int, hi: int | None = None) -> int:
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = the full vocabulary), got {n}")
+    if n < lo or (hi is not None and n > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {n}")
     return n
+
+
+def _speculative_tokens(text: str) -> int:
+    return _int_arg(text, 1, MAX_SPECULATIVE_TOKENS)
+
+
+def _draft_vocab(text: str) -> int:
+    return _int_arg(text, 0)  # 0 = the full vocabulary
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
