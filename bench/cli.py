@@ -73,7 +73,7 @@ def _parse_rates(args: argparse.Namespace) -> list[float]:
 def _workloads(args: argparse.Namespace, n_runs: int) -> tuple[list[list], list]:
     """One workload per run (a different seed each, so a later rate doesn't hit the prefix
     cache the earlier one filled), plus the warm-up requests."""
-    from bench.workload import LengthRange, random_workload, read_trace, trace_workload
+    from pdserve.bench.workload import LengthRange, random_workload, read_trace, trace_workload
 
     if args.trace:
         entries = read_trace(args.trace, limit=args.num_prompts)
@@ -102,7 +102,7 @@ def _out_path(args: argparse.Namespace, now: dt.datetime) -> Path:
 
 
 def _validate(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
-    from bench import report
+    from pdserve.bench import report
 
     rates = _parse_rates(args)
     slo = report.parse_slo(args.slo)
@@ -118,7 +118,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
 def _run_rates(args: argparse.Namespace, model: str, rates: list[float], runs: list[list],
                warmup: list, slo: dict[str, float]) -> tuple[list[dict], list, list]:
     """One load run per rate; returns JSON records, CDF inputs and sweep points."""
-    from bench import loadgen, report
+    from pdserve.bench import loadgen
+    from pdserve.bench import report
 
     records, cdf_runs, sweep = [], [], []
     for i, rate in enumerate(rates if not args.trace else [math.inf]):
@@ -141,7 +142,8 @@ def _run_rates(args: argparse.Namespace, model: str, rates: list[float], runs: l
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench import loadgen, report
+    from pdserve.bench import loadgen
+    from pdserve.bench import report
 
     try:
         rates, slo = _validate(args)

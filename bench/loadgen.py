@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-from bench.workload import RequestSpec, poisson_arrivals
+from pdserve.bench.workload import RequestSpec, poisson_arrivals
 
 
 @dataclass

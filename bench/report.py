@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from bench.loadgen import RequestResult
+from pdserve.bench.loadgen import RequestResult
 
 SLO_KEYS = ("ttft", "tpot", "e2e", "itl")
 PERCENTILES = (50, 90, 99)

@@ -28,14 +28,15 @@ from collections.abc import Iterator
 
 import grpc
 
-from engine.engine import RequestOutput
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from kv_transfer.errors import KVTransferError, KVTransferTimeout
-from kv_transfer.handshake import HandshakeError, IncompatiblePeerError
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
-from proto.convert import logprob_to_proto, params_from_proto
-from proto.rpc import make_channel
+from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
+from pdserve.kv_transfer.handshake import HandshakeError, IncompatiblePeerError
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.convert import logprob_to_proto, params_from_proto
+from pdserve.proto.rpc import make_channel
+from pdserve.worker.runtime import WorkerRuntime, peer_from_proto
 
 
 class KVReadFailed(RuntimeError):
@@ -59,7 +60,7 @@ class _StreamState:
 
 
 class DecodeService:
-    def __init__(self, rt) -> None:  # rt: worker.runtime.WorkerRuntime
+    def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
         self._peers: dict[str, tuple[str, pbg.WorkerStub, grpc.Channel]] = {}
         self._lock = threading.Lock()
@@ -75,8 +76,6 @@ class DecodeService:
 
     # -- handshake -----------------------------------------------------------------------
     def add_peer(self, msg: pb.PeerInfo) -> pb.AddPeerReply:
-        from worker.runtime import peer_from_proto
-
         try:
             info = peer_from_proto(msg)
             self.rt.transport.add_peer(info)

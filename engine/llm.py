@@ -7,19 +7,19 @@
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine, RequestOutput
-from engine.model_source import load_model, resolve_model
-from engine.mtp import resolve_mtp_head, with_mtp_layers
-from engine.sampling_params import SamplingParams
-from engine.spec_decode import SpecConfig
-from engine.weights import as_dtype
+from pdserve.engine.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.core.engine_args import EngineArgs
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.model.loader import load_model, resolve_model
+from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.model.weights import as_dtype
+from pdserve.kernels.triton_mode import select_triton_mode
 
 
 @dataclass
@@ -43,88 +43,70 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_engine(model: str | None = None, *, device: str | None = None, dtype: str | None = None,
-                 num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, use_triton: bool = False,
-                 use_cuda_graphs: bool = False, overlap_decode: str = "auto", seed: int = 0,
-                 speculative: str | SpecConfig | None = None,
-                 num_speculative_tokens: int | None = None,
-                 mtp_head: str | None = None, draft_vocab: int | None = None) -> LLMEngine:
-    """Load a model (path, preset name or None = embedded default) and wrap it in an engine.
+def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> LLMEngine:
+    """Load a model and wrap it in an engine: build_engine(EngineArgs(...)), or as a shorthand
+    build_engine(model, **EngineArgs fields) (a model path, preset name, or None = the
+    embedded default). Fields are validated by EngineArgs, which names a bad one.
 
-    use_triton: Triton kernels (fused norms, SiLU-mul, attention prologue, paged attention);
-    on CPU they run in Triton's interpreter (tests). use_cuda_graphs (CUDA, needs use_triton):
-    decode steps replay graphs captured when the engine is built (engine/cuda_graphs.py).
-    overlap_decode: "auto" (with CUDA graphs), "on" or "off": launch the next decode forward
-    before the host reads this step's tokens (engine/overlap.py).
-
-    speculative="mtp" (or a SpecConfig): MTP speculative decoding with the model's MTP head:
-    `mtp_head` (a train-mtp file), the checkpoint's MTP layers, random for presets, or the
-    trained head shipped for the default model. num_speculative_tokens overrides k;
-    draft_vocab N drafts over N token ids only (SpecConfig.draft_vocab)."""
-    device = device or default_device()
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    source = resolve_model(model)
+    With speculation (args.speculative) the MTP head comes from `mtp_head` (a train-mtp file),
+    the checkpoint's MTP layers, random weights for presets, or the trained head shipped for
+    the default model (engine/spec/mtp_head.py resolve_mtp_head)."""
+    if not isinstance(args, EngineArgs):
+        args = EngineArgs(model=args, **fields)  # type: ignore[arg-type]
+    elif fields:
+        args = args.replace(**fields)
+    device = args.device or default_device()
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    source = resolve_model(args.model)
     backend = None
-    if use_triton:
-        from kernels import TritonAttentionBackend  # triton only when asked for
+    if args.use_triton:  # an entry point of the offline API: pick the Triton mode first
+        select_triton_mode()
+        from pdserve.engine.model.triton_attention import TritonAttentionBackend
 
         backend = TritonAttentionBackend()
-    net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=seed,
+    net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=args.seed,
                                            backend=backend)
-    net.use_fused_ops(use_triton)
-    spec = _spec_config(speculative, num_speculative_tokens, draft_vocab)
+    net.use_fused_ops(args.use_triton)
+    spec = args.spec_config()
     head, head_id = None, ""
     if spec is not None:  # the KV cache gets one more layer per MTP layer
         head, model_cfg, head_id = resolve_mtp_head(source, model_cfg, as_dtype(dtype), device,
-                                                    net.backend, seed, mtp_head)
-        head.set_fused(use_triton)
+                                                    net.backend, args.seed, args.mtp_head)
+        head.set_fused(args.use_triton)
     else:
         model_cfg = with_mtp_layers(model_cfg, 0)  # a checkpoint's MTP layers stay unused
-    max_len = min(max_model_len or model_cfg.max_position_embeddings,
+    max_len = min(args.max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
     if device.startswith("cuda"):  # RoPE rows by one gather (CPU keeps computing them: its
         # vectorised cos may differ by an ulp between a table and a batch's rows)
         drafts = spec.num_speculative_tokens if spec is not None else 0
         net.rotary.reserve(max_len + drafts + 1, torch.device(device))
-    if num_blocks is None:  # enough for a few full-length sequences; modest on CPU
-        num_blocks = max(64, (2 * max_len) // block_size) if device == "cpu" else \
-            max(64, (64 * max_len) // block_size)
-    config = EngineConfig(
-        model=model_cfg,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype=dtype,
-                          enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_len),
-        device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
-        overlap_decode=overlap_decode, seed=seed)
+    config = _engine_config(args, model_cfg, device, dtype, max_len)
     return LLMEngine(config, net, tokenizer, spec=spec, mtp_head=head, mtp_head_id=head_id)
 
 
-def _spec_config(speculative: str | SpecConfig | None, k: int | None,
-                 draft_vocab: int | None = None) -> SpecConfig | None:
-    if speculative is None or speculative == "none":
-        if draft_vocab:
-            raise ConfigError("draft_vocab: needs speculative='mtp'")
-        return None
-    if isinstance(speculative, SpecConfig):
-        spec = speculative
-    elif isinstance(speculative, str):
-        spec = SpecConfig(method=speculative)
-    else:
-        raise ConfigError(f"speculative: expected 'mtp' or a SpecConfig, got {speculative!r}")
-    if k is not None:
-        spec = dataclasses.replace(spec, num_speculative_tokens=k)
-    if draft_vocab is not None:
-        spec = dataclasses.replace(spec, draft_vocab=draft_vocab)
-    return spec
+def _engine_config(args: EngineArgs, model_cfg: ModelConfig, device: str, dtype: str,
+                   max_len: int) -> EngineConfig:
+    num_blocks = args.num_blocks
+    if num_blocks is None:  # enough for a few full-length sequences; modest on CPU
+        per_device = 2 if device == "cpu" else 64
+        num_blocks = max(64, (per_device * max_len) // args.block_size)
+    return EngineConfig(
+        model=model_cfg,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks, kv_dtype=dtype,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=max_len),
+        device=device, dtype=dtype, use_triton=args.use_triton,
+        use_cuda_graphs=args.use_cuda_graphs, overlap_decode=args.overlap_decode, seed=args.seed)
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
-        self.engine = build_engine(model, **engine_kwargs)  # type: ignore[arg-type]
+    """LLM(model, **EngineArgs fields) or LLM(EngineArgs(...))."""
+
+    def __init__(self, model: EngineArgs | str | None = None, **fields: object) -> None:
+        self.engine = build_engine(model, **fields)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],

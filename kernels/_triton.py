@@ -2,28 +2,20 @@
 
 Kernels are compiled for CUDA when a GPU is present. Without one (CI, laptops) they run in
 Triton's interpreter (numpy, one program at a time), which Triton only enables when
-TRITON_INTERPRET=1 is in the environment *before triton is first imported* (its own library
-functions such as tl.sum are decorated at import). So this module, when no GPU is visible and
-triton is not imported yet, sets TRITON_INTERPRET=1 itself before importing it. If someone
-imported triton earlier without it, launchers raise an error that says so (set
-TRITON_INTERPRET=1 for the process instead). TRITON_INTERPRET=1 on a GPU machine forces the
-interpreter (debugging). Triton 3.6's interpreter breaks on numpy >= 2.4 (loop bounds:
-triton-lang/triton#9171, fixed after 3.6), so pyproject pins numpy < 2.4 rather than patch it.
+TRITON_INTERPRET=1 is in the environment before triton is first imported; entry points choose
+that by calling kernels/triton_mode.select_triton_mode() (importing this module never touches
+the environment). If triton was imported in the wrong mode, launchers raise an error that says
+so. Triton 3.6's interpreter breaks on numpy >= 2.4 (loop bounds: triton-lang/triton#9171,
+fixed after 3.6), so pyproject pins numpy < 2.4 rather than patch it.
 """
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from collections.abc import Sequence
 
 import torch
-
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,12 +33,13 @@ def interpreter_problem() -> str | None:
     """Why kernels cannot run on this machine, or None when they can."""
     if not INTERPRET:
         return None if torch.cuda.is_available() else (
-            "no CUDA device, and triton was imported before kernels could select its CPU "
-            "interpreter: set TRITON_INTERPRET=1 in the environment")
+            "no CUDA device, and triton was imported in compiled mode: call "
+            "pdserve.kernels.triton_mode.select_triton_mode() before anything imports triton, "
+            "or set TRITON_INTERPRET=1 in the environment")
     if type(tl.standard.sum).__name__ != "InterpretedFunction":
         return ("TRITON_INTERPRET=1 was set after triton was imported, so triton's own library "
                 "functions are not interpretable; set TRITON_INTERPRET=1 in the environment "
-                "before the process starts (or import kernels before anything imports triton)")
+                "before the process starts (or call select_triton_mode() before anything imports triton)")
     return None
 
 

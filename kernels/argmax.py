@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (FLOAT_DTYPES, arrival_counters, check_launchable, check_tensor,
+from pdserve.kernels._triton import (FLOAT_DTYPES, arrival_counters, check_launchable, check_tensor,
                              interpreting, jit, next_pow2, num_sms, pdl_enter, pdl_launch,
                              scratch_fp32)
 

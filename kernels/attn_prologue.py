@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor, jit,
+from pdserve.kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor, jit,
                              next_pow2, pdl_enter, pdl_launch)
-from kernels.kv_write import check_cache_pair
+from pdserve.kernels.kv_write import check_cache_pair
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -105,7 +105,7 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v [T, Hkv, D] go into k_cache/v_cache [NB, BS, Hkv, D] at slot_mapping [T] (block * BS +
     offset; < 0 skips the token). positions [T] index cos/sin tables [max_pos, D/2] (positions
     must be < max_pos, not checked on device); with positions=None, cos/sin are per-token rows
-    [T, D/2] (what engine.layers.RotaryEmbedding.cos_sin returns). Returns the rotated q as a
+    [T, D/2] (what pdserve.engine.model.layers.RotaryEmbedding.cos_sin returns). Returns the rotated q as a
     new contiguous tensor.
     q/k/v may be strided views (head dim contiguous), e.g. of one fused qkv projection.
     """
@@ -146,7 +146,7 @@ class Prologue:
     """What fused_decode_attention does before attending (this module's job, done inside the
     attention kernel with the helpers below): the new tokens' k [T, Hkv, D] and v [T, Hkv, D]
     (strided views of the qkv projection are fine), their RoPE cos/sin (fp32): per-token rows
-    [T, D/2] (engine.layers.RotaryEmbedding.cos_sin), or with positions [T] tables
+    [T, D/2] (engine.model.layers.RotaryEmbedding.cos_sin), or with positions [T] tables
     [max_pos, D/2] that the kernel indexes (RotaryEmbedding.tables: no gather kernel per
     forward); cache slots slot_mapping [T] (< 0: padding, not written), optional QK-norm
     weights [D] and eps."""

@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (arrival_counters, check_tensor, dot_dtype, dot_precision,
+from pdserve.kernels._triton import (arrival_counters, check_tensor, dot_dtype, dot_precision,
                              interpreting, jit, next_pow2, num_sms, pdl_enter, pdl_launch)
-from kernels.attn_prologue import Prologue, check_prologue, rope_rows, write_new_kv
-from kernels.kv_write import check_q_and_cache
+from pdserve.kernels.attn_prologue import Prologue, check_prologue, rope_rows, write_new_kv
+from pdserve.kernels.kv_write import check_q_and_cache
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64

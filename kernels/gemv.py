@@ -32,11 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import (FLOAT_DTYPES, arrival_counters, check_launchable, check_tensor,
+from pdserve.kernels._triton import (FLOAT_DTYPES, arrival_counters, check_launchable, check_tensor,
                              dot_dtype, dot_precision, interpreting, jit, l2_prefetch_rows,
                              next_pow2, pdl_enter, pdl_launch, prefetch_lines, scratch_fp32)
-from kernels.rmsnorm import fused_add_rmsnorm
-from kernels.silu_mul import silu_and_mul
+from pdserve.kernels.rmsnorm import fused_add_rmsnorm
+from pdserve.kernels.silu_mul import silu_and_mul
 
 MAX_ROWS = 16  # the tensor-core kernel pads rows to tl.dot's M = 16
 CUDA_CORE_ROWS = 4  # the CUDA-core kernel keeps a [T, BLOCK_N, BLOCK_K] fp32 accumulator
@@ -111,7 +111,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
     # are never written) with a hand-written prefetch of each next tile measured 16% SLOWER
     # over a whole Qwen3-8B decode step on an H100 (6.96 vs 5.98 ms; loading only the first
     # tile early: 6.88): the waiting programs hold registers the running kernel needs
-    # (bench/diag_decode.py, bench/results/diag_decode_h100_2026-11-23.json). An L2-only
+    # (bench/lab/diag_decode.py, bench/results/diag_decode_h100_2026-11-23.json). An L2-only
     # prefetch (prefetch.global.L2) of each program's slice before the wait: 6.94 ms (_run2).
     # That was every GEMV, each behind another GEMV that already keeps HBM busy; PF_LINES is
     # for one behind a latency-bound kernel (o_proj behind the decode attention).

@@ -1,7 +1,7 @@
 """Pure-torch references: each computes the same function as one Triton kernel, in fp32.
 
 They define the kernels' semantics (tests compare against them) and run anywhere. Shapes follow
-engine/attention.py: T new tokens, B sequences, Hq query heads, Hkv KV heads, D head dim,
+engine/model/attention.py: T new tokens, B sequences, Hq query heads, Hkv KV heads, D head dim,
 a layer's cache view [num_blocks, block_size, Hkv, D].
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Greedy MTP acceptance on the device, written straight into the drafting's static inputs.
 
 After a verify forward over B sequences x q = k + 1 rows (the last accepted token + k drafts),
-the next MTP proposal (engine/draft_graphs.py) must start from each sequence's accepted
+the next MTP proposal (engine/spec/draft_graphs.py) must start from each sequence's accepted
 prefix, which only the target's argmax knows. Per sequence i this kernel computes
 
     n[i]       leading drafts equal to the target's argmax (k under forced acceptance)
@@ -13,14 +13,14 @@ prefix, which only the target's argmax knows. Per sequence i this kernel compute
 In torch that is ~12 tiny kernels and copies between the verify and the drafting graphs
 (cmp, cumprod, sum, arange, cat, where, copies, subtractions): ~3 us each at batch 1 on an
 H100, on the critical path of every speculative step. The reference is
-engine.draft_graphs.accept_ref.
+engine.spec.draft_graphs.accept_ref.
 """
 from __future__ import annotations
 
 import torch
 import triton.language as tl
 
-from kernels._triton import check_launchable, check_tensor, jit, next_pow2
+from pdserve.kernels._triton import check_launchable, check_tensor, jit, next_pow2
 
 
 @jit

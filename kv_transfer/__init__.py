@@ -1,26 +1,30 @@
-"""pdserve kv_transfer: KV block layout, NIXL transport, leases, handshake, fault injection.
+"""pdserve kv_transfer: KV block layout, the KVTransport interface and its backends (NIXL, and
+in-process for unit tests), leases, handshake, fault injection.
 
-    from kv_transfer import NixlKVTransport, PeerInfo, LeaseTable, compat_config
+    from pdserve.kv_transfer import make_transport, PeerInfo, LeaseTable
 
 Importing this package does not import NIXL; constructing a NixlKVTransport does.
 """
 from .faults import FaultConfig, FaultInjector, InjectedFault
 from .handshake import (HandshakeError, IncompatiblePeerError, PeerInfo, check_compatible,
-                        compat_config, compat_hash)
+                        compat_hash)
 from .layout import KVLayout, Run, coalesce, coalesce_pairs
 from .lease import Lease, LeaseError, LeaseTable
 from .metrics import KVMetrics, KVTransferMetrics, kv_metrics
 from .errors import (KVTransferError, KVTransferTimeout, StalePeerError, TransferStats,
                      UnknownPeerError)
+from .inproc_transport import InProcessKVTransport
 from .nixl_transport import NixlKVTransport
+from .transport import TRANSPORTS, KVTransport, make_transport
 
 __all__ = [
     "FaultConfig", "FaultInjector", "InjectedFault",
     "HandshakeError", "IncompatiblePeerError", "PeerInfo", "check_compatible",
-    "compat_config", "compat_hash",
+    "compat_hash",
     "KVLayout", "Run", "coalesce", "coalesce_pairs",
     "Lease", "LeaseError", "LeaseTable",
     "KVMetrics", "KVTransferMetrics", "kv_metrics",
-    "KVTransferError", "KVTransferTimeout", "NixlKVTransport", "StalePeerError",
+    "InProcessKVTransport", "KVTransferError", "KVTransferTimeout", "KVTransport",
+    "NixlKVTransport", "StalePeerError", "TRANSPORTS", "make_transport",
     "TransferStats", "UnknownPeerError",
 ]

@@ -6,8 +6,8 @@ opaque bytes (`to_bytes` / `from_bytes`: JSON, never pickle). It names the peer 
 worker is a new peer and handles to the old one go stale (ANCHORS #3).
 
 Compatibility (ANCHORS #8): the hash covers everything that must agree for a KV block to
-mean the same on both sides (engine.config.compatibility_hash: model shape, block size, KV
-dtype, layout version, extra such as MTP config). The config dict it was computed from
+mean the same on both sides (engine/core/config.py compat_payload: model shape, block size,
+KV dtype, layout version, extra such as MTP config; built there only). The config dict it was computed from
 travels along, so a refusal says WHAT differs ("block_size: 16 != 32"), not just "hash
 mismatch". The KV tensor layouts are compared as well (all but num_blocks).
 
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from engine.config import KV_LAYOUT_VERSION, CacheConfig, ModelConfig, describe_mismatch
+from pdserve.engine.core.config import describe_mismatch, payload_hash
 
 from .layout import KVLayout
 
@@ -38,22 +37,6 @@ class IncompatiblePeerError(ValueError):
     """The peer's KV blocks would not mean the same here; the message lists what differs."""
 
 
-def compat_config(model: ModelConfig, cache: CacheConfig, extra: dict | None = None) -> dict:
-    """The dict that engine.config.compatibility_hash hashes, normalised through JSON.
-
-    JSON-normalising (tuples -> lists, unknown objects -> str) makes the local dict equal to
-    the one a peer receives, so describe_mismatch only reports real differences.
-    """
-    payload = {
-        "layout_version": KV_LAYOUT_VERSION,
-        "model": asdict(model),
-        "block_size": cache.block_size,
-        "kv_dtype": cache.kv_dtype,
-        "extra": extra or {},
-    }
-    return normalize_config(payload)
-
-
 def normalize_config(config: dict) -> dict:
     """A deep copy of `config` as it reads back from JSON (hashing it gives the same hash)."""
     if not isinstance(config, dict):
@@ -62,9 +45,8 @@ def normalize_config(config: dict) -> dict:
 
 
 def compat_hash(config: dict) -> str:
-    """Same recipe as engine.config.compatibility_hash (a test keeps the two in step)."""
-    blob = json.dumps(config, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    """The hash a peer's compat config must carry (engine.core.config.payload_hash)."""
+    return payload_hash(config)
 
 
 def check_layout_matches_compat(layout: KVLayout, config: dict) -> None:

@@ -1,6 +1,6 @@
 """KV block layout as the transfer layer sees it, and coalescing of block runs.
 
-The engine keeps one KV tensor per worker (engine/attention.py):
+The engine keeps one KV tensor per worker (engine/model/attention.py):
     kv_cache: [num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim]
 so block b (all layers, K and V) is the single contiguous byte range
     [base + b * block_bytes, base + (b + 1) * block_bytes).
@@ -149,3 +149,21 @@ def block_descriptors(base_addr: int, layout: KVLayout, device_id: int) -> np.nd
     """One descriptor per block of the whole pool (for NIXL's prepared descriptor lists)."""
     n = layout.num_blocks
     return run_descriptors(base_addr, layout.block_bytes, np.arange(n), np.ones(n), device_id)
+
+
+def check_block_ids(local: Sequence[int], remote: Sequence[int], local_num_blocks: int,
+                    remote_num_blocks: int) -> tuple[list[int], list[int]]:
+    """The (local, remote) id pairs of one read as ints, checked: same length, inside each
+    pool, no local block twice (two writes into one block). ValueError names the argument."""
+    local_ids, remote_ids = [int(b) for b in local], [int(b) for b in remote]
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"local_block_ids: {len(local_ids)} ids for "
+                         f"{len(remote_ids)} remote_block_ids")
+    for name, ids, n in (("local_block_ids", local_ids, local_num_blocks),
+                         ("remote_block_ids", remote_ids, remote_num_blocks)):
+        for i, b in enumerate(ids):
+            if not 0 <= b < n:
+                raise ValueError(f"{name}[{i}]: block {b} outside [0, {n})")
+    if len(set(local_ids)) != len(local_ids):
+        raise ValueError("local_block_ids: a local block appears twice")
+    return local_ids, remote_ids

@@ -13,7 +13,7 @@ Descriptors (the measured cost is ~8 us each; DESIGN.md). Two modes, same descri
       NIXL merges index-adjacent entries that are contiguous on both sides, so a read also
       costs one descriptor per run (verified through NIXL telemetry in the tests), minus the
       per-read validation; it cannot cap descriptor size.
-Measured (bench/bench_kv_transfer.py, Qwen3-8B KV of 10,000 tokens = 1.47 GB, cuda:0 ->
+Measured (bench/lab/bench_kv_transfer.py, Qwen3-8B KV of 10,000 tokens = 1.47 GB, cuda:0 ->
 cuda:1 on two NVLinked H200s, UCX_TLS=cuda_ipc,cuda_copy,tcp; medians of 10): one coalesced
 descriptor 5.1 ms (287 GB/s), same via "prepped" 5.5 ms, capped at 16 MiB (90 descriptors)
 6.3 ms, runs of 4 blocks (157) 6.0 ms, one per block (625) 9.6 ms; torch peer copy 3.8 ms.
@@ -48,7 +48,8 @@ from .faults import FaultInjector, InjectedFault
 from .handshake import (HandshakeError, PeerInfo, check_compatible,
                         check_layout_matches_compat, compat_hash,
                         normalize_config)
-from .layout import KVLayout, Run, block_descriptors, coalesce_pairs, run_descriptors
+from .layout import (KVLayout, Run, block_descriptors, check_block_ids, coalesce_pairs,
+                     run_descriptors)
 from .metrics import KVMetrics, kv_metrics
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,9 @@ class NixlKVTransport:
             self._metrics.transfer_failed()
             raise
         try:
-            local_ids, remote_ids = self._check_ids(local_block_ids, remote_block_ids, peer)
+            local_ids, remote_ids = check_block_ids(local_block_ids, remote_block_ids,
+                                                   self.layout.num_blocks,
+                                                   peer.info.layout.num_blocks)
             stats = self._read(peer, local_ids, remote_ids, deadline, start)
         except KVTransferError:
             self._metrics.transfer_failed()
@@ -250,21 +253,6 @@ class NixlKVTransport:
                 self._retiring.remove(peer)
                 self._drop(peer)
             self._lock.notify_all()
-
-    def _check_ids(self, local: Sequence[int], remote: Sequence[int],
-                   peer: _Peer) -> tuple[list[int], list[int]]:
-        local_ids, remote_ids = [int(b) for b in local], [int(b) for b in remote]
-        if len(local_ids) != len(remote_ids):
-            raise ValueError(f"local_block_ids: {len(local_ids)} ids for "
-                             f"{len(remote_ids)} remote_block_ids")
-        for name, ids, n in (("local_block_ids", local_ids, self.layout.num_blocks),
-                             ("remote_block_ids", remote_ids, peer.info.layout.num_blocks)):
-            for i, b in enumerate(ids):
-                if not 0 <= b < n:
-                    raise ValueError(f"{name}[{i}]: block {b} outside [0, {n})")
-        if len(set(local_ids)) != len(local_ids):
-            raise ValueError("local_block_ids: a local block appears twice")
-        return local_ids, remote_ids
 
     def _read(self, peer: _Peer, local_ids: list[int], remote_ids: list[int],
               deadline: float, start: float) -> TransferStats:

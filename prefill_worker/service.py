@@ -23,14 +23,15 @@ import time
 
 import grpc
 
-from engine.engine import LLMEngine, RequestOutput
-from engine.sampling_params import InvalidRequestError
-from proto import pdserve_pb2 as pb
-from proto.convert import logprob_to_proto, params_from_proto
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.core.sampling_params import InvalidRequestError
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto.convert import logprob_to_proto, params_from_proto
+from pdserve.worker.runtime import WorkerRuntime
 
 
 class PrefillService:
-    def __init__(self, rt) -> None:  # rt: worker.runtime.WorkerRuntime
+    def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
 
     def prefill(self, req: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResult:
@@ -75,10 +76,10 @@ class PrefillService:
             try:
                 item = q.get(timeout=max(0.0, remaining))
             except queue.Empty:
-                self.rt.abort(rid)
+                self.abort(rid)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} timed out")
             if isinstance(item, BaseException):
-                self.rt.abort(rid)
+                self.abort(rid)
                 context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
             if item.finished:
                 return item
@@ -108,6 +109,11 @@ class PrefillService:
             num_tokens=out.num_prompt_tokens, compat_hash=self.rt.compat_hash,
             lease_generation=lease.generation, lease_deadline_unix=time.time() + ttl))
         return res
+
+    def abort(self, request_id: str) -> bool:
+        """End the request wherever it is (running or held) and free its pinned blocks."""
+        found = self.rt.abort_local(request_id)
+        return self.release(request_id, 0)[0] or found
 
     def release(self, request_id: str, generation: int) -> tuple[bool, bool]:
         """Free a held request's blocks. Returns (released, lease_was_valid).

@@ -1,8 +1,8 @@
 """Conversions between wire messages (proto/pdserve.proto) and engine types."""
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from proto import pdserve_pb2 as pb
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.proto import pdserve_pb2 as pb
 
 _OPTIONAL = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import pdserve_pb2 as proto_dot_pdserve__pb2
+from pdserve.proto import pdserve_pb2 as pdserve_dot_proto_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class PdserveStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Pdserve/Generate',
-                request_serializer=proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/pdserve.v1.Pdserve/ListModels',
-                request_serializer=proto_dot_pdserve__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.ListModelsResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdserve.v1.Pdserve/Health',
-                request_serializer=proto_dot_pdserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.HealthResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_PdserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=proto_dot_pdserve__pb2.ListModelsRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ListModelsRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.ListModelsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=proto_dot_pdserve__pb2.HealthRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.HealthRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class Pdserve:
             request,
             target,
             '/pdserve.v1.Pdserve/Generate',
-            proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class Pdserve:
             request,
             target,
             '/pdserve.v1.Pdserve/ListModels',
-            proto_dot_pdserve__pb2.ListModelsRequest.SerializeToString,
-            proto_dot_pdserve__pb2.ListModelsResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.ListModelsRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class Pdserve:
             request,
             target,
             '/pdserve.v1.Pdserve/Health',
-            proto_dot_pdserve__pb2.HealthRequest.SerializeToString,
-            proto_dot_pdserve__pb2.HealthResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.HealthRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -194,38 +194,38 @@ class WorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.Worker/Prefill',
-                request_serializer=proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.PrefillResult.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillResult.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.Worker/Decode',
-                request_serializer=proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.DecodeOutput.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.DecodeOutput.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.Worker/Release',
-                request_serializer=proto_dot_pdserve__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.ReleaseReply.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Worker/Abort',
-                request_serializer=proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.AbortReply.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.GetPeerInfo = channel.unary_unary(
                 '/pdserve.v1.Worker/GetPeerInfo',
-                request_serializer=proto_dot_pdserve__pb2.GetPeerInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.PeerInfo.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.GetPeerInfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PeerInfo.FromString,
                 _registered_method=True)
         self.AddPeer = channel.unary_unary(
                 '/pdserve.v1.Worker/AddPeer',
-                request_serializer=proto_dot_pdserve__pb2.PeerInfo.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.AddPeerReply.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.PeerInfo.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.AddPeerReply.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdserve.v1.Worker/Health',
-                request_serializer=proto_dot_pdserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.HealthResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -279,38 +279,38 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_pdserve__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.PrefillResult.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillResult.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=proto_dot_pdserve__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.DecodeOutput.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.DecodeOutput.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_pdserve__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.ReleaseReply.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ReleaseRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.ReleaseReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_pdserve__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.AbortReply.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.AbortReply.SerializeToString,
             ),
             'GetPeerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPeerInfo,
-                    request_deserializer=proto_dot_pdserve__pb2.GetPeerInfoRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.PeerInfo.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GetPeerInfoRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.PeerInfo.SerializeToString,
             ),
             'AddPeer': grpc.unary_unary_rpc_method_handler(
                     servicer.AddPeer,
-                    request_deserializer=proto_dot_pdserve__pb2.PeerInfo.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.AddPeerReply.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PeerInfo.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.AddPeerReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=proto_dot_pdserve__pb2.HealthRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.HealthRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -338,8 +338,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/Prefill',
-            proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
-            proto_dot_pdserve__pb2.PrefillResult.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.PrefillResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -365,8 +365,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/Decode',
-            proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
-            proto_dot_pdserve__pb2.DecodeOutput.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.DecodeOutput.FromString,
             options,
             channel_credentials,
             insecure,
@@ -392,8 +392,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/Release',
-            proto_dot_pdserve__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_pdserve__pb2.ReleaseReply.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.ReleaseRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -419,8 +419,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/Abort',
-            proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
-            proto_dot_pdserve__pb2.AbortReply.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -446,8 +446,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/GetPeerInfo',
-            proto_dot_pdserve__pb2.GetPeerInfoRequest.SerializeToString,
-            proto_dot_pdserve__pb2.PeerInfo.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.GetPeerInfoRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.PeerInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -473,8 +473,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/AddPeer',
-            proto_dot_pdserve__pb2.PeerInfo.SerializeToString,
-            proto_dot_pdserve__pb2.AddPeerReply.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.PeerInfo.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.AddPeerReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -500,8 +500,8 @@ class Worker:
             request,
             target,
             '/pdserve.v1.Worker/Health',
-            proto_dot_pdserve__pb2.HealthRequest.SerializeToString,
-            proto_dot_pdserve__pb2.HealthResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.HealthRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,7 +11,9 @@ import importlib.util
 import os
 import sys
 
-MAX_SPECULATIVE_TOKENS = 16  # engine.spec_decode.SpecConfig's bound
+from pdserve.kernels.triton_mode import select_triton_mode
+from pdserve.engine.core.config import MAX_SPECULATIVE_TOKENS
+from pdserve.engine.core.engine_args import EngineArgs
 
 
 def _int_arg(text: str, lo: int, hi: int | None = None) -> int:
@@ -69,6 +71,15 @@ def check_speculative(args: argparse.Namespace, check_files: bool = True) -> str
     return None
 
 
+def engine_args(args: argparse.Namespace, **fields: object) -> EngineArgs:
+    """The EngineArgs of a command: --model and the speculative flags, plus `fields`
+    (after check_speculative). EngineArgs validates and names a bad field."""
+    return EngineArgs(model=args.model, speculative=args.speculative,
+                      num_speculative_tokens=args.num_speculative_tokens,
+                      mtp_head=args.mtp_head, draft_vocab=args.draft_vocab,
+                      **fields)  # type: ignore[arg-type]
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream one completion to stdout (offline engine)")
     p.add_argument("prompt", help="the prompt text")
@@ -86,13 +97,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    select_triton_mode()  # an entry point: before anything imports triton
     problem = check_speculative(args)
     if problem:
         print(f"pdserve generate: {problem}", file=sys.stderr)
         return 2
-    from engine.config import ConfigError
-    from engine.llm import LLM
-    from engine.sampling_params import InvalidRequestError, SamplingParams
+    from pdserve.engine.core.config import ConfigError
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -101,9 +113,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
     try:
-        llm = LLM(args.model, device=args.device, speculative=args.speculative,
-                  num_speculative_tokens=args.num_speculative_tokens, mtp_head=args.mtp_head,
-                  draft_vocab=args.draft_vocab)
+        llm = LLM(engine_args(args, device=args.device))
     except ConfigError as e:  # e.g. a head trained for another model, a model without one
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
@@ -133,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # subcommands contributed by other modules: each exposes add_parser(sub) -> sets func
-_EXTRA_COMMANDS = {"serve": "router.serve", "bench": "bench.cli", "train-mtp": "engine.train_mtp"}
+_EXTRA_COMMANDS = {"serve": "pdserve.router.launch", "bench": "pdserve.bench.cli", "train-mtp": "pdserve.engine.train_mtp"}
 
 
 def main(argv: list[str] | None = None) -> int:

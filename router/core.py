@@ -18,13 +18,13 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
-from router.dispatch import ChoiceRun, Delta
-from router.errors import Draining, Overloaded, RouterError
-from router.frontend import Frontend
-from router.metrics import RouterMetrics
-from router.policies import DecodePolicy, PrefillPolicy
-from router.pool import WorkerPool
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.router.dispatch import ChoiceRun, Delta
+from pdserve.router.errors import Draining, Overloaded, RouterError
+from pdserve.router.frontend import Frontend
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import DecodePolicy, PrefillPolicy
+from pdserve.router.pool import WorkerPool
 
 SEED_STRIDE = 1_000_003  # choice i of a seeded request samples with seed + i * stride
 

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.block_manager import compute_block_hashes
-from engine.sampling_params import SamplingParams
-from proto import pdserve_pb2 as pb
-from proto.convert import params_to_proto
-from router.errors import (BadRequest, KVTransferFailed, RequestTimeout, WorkerUnavailable,
+from pdserve.engine.core.block_manager import compute_block_hashes
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto.convert import params_to_proto
+from pdserve.router.errors import (BadRequest, KVTransferFailed, RequestTimeout, WorkerUnavailable,
                            param_of)
-from router.metrics import StageTimes
-from router.policies import blocks_needed, straight_to_decode
-from router.pool import WorkerState
+from pdserve.router.metrics import StageTimes
+from pdserve.router.policies import blocks_needed, straight_to_decode
+from pdserve.router.pool import WorkerState
 
 log = logging.getLogger(__name__)
 

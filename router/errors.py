@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine.sampling_params import InvalidRequestError
+from pdserve.engine.core.sampling_params import InvalidRequestError
 
 
 class RouterError(Exception):

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.config import ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_source import ModelSource, resolve_model
-from engine.tokenizer import Tokenizer, TokenizerError
-from router.errors import BadRequest, NotFound
+from pdserve.engine.core.config import ModelConfig
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model.loader import ModelSource, resolve_model
+from pdserve.engine.model.tokenizer import Tokenizer, TokenizerError
+from pdserve.router.errors import BadRequest, NotFound
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -95,8 +95,8 @@ class Frontend:
 def load_frontend(model: str | None, max_model_len: int | None = None,
                   served_name: str | None = None) -> Frontend:
     """Read the model's config and tokenizer only (no weights)."""
-    from engine.presets import get_preset
-    from engine.weights import config_from_gguf, open_gguf, read_hf_config
+    from pdserve.engine.model.presets import get_preset
+    from pdserve.engine.model.weights import config_from_gguf, open_gguf, read_hf_config
 
     source: ModelSource = resolve_model(model)
     tokenizer: Tokenizer | None = None

@@ -28,10 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.core import Job, RouterCore, collect
-from router.dispatch import Delta
-from router.errors import BadRequest, PayloadTooLarge, RouterError, Unauthorized
-from router.protocol import (ParsedRequest, chat_choice, chat_chunk_choice, completion_choice,
+from pdserve.router.core import Job, RouterCore, collect
+from pdserve.router.dispatch import Delta
+from pdserve.router.errors import BadRequest, PayloadTooLarge, RouterError, Unauthorized
+from pdserve.router.protocol import (ParsedRequest, chat_choice, chat_chunk_choice, completion_choice,
                              parse_chat, parse_completion, usage_body)
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from typing import Protocol
 
 import grpc
 
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
-from proto.rpc import MAX_MESSAGE_BYTES
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Validation is explicit: every field is type-checked by hand and a bad one raises BadRequest
 naming it (`param`), so wrong types give 400, never a 500. Sampling ranges are checked by
-engine.sampling_params.SamplingParams, whose errors name the field too.
+engine.core.sampling_params.SamplingParams, whose errors name the field too.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from router.dispatch import Delta
-from router.errors import BadRequest
-from router.frontend import CHAT_ROLES, Frontend
+from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.router.dispatch import Delta
+from pdserve.router.errors import BadRequest
+from pdserve.router.frontend import CHAT_ROLES, Frontend
 
 MAX_N = 64
 MAX_LOGPROBS = 20

@@ -1,17 +1,13 @@
 """Shared pytest setup: the `gpu` marker skips without CUDA."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
-# Triton's CPU interpreter must be chosen before anything imports triton (kernels/_triton.py)
-try:
-    import torch as _torch
-    if not _torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-except ImportError:
-    pass
+from pdserve.kernels.triton_mode import select_triton_mode
+
+# Test setup is an entry point: Triton's CPU interpreter must be chosen before anything
+# imports triton, and importing pdserve never chooses it (kernels/triton_mode.py).
+select_triton_mode()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

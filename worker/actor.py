@@ -1,4 +1,4 @@
-"""Ray actor that hosts one WorkerRuntime (prefill, decode or colocated).
+"""Ray actor that hosts one Worker (prefill, decode or colocated).
 
 Ray owns placement and lifetime (num_gpus=1 on GPU hosts, CPU actors otherwise; restarts
 with max_restarts). Only control-plane calls go through Ray (endpoints, ping); requests and
@@ -7,11 +7,14 @@ ports, so the router re-reads endpoints() and re-introduces peers.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
 import ray
+from google.protobuf.json_format import MessageToDict
 
-from worker.config import WorkerConfig
+from pdserve.kernels.triton_mode import select_triton_mode
+from pdserve.worker.config import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -26,38 +29,37 @@ class Endpoints:
 
 class WorkerActor:
     def __init__(self, cfg: WorkerConfig) -> None:
-        import logging
-
-        from worker.runtime import WorkerRuntime
+        # the actor process is an entry point: compiled or interpreted Triton is chosen here,
+        # before the engine imports triton
+        select_triton_mode()
+        from pdserve.worker.server import Worker  # after the Triton mode is set
 
         logging.basicConfig(level=logging.INFO)
-        self.rt = WorkerRuntime(cfg).start()
+        self.w = Worker(cfg).start()
 
     def endpoints(self) -> dict:
-        rt = self.rt
-        return asdict(Endpoints(rt.cfg.worker_id, rt.cfg.role, rt.incarnation, rt.address,
-                                rt.metrics_address, ray.util.get_node_ip_address()))
+        w = self.w
+        return asdict(Endpoints(w.cfg.worker_id, w.cfg.role, w.incarnation, w.address,
+                                w.metrics_address, ray.util.get_node_ip_address()))
 
     def ping(self) -> str:
-        return self.rt.incarnation
+        return self.w.incarnation
 
     def health(self) -> dict:
-        from google.protobuf.json_format import MessageToDict
-
-        return MessageToDict(self.rt.health(), preserving_proto_field_name=True,
+        return MessageToDict(self.w.rt.health(), preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)
 
     def kv_digests(self, block_ids: list[int], num_tokens: int) -> list[str]:
-        return self.rt.kv_digests(block_ids, num_tokens)
+        return self.w.rt.kv_digests(block_ids, num_tokens)
 
     def recent_pulls(self) -> list[tuple[str, list[int], list[int], int]]:
-        return list(self.rt.decode.recent_pulls)
+        return list(self.w.decode.recent_pulls)
 
     def drain(self) -> None:
-        self.rt.draining = True
+        self.w.rt.draining = True
 
     def shutdown(self) -> None:
-        self.rt.stop()
+        self.w.stop()
 
 
 def launch_worker(cfg: WorkerConfig, num_gpus: float = 0, num_cpus: float = 1,

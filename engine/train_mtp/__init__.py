@@ -42,18 +42,18 @@ router.cli) work as before.
 """
 from __future__ import annotations
 
-from engine.train_mtp.cli import DEFAULTS, _cmd_train, _default, add_parser
-from engine.train_mtp.corpus import (HiddenRecorder, PaddedDecodeBackend, Sample, _common_prefix,
+from pdserve.engine.train_mtp.cli import DEFAULTS, _cmd_train, _default, add_parser
+from pdserve.engine.train_mtp.corpus import (HiddenRecorder, PaddedDecodeBackend, Sample, _common_prefix,
                                      _progress_interval, _top_k, generate_corpus,
                                      generation_engine)
-from engine.train_mtp.evaluation import measure_acceptance
-from engine.train_mtp.plots import _plain_png, _smooth, plot_losses
-from engine.train_mtp.prompts import (_CODE_TASKS, _CODE_TEMPLATES, _WHAT, _WHO, _WRITING,
+from pdserve.engine.train_mtp.evaluation import measure_acceptance
+from pdserve.engine.train_mtp.plots import _plain_png, _smooth, plot_losses
+from pdserve.engine.train_mtp.prompts import (_CODE_TASKS, _CODE_TEMPLATES, _WHAT, _WHO, _WRITING,
                                       HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
                                       TRAIN_TOPICS, ChatPrompts, chat, chat_text, corpus_prompts,
                                       heldout_prompts, task_prompts, temperature_for,
                                       training_prompts)
-from engine.train_mtp.training import (INITS, DenseCausalBackend, _batch, _distill,
+from pdserve.engine.train_mtp.training import (INITS, DenseCausalBackend, _batch, _distill,
                                        _length_batches, _null, batch_loss, evaluate_top1,
                                        init_head, train_head)
 

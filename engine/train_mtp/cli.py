@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 
-from engine.train_mtp.corpus import Sample, generate_corpus, generation_engine
-from engine.train_mtp.evaluation import measure_acceptance
-from engine.train_mtp.plots import plot_losses
-from engine.train_mtp.prompts import (HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
+from pdserve.engine.train_mtp.corpus import Sample, generate_corpus, generation_engine
+from pdserve.engine.train_mtp.evaluation import measure_acceptance
+from pdserve.engine.train_mtp.plots import plot_losses
+from pdserve.engine.train_mtp.prompts import (HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
                                       TRAIN_TOPICS, ChatPrompts, corpus_prompts,
                                       heldout_prompts, temperature_for)
-from engine.train_mtp.training import INITS, train_head
+from pdserve.engine.train_mtp.training import INITS, train_head
+from pdserve.kernels.triton_mode import select_triton_mode
 
 # defaults per device: (CPU, CUDA). The CUDA ones fit one H100 run of ~7.5 minutes in all:
 # model load + Triton compile + graph capture (~40 s), 4 minutes generating (the data:
@@ -126,9 +127,10 @@ def _settings(args: argparse.Namespace, gpu: bool) -> dict:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from engine.llm import default_device
-    from engine.model_source import resolve_model
-    from engine.mtp import save_mtp_head
+    select_triton_mode()  # an entry point: before anything imports triton
+    from pdserve.engine.llm import default_device
+    from pdserve.engine.model.loader import resolve_model
+    from pdserve.engine.spec.mtp_head import save_mtp_head
 
     t0 = time.monotonic()
     device = args.device or default_device()
@@ -189,7 +191,7 @@ def _build_corpus(args: argparse.Namespace, cfg: dict, source, device: str, gpu:
     """Prompts (checked not to overlap the held-out ones), the generation engine, and the
     generated samples. Returns (samples, the target model, generation info, load seconds);
     the engine itself is released (its KV cache and CUDA graphs are not needed any more)."""
-    from engine.model_source import load_tokenizer
+    from pdserve.engine.model.loader import load_tokenizer
 
     n_prompts = cfg["num_prompts"]
     messages = corpus_prompts(n_prompts, args.seed, cfg["task_fraction"])

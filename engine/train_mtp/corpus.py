@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.train_mtp.prompts import ChatPrompts
+from pdserve.engine.train_mtp.prompts import ChatPrompts
 
 def _progress_interval() -> float:
     """tqdm refresh: every 2 s on a terminal, every 15 s into a log (keeps logs short)."""
@@ -93,12 +93,12 @@ class PaddedDecodeBackend:
     name = "torch-padded"
 
     def write_kv(self, k, v, k_cache, v_cache, meta) -> None:
-        from engine.attention import write_kv
+        from pdserve.engine.model.attention import write_kv
 
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        from engine.attention import paged_attention_torch
+        from pdserve.engine.model.attention import paged_attention_torch
 
         if not meta.is_decode_only:
             return paged_attention_torch(q, k_cache, v_cache, meta, scale)
@@ -120,10 +120,10 @@ def generation_engine(model: str | None, device: str, seed: int, *, max_num_seqs
     must be computed, the shared system prompt included). Fast path (default on CUDA): Triton
     kernels and CUDA-graph decode steps (falls back to eager if capture fails); else (CPU)
     the padded decode attention above."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.engine import LLMEngine
-    from engine.llm import build_engine
-    from engine.model_source import load_model
+    from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.llm import build_engine
+    from pdserve.engine.model.loader import load_model
 
     fast = device.startswith("cuda") if fast is None else fast
     if fast:
@@ -200,7 +200,7 @@ def _run_requests(engine, prompts: "list[list[int]] | ChatPrompts", max_tokens: 
                   temperatures: list[float], seed: int, deadline: float | None,
                   refill_below: float) -> _Run:
     """Admit prompts in waves and step the engine until all are answered or the deadline."""
-    from engine.sampling_params import InvalidRequestError, SamplingParams
+    from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 
     tokenizer, engine.tokenizer = engine.tokenizer, None  # token ids in, no detokenizing
     sched = engine.scheduler

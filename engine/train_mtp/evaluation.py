@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.train_mtp.prompts import chat
+from pdserve.engine.train_mtp.prompts import chat
 
 def measure_acceptance(model_name: str | None, head_path: str, prompts: list[str], k: int,
                        max_tokens: int, device: str, dtype: str = "float32") -> dict:
@@ -12,9 +12,9 @@ def measure_acceptance(model_name: str | None, head_path: str, prompts: list[str
     float32 by default, on any device: the CI acceptance test runs that way on CPU."""
     import gc
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from engine.spec_decode import SpecConfig
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.core.config import SpecConfig
 
     llm = LLM(model_name, device=device, dtype=dtype, speculative=SpecConfig(
         num_speculative_tokens=k, batch_k_caps=()), mtp_head=head_path,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.train_mtp.corpus import Sample, _progress_interval
+from pdserve.engine.train_mtp.corpus import Sample, _progress_interval
 
 class DenseCausalBackend:
     """Training attention: the batch is B padded rows of equal length; causal SDPA, no cache.
@@ -48,7 +48,7 @@ def init_head(model, device: torch.device, backend: DenseCausalBackend, seed: in
     target's (its output feeds the same lm_head). last-layer: the decoder block also starts
     as a copy of the target's last layer, and eh_proj as [small random | identity] so the
     block first sees the target's own final state."""
-    from engine.mtp import random_head, with_mtp_layers
+    from pdserve.engine.spec.mtp_head import random_head, with_mtp_layers
 
     if init not in INITS:
         raise ValueError(f"init: must be one of {INITS}, got {init!r}")

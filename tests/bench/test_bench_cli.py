@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import main as pdserve_main
+from pdserve.router.cli import main as pdserve_main
 from sse_server import TokenStreamServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def _assert_png(path: str | Path) -> None:
 def test_rate_sweep_writes_json_and_plots(server, tmp_path):
     server.reset()
     out = tmp_path / "res" / "sweep.json"
-    cmd = [sys.executable, "-m", "router.cli", "bench", "--base-url", server.base_url,
+    cmd = [sys.executable, "-m", "pdserve.router.cli", "bench", "--base-url", server.base_url,
            "--num-prompts", "6", "--warmup", "2", "--rates", "8,inf", "--input-len", "8:16",
            "--output-len", "3:5", "--slo", "ttft=30,tpot=30", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

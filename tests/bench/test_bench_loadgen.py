@@ -11,8 +11,9 @@ import re
 
 import pytest
 
-from bench import loadgen, report
-from bench.workload import LengthRange, RequestSpec, random_workload, trace_workload, TraceEntry
+from pdserve.bench import loadgen
+from pdserve.bench import report
+from pdserve.bench.workload import LengthRange, RequestSpec, random_workload, trace_workload, TraceEntry
 from sse_server import TokenStreamServer
 
 FIRST_DELAY, TOKEN_DELAY = 0.15, 0.03

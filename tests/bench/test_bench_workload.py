@@ -7,9 +7,9 @@ import statistics
 
 import pytest
 
-from bench import report
-from bench.loadgen import RequestResult
-from bench.workload import (LengthRange, PrefixBlocks, TraceEntry, WORDS, poisson_arrivals,
+from pdserve.bench import report
+from pdserve.bench.loadgen import RequestResult
+from pdserve.bench.workload import (LengthRange, PrefixBlocks, TraceEntry, WORDS, poisson_arrivals,
                             random_workload, read_trace, trace_workload)
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import payoff_load as load
-from bench import payoff_metrics as pm
-from bench import payoff_report as report
-from bench.payoff_driver import parse_worker_opts, write_json
+from bench.lab import payoff_load as load
+from bench.lab import payoff_metrics as pm
+from bench.lab import payoff_report as report
+from bench.lab.payoff_driver import parse_worker_opts, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,7 +44,7 @@ def test_result_itl_tpot_and_slo():
 
 
 def test_poisson_specs_and_summary():
-    from bench.workload import LengthRange
+    from pdserve.bench.workload import LengthRange
 
     specs = load.poisson_specs(20.0, 5.0, LengthRange(3, 9), LengthRange(2, 4), 50, seed=1)
     assert 50 < len(specs) < 160 and all(s.arrival < 5.0 for s in specs)
@@ -122,7 +122,7 @@ def test_summary_done_when_lines(tmp_path):
 @pytest.mark.slow
 def test_cpu_smoke_both_setups(tmp_path):
     out = tmp_path / "payoff.json"
-    cmd = [sys.executable, "-m", "bench.bench_payoff", "--device", "cpu", "--model", "tiny-qwen3",
+    cmd = [sys.executable, "-m", "bench.lab.bench_payoff", "--device", "cpu", "--model", "tiny-qwen3",
            "--rates", "4,8", "--duration", "2", "--ramp", "0.25", "--drain", "30",
            "--input-len", "16:32", "--output-len", "4:8", "--slo", "ttft=30,tpot=10",
            "--warmup-requests", "2", "--time-budget", "0", "--startup-timeout", "120",
@@ -132,7 +132,7 @@ def test_cpu_smoke_both_setups(tmp_path):
     # one progress line per rate per setup
     assert len(re.findall(r"(disagg|colocated) +rate +[\d.]+/s: ", proc.stdout)) == 4
     res = json.loads(out.read_text())
-    assert res["date"] and "bench.bench_payoff" in res["command"] and res["versions"]["torch"]
+    assert res["date"] and "bench.lab.bench_payoff" in res["command"] and res["versions"]["torch"]
     assert set(res["results"]) == {"disagg", "colocated"}
     for setup, data in res["results"].items():
         runs = data["runs"]
@@ -166,6 +166,6 @@ def test_cpu_smoke_both_setups(tmp_path):
     png = out.with_suffix(".png")
     assert png.read_bytes().startswith(PNG_MAGIC)
     png.unlink()  # --plot redraws it from the JSON alone
-    subprocess.run([sys.executable, "-m", "bench.bench_payoff", "--plot", str(out)], cwd=REPO,
+    subprocess.run([sys.executable, "-m", "bench.lab.bench_payoff", "--plot", str(out)], cwd=REPO,
                    check=True, timeout=120, capture_output=True)
     assert png.read_bytes().startswith(PNG_MAGIC)

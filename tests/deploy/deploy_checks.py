@@ -106,22 +106,22 @@ def registry_sample_names(registry) -> set[str]:
 
 
 def _worker_registry(reg) -> None:
-    importlib.import_module("worker.metrics").WorkerMetrics(reg, "decode", "w0")
+    importlib.import_module("pdserve.worker.metrics").WorkerMetrics(reg, "decode", "w0")
 
 
 def _kv_registry(reg) -> None:
-    importlib.import_module("kv_transfer.metrics").KVTransferMetrics(reg)
+    importlib.import_module("pdserve.kv_transfer.metrics").KVTransferMetrics(reg)
 
 
 def _router_registry(reg) -> None:
-    importlib.import_module("router.metrics").RouterMetrics("r0", reg)
+    importlib.import_module("pdserve.router.metrics").RouterMetrics("r0", reg)
 
 
 # module -> how to build its metric families in a fresh registry
 METRIC_SOURCES: dict[str, Callable[[Any], None]] = {
-    "worker.metrics": _worker_registry,
-    "kv_transfer.metrics": _kv_registry,
-    "router.metrics": _router_registry,
+    "pdserve.worker.metrics": _worker_registry,
+    "pdserve.kv_transfer.metrics": _kv_registry,
+    "pdserve.router.metrics": _router_registry,
 }
 
 

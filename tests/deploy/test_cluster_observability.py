@@ -113,7 +113,7 @@ def bench(cluster, prometheus, tmp_path_factory) -> BenchRun:
                        json={"prompt": prompt, "max_tokens": 4})
         assert r.status_code == 200, r.text
     out = tmp_path_factory.mktemp("bench") / "run.json"
-    cmd = [sys.executable, "-m", "router.cli", "bench", "--base-url", cluster.url,
+    cmd = [sys.executable, "-m", "pdserve.router.cli", "bench", "--base-url", cluster.url,
            "--rates", ",".join(RATES), "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "4",
            "--input-len", "16:48", "--output-len", "8:16", "--ignore-eos", "--warmup", "0",
            "--seed", "7", "--no-progress", "--out", str(out)]

@@ -37,7 +37,7 @@ def test_promql_metric_names(expr, names):
 def test_dashboard_and_alerts_use_only_names_pdserve_defines():
     used = dc.used_metric_names()
     known, modules = dc.source_metric_names()
-    assert "worker.metrics" in modules
+    assert "pdserve.worker.metrics" in modules
     if dc.DESIGN.exists():
         known |= dc.design_metric_names()
     assert dc.missing_metric_names(used, known) == set()

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_manager import (BlockManager, NoFreeBlocksError, compute_block_hashes,
+from pdserve.engine.core.block_manager import (BlockManager, NoFreeBlocksError, compute_block_hashes,
                                   hash_block)
-from engine.config import CacheConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ def check_invariants(bm: BlockManager, live: list[Request]) -> None:
 
 
 def test_import_is_torch_free() -> None:
-    code = ("import sys, engine.block_manager, engine.scheduler; "
+    code = ("import sys, pdserve.engine.core.block_manager, engine.core.scheduler; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
@@ -73,7 +73,7 @@ def test_block_hashes_chain_and_are_process_stable() -> None:
     # incremental use with parent_hash gives the same chain
     assert compute_block_hashes(tokens[16:32], 16, parent_hash=hashes[0]) == hashes[1:]
     # a different interpreter with a different PYTHONHASHSEED agrees
-    code = ("from engine.block_manager import compute_block_hashes as c; "
+    code = ("from pdserve.engine.core.block_manager import compute_block_hashes as c; "
             "print(c(list(range(100, 140)), 16))")
     env = dict(os.environ, PYTHONHASHSEED="12345")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.detokenizer import DetokResult, IncrementalDetokenizer
+from pdserve.engine.core.detokenizer import DetokResult, IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

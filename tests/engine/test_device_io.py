@@ -1,9 +1,9 @@
-"""engine.device_io: host lists to the device, and row gathers that skip the identity."""
+"""pdserve.engine.exec.device_io: host lists to the device, and row gathers that skip the identity."""
 from __future__ import annotations
 
 import torch
 
-from engine.device_io import rows_of, to_device
+from pdserve.engine.exec.device_io import rows_of, to_device
 
 
 def test_to_device_keeps_values_and_dtype() -> None:

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.model_source import resolve_model
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.model.loader import resolve_model
+from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -71,7 +71,7 @@ def test_greedy_matches_transformers_as_one_batch(llm: LLM, hf_greedy: list[list
 
 
 def test_generate_cli_answers_paris() -> None:
-    out = subprocess.run([sys.executable, "-m", "router.cli", "generate", "--chat",
+    out = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "generate", "--chat",
                           "--device", "cpu", "What is the capital of France?"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import make_metadata
-from engine.weights import load_hf
+from pdserve.engine.model.attention import make_metadata
+from pdserve.engine.model.weights import load_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -180,8 +180,8 @@ def test_reserved_rope_table_gives_the_computed_rows(device) -> None:
     """RotaryEmbedding.reserve: cos_sin becomes a gather from a table; the rows equal the
     direct computation (bit for bit on CUDA, where the engine uses the table) and are
     [T, D/2] views with contiguous last dims, as the kernels require."""
-    from engine.config import RopeScaling
-    from engine.layers import RotaryEmbedding
+    from pdserve.engine.core.config import RopeScaling
+    from pdserve.engine.model.layers import RotaryEmbedding
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

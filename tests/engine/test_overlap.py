@@ -1,11 +1,11 @@
-"""Overlapped decode (engine/overlap.py): launching the next forward before the host reads the
+"""Overlapped decode (engine/exec/overlap.py): launching the next forward before the host reads the
 sampled tokens must never change an output, and must actually serve steps."""
 from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.core.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
            "Once upon a time, in a land far away,"]
@@ -47,8 +47,8 @@ def test_overlap_serves_steps_and_discards_on_batch_change(runs) -> None:
 
 
 def test_overlap_auto_is_off_without_graphs_and_bad_value_named() -> None:
-    from engine.config import ConfigError, EngineConfig
-    from engine.presets import get_preset
+    from engine.core.config import ConfigError, EngineConfig
+    from pdserve.engine.model.presets import get_preset
 
     llm = LLM(device="cpu", dtype="float32")
     assert llm.engine.runner.ahead is None  # "auto" on CPU: no graphs, no overlap

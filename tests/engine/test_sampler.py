@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import (Sampler, SamplerState, apply_min_p, apply_penalties,
+from pdserve.engine.core.request import Request
+from pdserve.engine.exec.sampler import (Sampler, SamplerState, apply_min_p, apply_penalties,
                             apply_top_k_top_p)
-from engine.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import SamplingParams
 
 V = 32
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_manager import NoFreeBlocksError
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.core.block_manager import NoFreeBlocksError
+from pdserve.engine.core.config import CacheConfig, SchedulerConfig
+from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
 
 REPO = Path(__file__).resolve().parents[2]
 EOS = 2
@@ -131,7 +131,7 @@ def run_all(sched: Scheduler, kv: FakeKV, max_steps: int = 2000) -> list[Schedul
 
 
 def test_import_is_torch_free() -> None:
-    code = ("import sys, engine.scheduler, engine.block_manager; "
+    code = ("import sys, pdserve.engine.core.scheduler, engine.core.block_manager; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 

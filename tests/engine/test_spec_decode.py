@@ -13,10 +13,11 @@ import random
 import pytest
 import torch
 
-from engine.config import CacheConfig, compatibility_hash
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.spec_decode import (DraftJob, SpecConfig, SpecStats, greedy_accept,
+from engine.core.config import CacheConfig, compatibility_hash
+from pdserve.engine.llm import LLM
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.config import SpecConfig
+from pdserve.engine.spec.spec_decoder import (DraftJob, SpecStats, greedy_accept,
                                 rejection_sample)
 
 TINY = dict(device="cpu", block_size=4, num_blocks=256)
@@ -43,7 +44,7 @@ def reference() -> list[list[int]]:
 def use_oracle(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], seed: int = 0):
     """Replace the MTP drafts with the reference continuation, right for a random number
     (0..k) of tokens and wrong after that. The real head still runs first (in whichever path
-    drafts: the general propose or the device-side verify + draft of engine/verify_ahead.py)."""
+    drafts: the general propose or the device-side verify + draft of engine/spec/verify_ahead.py)."""
     runner = llm.engine.runner
     full = {tuple(p): p + o for p, o in zip(prompts, outputs)}
     rng, real = random.Random(seed), runner.run
@@ -142,7 +143,7 @@ def test_kv_of_both_caches_matches_a_fresh_prefill(reference: list[list[int]],
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_static_drafting_equals_dynamic(k: int, reference: list[list[int]]) -> None:
-    """engine/draft_graphs.py (run eagerly here; CUDA graphs on a GPU) proposes exactly the
+    """engine/spec/draft_graphs.py (run eagerly here; CUDA graphs on a GPU) proposes exactly the
     drafts of the dynamic path, step for step, with partial acceptance (rows past the
     accepted prefix in its catch-up) and with a batch whose requests end at different steps."""
     logs = _drafts_by_mode(k, reference, {})
@@ -196,8 +197,8 @@ def test_random_sampling_keeps_the_target_support_and_seed() -> None:
     assert llm.engine.spec_stats.num_draft_tokens > 0
     assert out == tokens(spec_llm(3).generate(PROMPTS, params))  # seeded: reproducible
     model = llm.engine.runner.model
-    from engine.attention import make_metadata
-    from engine.runner import allocate_kv_cache
+    from pdserve.engine.model.attention import make_metadata
+    from engine.exec.runner import allocate_kv_cache
 
     for prompt, o in zip(PROMPTS, out):
         seq = prompt + o
@@ -293,7 +294,7 @@ def test_compat_hash_covers_speculation() -> None:
 def test_spec_metrics_exported() -> None:
     from prometheus_client import CollectorRegistry
 
-    from worker.metrics import WorkerMetrics
+    from pdserve.worker.metrics import WorkerMetrics
 
     reg = CollectorRegistry()
     m = WorkerMetrics(reg, "decode", "d0")
@@ -348,7 +349,7 @@ def test_verify_graph_buffers_reproduce_the_eager_forward() -> None:
     """What a verify graph replays, run eagerly (Triton interpreter on CPU): a batch of 3
     verifying sequences copied into the static buffers of a bucket of 4, the padding row
     writing no KV, gives the eager forward's hidden states exactly."""
-    from engine.spec_graphs import VerifyGraphs
+    from pdserve.engine.spec.verify_graphs import VerifyGraphs
 
     # the Triton interpreter on a CPU host; compiled kernels (CUDA tensors) on a GPU host
     device = "cuda" if torch.cuda.is_available() else "cpu"

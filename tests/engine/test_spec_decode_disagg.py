@@ -11,15 +11,15 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.engine import LLMEngine
-from engine.llm import build_engine
-from engine.sampling_params import SamplingParams
-from engine.spec_decode import SpecConfig
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
-from proto.rpc import make_channel
-from worker.config import WorkerConfig
-from worker.runtime import WorkerRuntime
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm import build_engine
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.config import SpecConfig
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import make_channel
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.server import Worker
 
 TINY = dict(device="cpu", block_size=4, num_blocks=256)
 PROMPTS = [[5 + i, 17, 99, 3 * i + 1, 42] * (i + 2) for i in range(3)]
@@ -42,10 +42,10 @@ def plain_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -
 @contextlib.contextmanager
 def workers(p_engine: LLMEngine, d_engine: LLMEngine) -> Iterator[tuple]:
     p_engine.keep_hidden = True  # what build_worker_engine does for the prefill role
-    P = WorkerRuntime(WorkerConfig(role="prefill", worker_id="p0", metrics_port=-1),
-                      engine=p_engine).start()
-    D = WorkerRuntime(WorkerConfig(role="decode", worker_id="d0", metrics_port=-1),
-                      engine=d_engine).start()
+    P = Worker(WorkerConfig(role="prefill", worker_id="p0", metrics_port=-1),
+               engine=p_engine).start()
+    D = Worker(WorkerConfig(role="decode", worker_id="d0", metrics_port=-1),
+               engine=d_engine).start()
     try:
         ps, ds = pbg.WorkerStub(make_channel(P.address)), pbg.WorkerStub(make_channel(D.address))
         reply = ds.AddPeer(ps.GetPeerInfo(pb.GetPeerInfoRequest(), timeout=10), timeout=30)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.llm import LLM, build_engine
-from engine.mtp import HEADS_DIR
-from engine.sampling_params import SamplingParams
-from engine.spec_decode import SpecConfig
-from engine.train_mtp import chat, heldout_prompts, training_prompts
-from worker.metrics import WorkerMetrics
+from pdserve.engine.llm import LLM, build_engine
+from pdserve.engine.spec.mtp_head import HEADS_DIR
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.config import SpecConfig
+from pdserve.engine.train_mtp import chat, heldout_prompts, training_prompts
+from pdserve.worker.metrics import WorkerMetrics
 
 CPU = dict(device="cpu", dtype="float32", num_blocks=512, max_num_batched_tokens=1024)
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

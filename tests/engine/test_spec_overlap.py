@@ -1,8 +1,8 @@
 """MTP speculation with overlapped decode (CPU, tiny random Qwen3 + random MTP head).
 
 A plain decode step whose batch drafts nothing (k = 0 from batch_k_caps) launches its MTP
-catch-up from the sampler's device ids (engine/draft_graphs.py catch_up_from_device), then the
-next decode forward ahead of the host sync (engine/overlap.py). Caps ((2, 1),): the batch of 5
+catch-up from the sampler's device ids (engine/spec/draft_graphs.py catch_up_from_device), then the
+next decode forward ahead of the host sync (engine/exec/overlap.py). Caps ((2, 1),): the batch of 5
 drafts nothing; once requests finish and <= 2 remain, drafting (and verifying) resumes.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.spec_decode import SpecConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.config import SpecConfig
 
 TINY = dict(device="cpu", block_size=4, num_blocks=256)
 PROMPTS = [[5 + i, 17, 99, 3 * i + 1, 42] * (i + 1) for i in range(5)]
@@ -76,7 +76,7 @@ def test_k0_catch_up_runs_from_device_ids_before_the_overlapped_launch(
     assert static.device_catch_ups > 0  # (d) the catch-up from device ids ran
     assert engine.spec_stats.num_drafts > 0  # drafting resumed once the batch shrank
     # exactly one catch-up per step: the early one (k = 0 steps) or the device-side verify +
-    # draft (uniform verify steps, engine/verify_ahead.py) replaced propose(), never ran
+    # draft (uniform verify steps, engine/spec/verify_ahead.py) replaced propose(), never ran
     # besides it
     assert runner.verify_ahead.launched > 0
     assert (static.device_catch_ups + runner.verify_ahead.launched + propose_calls
@@ -117,7 +117,7 @@ def test_overlap_needs_the_early_catch_up_when_mtp_kv_is_kept(
 @pytest.mark.parametrize("forced", [False, True])
 def test_next_verify_launched_from_device_drafts(forced: bool) -> None:
     """A uniform greedy verify step launches the next verify forward from the drafts still on
-    the device (engine/runner.py _launch_verify): outputs stay exact and the launches serve
+    the device (engine/exec/runner.py _launch_verify): outputs stay exact and the launches serve
     steps (a request about to end or to get fewer drafts is not launched for: cap_k)."""
     kw = dict(speculative=SpecConfig(num_speculative_tokens=2, batch_k_caps=(),
                                      draft_graphs="on", forced_acceptance=forced),
@@ -139,7 +139,7 @@ def test_device_acceptance_kernel_equals_its_torch_reference(forced: bool) -> No
     """The fused path (use_triton; the Triton interpreter on CPU) runs a uniform verify
     step's acceptance as kernels.spec_accept: k = 3 (a two-step chain moved back on the
     device), real acceptance of random drafts (mostly rejected) and forced acceptance.
-    Outputs equal the torch path's (engine.draft_graphs.accept_ref), step for step."""
+    Outputs equal the torch path's (engine.spec.draft_graphs.accept_ref), step for step."""
     spec = SpecConfig(num_speculative_tokens=3, batch_k_caps=(), draft_graphs="on",
                       forced_acceptance=forced)
     kw = dict(speculative=spec, overlap_decode="on", **TINY)

@@ -21,15 +21,14 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install pdserve[triton])", allow_module_level=True)
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import kernels  # noqa: E402  (fixes compiled vs interpreted mode before triton is imported)
-from kernels._triton import interpreter_problem  # noqa: E402
+from pdserve.kernels._triton import interpreter_problem  # noqa: E402
 
-from engine.attention import make_metadata  # noqa: E402
-from engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.presets import get_preset  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.weights import random_model  # noqa: E402
+from pdserve.engine.model.attention import make_metadata  # noqa: E402
+from pdserve.engine.exec.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets  # noqa: E402
+from pdserve.engine.llm import LLM  # noqa: E402
+from pdserve.engine.model.presets import get_preset  # noqa: E402
+from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.model.weights import random_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 4

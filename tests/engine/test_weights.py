@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import make_metadata
-from engine.config import ConfigError
-from engine.model import Model
-from engine.model_source import EMBEDDED_MODEL, embedded_gguf_path, load_model, resolve_model
-from engine.presets import get_preset, param_count, preset_names
-from engine.weights import WeightsError, load_gguf, load_hf, random_model
+from pdserve.engine.model.attention import make_metadata
+from pdserve.engine.core.config import ConfigError
+from pdserve.engine.model.decoder import Model
+from pdserve.engine.model.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model, resolve_model
+from pdserve.engine.model.presets import get_preset, param_count, preset_names
+from pdserve.engine.model.weights import WeightsError, load_gguf, load_hf, random_model
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

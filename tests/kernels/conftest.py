@@ -1,26 +1,21 @@
 """Kernel tests run compiled on CUDA when present, else in Triton's CPU interpreter.
 
-The interpreter must be chosen before triton is first imported; importing `kernels` does that
-(kernels/_triton.py) when no GPU is visible. If something imported triton earlier in this
+The interpreter must be chosen before triton is first imported; tests/conftest.py does that
+(kernels/triton_mode.py) when no GPU is visible. If something imported triton earlier in this
 process without TRITON_INTERPRET=1, the kernel tests are skipped with that reason -- run them
 with TRITON_INTERPRET=1 in the environment (CI does: `TRITON_INTERPRET=1 pytest tests/kernels`).
 """
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-if _HAS_TRITON and "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-if _HAS_TRITON:
-    import kernels  # noqa: F401  (fixes the mode before any test module imports triton)
-    from kernels._triton import interpreter_problem
+if _HAS_TRITON:  # tests/conftest.py chose compiled or interpreted mode before this import
+    from pdserve.kernels._triton import interpreter_problem
 
 # (rtol, atol) against the fp32 references; low precision pays for its rounding of inputs/P.
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (5e-3, 5e-3),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.argmax import argmax
-from kernels.reference import argmax_ref
+from pdserve.kernels.argmax import argmax
+from pdserve.kernels.reference import argmax_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

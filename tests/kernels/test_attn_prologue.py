@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused_qk_norm_rope_kv, write_kv
-from kernels.reference import qk_norm_rope_cache_ref, rope_cos_sin, write_kv_ref
+from pdserve.kernels.ops import fused_qk_norm_rope_kv, write_kv
+from pdserve.kernels.reference import qk_norm_rope_cache_ref, rope_cos_sin, write_kv_ref
 
 MAX_POS = 300
 
@@ -57,8 +57,8 @@ def test_matches_reference(dtype, T, hq, hkv, d, qk_norm, device, paged_cache, c
 
 
 def test_per_token_cos_sin_matches_engine_rope(device, paged_cache, close):
-    """positions=None takes engine.layers.RotaryEmbedding.cos_sin rows; same as apply_rope."""
-    from engine.layers import RMSNorm, RotaryEmbedding, apply_rope
+    """positions=None takes pdserve.engine.model.layers.RotaryEmbedding.cos_sin rows; same as apply_rope."""
+    from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 
     T, hq, hkv, d = 6, 8, 2, 64
     _, q, k, v = _qkv_views(T, hq, hkv, d, torch.float32, device, seed=7)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import TorchAttentionBackend, make_metadata
-from kernels import TritonAttentionBackend
+from pdserve.engine.model.attention import TorchAttentionBackend, make_metadata
+from pdserve.engine.model.triton_attention import TritonAttentionBackend
 
 HQ, HKV, D, BS = 6, 2, 64, 8
 
@@ -44,8 +44,8 @@ def test_matches_torch_backend(query_lens, seq_lens, device, close):
 
 
 def test_model_forward_prefill_then_decode(device, close):
-    from engine.config import ModelConfig
-    from engine.model import Model
+    from pdserve.engine.core.config import ModelConfig
+    from pdserve.engine.model.decoder import Model
 
     cfg = ModelConfig(arch="qwen3", vocab_size=50, hidden_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=32, intermediate_size=96, qk_norm=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_decode_attention
-from kernels.decode_attention import choose_num_splits
-from kernels.reference import paged_attention_ref
+from pdserve.kernels.ops import paged_decode_attention
+from pdserve.kernels.decode_attention import choose_num_splits
+from pdserve.kernels.reference import paged_attention_ref
 
 
 def _run(cache, hq, d, dtype, device, num_splits, seed=0, q=None):
@@ -152,8 +152,8 @@ def test_rows_per_seq_is_checked(device, paged_cache):
 def test_attention_entry_point_for_verify_steps(query_lens, device, paged_cache, close):
     """kernels.attention: uniform query lengths (a verify step) take the decode kernel with
     rows_per_seq, mixed ones the chunked-prefill kernel; both match the reference."""
-    from engine.attention import AttentionMetadata
-    from kernels import attention
+    from pdserve.engine.model.attention import AttentionMetadata
+    from pdserve.engine.model.triton_attention import attention
 
     cache = paged_cache([41, 18], 8, 2, 64, torch.float32)
     T = sum(query_lens)

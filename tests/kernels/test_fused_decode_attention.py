@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import Prologue, fused_decode_attention
-from kernels.reference import paged_attention_ref, qk_norm_rope_cache_ref
+from pdserve.kernels.decode_attention import Prologue, fused_decode_attention
+from pdserve.kernels.reference import paged_attention_ref, qk_norm_rope_cache_ref
 
 
 def _slots(cache, R: int) -> torch.Tensor:
@@ -97,7 +97,7 @@ def test_prologue_arguments_name_the_field(device, paged_cache):
 def test_rope_tables_indexed_by_positions_equal_per_token_rows(R, splits, device, paged_cache,
                                                                close):
     """Prologue(positions=...): cos/sin are tables [max_pos, D/2] (strided views of one
-    [max_pos, 2, D/2] table, as engine.layers.RotaryEmbedding keeps it) that the kernel
+    [max_pos, 2, D/2] table, as pdserve.engine.model.layers.RotaryEmbedding keeps it) that the kernel
     indexes by position, for the q rows and for the new k rows it caches; the result equals
     the same kernel given the gathered per-token rows. Positions are shuffled table rows
     (not the context index), so a kernel that ignored them would differ."""

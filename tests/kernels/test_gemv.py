@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gemv
-from kernels.gemv import GemvConfig
-from kernels.reference import gemv_ref
+from pdserve.kernels.ops import gemv
+from pdserve.kernels.gemv import GemvConfig
+from pdserve.kernels.reference import gemv_ref
 
 
 def _data(T: int, N: int, K: int, dtype: torch.dtype, device, k_in: int | None = None,
@@ -171,7 +171,7 @@ def test_l2_prefetch_leaves_results_unchanged(T, cfg, device, close):
 
 
 def test_prefetch_lines_cover_the_share_in_128_byte_lines():
-    from kernels._triton import prefetch_lines
+    from pdserve.kernels._triton import prefetch_lines
 
     assert prefetch_lines(4096, 1, 1.0, 2) == 64  # a bf16 row of 8 KiB: 64 lines
     assert prefetch_lines(4096, 2, 1.0, 2) == 32  # each of 2 K parts: half a row

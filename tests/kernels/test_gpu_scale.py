@@ -1,12 +1,12 @@
 """Compiled kernels at 8B-model shapes and long contexts (CUDA only; the interpreter would take
-minutes). Correctness against the references; speed lives in `python -m kernels.bench`."""
+minutes). Correctness against the references; speed lives in `python -m bench.lab.kernel_bench`."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import paged_decode_attention, paged_prefill_attention
-from kernels.reference import paged_attention_ref
+from pdserve.kernels.ops import paged_decode_attention, paged_prefill_attention
+from pdserve.kernels.reference import paged_attention_ref
 
 pytestmark = pytest.mark.gpu
 HQ, HKV, D = 32, 8, 128
@@ -62,8 +62,9 @@ def test_decode_under_cuda_graph_replay(paged_cache, close):
 def test_fresh_prefill_sdpa_matches_the_paged_kernel(paged_cache, close):
     """The SDPA path the backend takes for one fresh 3001-token prompt (blocks scattered in the
     cache, last block partial) computes what the paged Triton kernel does."""
-    from engine.attention import AttentionMetadata
-    from kernels import TritonAttentionBackend, sdpa_prefill
+    from pdserve.engine.model.attention import AttentionMetadata
+    from pdserve.engine.model.triton_attention import TritonAttentionBackend
+    from pdserve.engine.model import sdpa_prefill
 
     S, dtype = 3001, torch.bfloat16
     cache = paged_cache([S], 16, HKV, D, dtype)
@@ -86,8 +87,8 @@ def test_fresh_prefill_sdpa_matches_the_paged_kernel(paged_cache, close):
 def test_gemv_at_8b_shapes(T, close):
     """The decode GEMVs at Qwen3-8B's widest shapes (tiles from pick_config, not the
     interpreter's), against the fp32 reference."""
-    from kernels import gemv
-    from kernels.reference import gemv_ref
+    from pdserve.kernels.ops import gemv
+    from pdserve.kernels.reference import gemv_ref
 
     for N, K, prologue in ((6144, 4096, "norm"), (4096, 12288, "silu"), (151936, 4096, "none")):
         k_in = 2 * K if prologue == "silu" else K

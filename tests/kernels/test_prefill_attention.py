@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_prefill_attention
-from kernels.reference import paged_attention_ref
+from pdserve.kernels.ops import paged_prefill_attention
+from pdserve.kernels.reference import paged_attention_ref
 
 
 def _run(cache, query_lens, hq, d, dtype, device, seed=0, q=None):
@@ -63,7 +63,7 @@ def test_strided_q_from_fused_projection(device, paged_cache, close):
 
 def test_decode_rows_match_decode_kernel(device, paged_cache, close):
     """An all-decode batch through the prefill kernel equals the decode kernel."""
-    from kernels import paged_decode_attention
+    from pdserve.kernels.ops import paged_decode_attention
 
     cache = paged_cache([9, 40, 16], 8, 2, 64, torch.float32)
     q = torch.randn(3, 6, 64, device=device)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused_add_rmsnorm
-from kernels.reference import add_rmsnorm_ref
+from pdserve.kernels.ops import fused_add_rmsnorm
+from pdserve.kernels.reference import add_rmsnorm_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -43,7 +43,7 @@ def test_strided_rows_and_fp32_weight_with_bf16_input(device, close):
 
 
 def test_matches_engine_rmsnorm(device, close):
-    from engine.layers import RMSNorm
+    from pdserve.engine.model.layers import RMSNorm
 
     norm = RMSNorm(200, 1e-6).to(device)
     with torch.no_grad():

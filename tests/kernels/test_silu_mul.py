@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import silu_and_mul
-from kernels.reference import silu_and_mul_ref
+from pdserve.kernels.ops import silu_and_mul
+from pdserve.kernels.reference import silu_and_mul_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -19,7 +19,7 @@ def test_matches_reference(dtype, T, I, device, close):
 
 
 def test_strided_rows_match_engine_layer(device, close):
-    from engine.layers import silu_and_mul as engine_silu_and_mul
+    from pdserve.engine.model.layers import silu_and_mul as engine_silu_and_mul
 
     big = torch.randn(9, 2 * 300 + 40, device=device)
     x = big[:, 20:620]  # row stride 640, columns contiguous

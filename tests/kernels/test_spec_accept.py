@@ -1,14 +1,14 @@
-"""kernels.spec_accept against engine.draft_graphs.accept_ref, and both against the host
-rule of engine.spec_decode.greedy_accept: device-side greedy acceptance and the chain's
+"""kernels.spec_accept against pdserve.engine.spec.draft_graphs.accept_ref, and both against the host
+rule of pdserve.engine.spec.spec_decoder.greedy_accept: device-side greedy acceptance and the chain's
 positions after it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.spec_decode import greedy_accept
-from engine.draft_graphs import accept_ref
-from kernels.spec_accept import spec_accept
+from pdserve.engine.spec.spec_decoder import greedy_accept
+from pdserve.engine.spec.draft_graphs import accept_ref
+from pdserve.kernels.spec_accept import spec_accept
 
 BS = 4  # block size: small, so chain positions cross blocks
 

@@ -14,8 +14,8 @@ def serve(conn: Any, worker_id: str, shape: tuple, compat: dict, device: str) ->
     import torch
     from prometheus_client import CollectorRegistry
 
-    from kv_transfer import NixlKVTransport
-    from kv_transfer.metrics import kv_metrics
+    from pdserve.kv_transfer import NixlKVTransport
+    from pdserve.kv_transfer.metrics import kv_metrics
 
     def start() -> tuple[torch.Tensor, NixlKVTransport]:
         kv = torch.zeros(shape, dtype=torch.float32, device=device)

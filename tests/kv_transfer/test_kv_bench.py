@@ -1,4 +1,4 @@
-"""bench/bench_kv_transfer.py end to end on CPU with a tiny shape (two real processes)."""
+"""bench/lab/bench_kv_transfer.py end to end on CPU with a tiny shape (two real processes)."""
 from __future__ import annotations
 
 import json

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.faults import FaultConfig, FaultInjector
+from pdserve.kv_transfer.faults import FaultConfig, FaultInjector
 
 
 def _fails(inj: FaultInjector, n: int) -> list[int]:

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from engine.config import CacheConfig, ModelConfig, compatibility_hash
-from kv_transfer.handshake import (HandshakeError, IncompatiblePeerError, PeerInfo,
-                                   check_compatible, check_layout_matches_compat, compat_config,
+from pdserve.engine.core.config import CacheConfig, ModelConfig, compat_payload, compatibility_hash
+from pdserve.kv_transfer.handshake import (HandshakeError, IncompatiblePeerError, PeerInfo,
+                                   check_compatible, check_layout_matches_compat,
                                    compat_hash)
-from kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 MODEL = ModelConfig(arch="llama", vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,
                     num_kv_heads=2, head_dim=8, intermediate_size=64, eos_token_ids=(1, 2))
@@ -21,7 +21,7 @@ CACHE = CacheConfig(block_size=4, num_blocks=64, kv_dtype="float32")
 def make_info(worker_id="p0", model=MODEL, cache=CACHE, extra=None, **over) -> PeerInfo:
     kv = torch.zeros(cache.num_blocks, model.num_layers + model.num_mtp_layers, 2,
                      cache.block_size, model.num_kv_heads, model.head_dim)
-    cfg = compat_config(model, cache, extra)
+    cfg = compat_payload(model, cache, extra)
     info = PeerInfo(worker_id=worker_id, incarnation="abc123", agent_name=f"{worker_id}#abc123",
                     agent_metadata=bytes(range(256)) * 3, kv_base_addr=0x7F0000001000,
                     kv_device_id=0, kv_mem_type="DRAM", layout=KVLayout.from_cache(kv),
@@ -31,9 +31,9 @@ def make_info(worker_id="p0", model=MODEL, cache=CACHE, extra=None, **over) -> P
 
 def test_compat_hash_matches_engine_recipe():
     extra = {"mtp": {"k": 2}, "ids": (1, 2)}
-    assert compat_hash(compat_config(MODEL, CACHE, extra)) == compatibility_hash(MODEL, CACHE,
+    assert compat_hash(compat_payload(MODEL, CACHE, extra)) == compatibility_hash(MODEL, CACHE,
                                                                                  extra)
-    assert compat_hash(compat_config(MODEL, CACHE)) == compatibility_hash(MODEL, CACHE)
+    assert compat_hash(compat_payload(MODEL, CACHE)) == compatibility_hash(MODEL, CACHE)
 
 
 def test_round_trip_is_json_and_exact():
@@ -94,7 +94,7 @@ def test_hash_that_does_not_match_its_config_is_refused():
 
 
 def test_local_tensor_must_match_claimed_config():
-    cfg = compat_config(MODEL, CACHE)
+    cfg = compat_payload(MODEL, CACHE)
     check_layout_matches_compat(make_info().layout, cfg)
     wrong = KVLayout.from_cache(torch.zeros(8, 3, 2, 16, 2, 8))
     with pytest.raises(ValueError, match="block_size is 16 .* says 4"):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.layout import (KVLayout, Run, block_descriptors, coalesce, coalesce_pairs,
+from pdserve.kv_transfer.layout import (KVLayout, Run, block_descriptors, coalesce, coalesce_pairs,
                                 run_descriptors)
 
 

@@ -6,9 +6,9 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kv_transfer.faults import FaultConfig, FaultInjector
-from kv_transfer.lease import LeaseError, LeaseTable
-from kv_transfer.metrics import kv_metrics
+from pdserve.kv_transfer.faults import FaultConfig, FaultInjector
+from pdserve.kv_transfer.lease import LeaseError, LeaseTable
+from pdserve.kv_transfer.metrics import kv_metrics
 
 
 class Clock:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kv_transfer.metrics import kv_metrics
+from pdserve.kv_transfer.metrics import kv_metrics
 
 
 def test_idempotent_per_registry_and_isolated():

@@ -9,19 +9,19 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from engine.config import CacheConfig, ModelConfig
+from pdserve.engine.core.config import CacheConfig, ModelConfig, compat_payload
 from kv_peer_proc import SHAPE, PeerProc
-from kv_transfer import (FaultConfig, FaultInjector, IncompatiblePeerError, InjectedFault,
+from pdserve.kv_transfer import (FaultConfig, FaultInjector, IncompatiblePeerError, InjectedFault,
                          KVTransferError, KVTransferTimeout, NixlKVTransport, PeerInfo,
-                         StalePeerError, UnknownPeerError, coalesce_pairs, compat_config)
-from kv_transfer.metrics import kv_metrics
+                         StalePeerError, UnknownPeerError, coalesce_pairs)
+from pdserve.kv_transfer.metrics import kv_metrics
 
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = ModelConfig(arch="llama", vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,
                     num_kv_heads=2, head_dim=8, intermediate_size=64)
 CACHE = CacheConfig(block_size=4, num_blocks=64, kv_dtype="float32")
-COMPAT = compat_config(MODEL, CACHE)
+COMPAT = compat_payload(MODEL, CACHE)
 LABELS = {"role": "decode", "worker": "d0"}
 
 # Non-contiguous on both sides, with runs that only one side would coalesce:
@@ -112,7 +112,7 @@ def test_metrics_count_exact_bytes_across_reads(peer):
 
 def test_incompatible_block_size_refused(peer):
     shape = (64, 3, 2, 8, 2, 8)
-    compat = compat_config(MODEL, dataclasses.replace(CACHE, block_size=8))
+    compat = compat_payload(MODEL, dataclasses.replace(CACHE, block_size=8))
     _, t, _ = make_local(None, shape=shape, compat=compat)
     try:
         with pytest.raises(IncompatiblePeerError, match="block_size: 8 != 4"):
@@ -124,7 +124,7 @@ def test_incompatible_block_size_refused(peer):
 
 
 def test_incompatible_model_refused(peer):
-    compat = compat_config(dataclasses.replace(MODEL, vocab_size=256), CACHE)
+    compat = compat_payload(dataclasses.replace(MODEL, vocab_size=256), CACHE)
     _, t, _ = make_local(None, compat=compat)
     try:
         with pytest.raises(IncompatiblePeerError, match="model.vocab_size: 256 != 128"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kv_peer_proc import SHAPE, PeerProc
-from kv_transfer import NixlKVTransport, PeerInfo, coalesce_pairs
+from pdserve.kv_transfer import NixlKVTransport, PeerInfo, coalesce_pairs
 from test_kv_transport import COMPAT, LOCAL, REMOTE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]

@@ -6,7 +6,7 @@ import sys
 
 
 def test_generated_code_is_in_sync_with_the_proto() -> None:
-    out = subprocess.run([sys.executable, "-m", "proto.generate", "--check"],
+    out = subprocess.run([sys.executable, "-m", "pdserve.proto.generate", "--check"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
@@ -14,9 +14,9 @@ def test_generated_code_is_in_sync_with_the_proto() -> None:
 def test_sampling_params_round_trip_and_validation() -> None:
     import pytest
 
-    from engine.sampling_params import InvalidRequestError, SamplingParams
-    from proto import pdserve_pb2 as pb
-    from proto.convert import params_from_proto, params_to_proto
+    from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto.convert import params_from_proto, params_to_proto
 
     p = SamplingParams(n=2, max_tokens=7, temperature=0.9, top_p=0.8, top_k=5, seed=3,
                        stop=("x",), logprobs=2, transfer_failure_policy="recompute")

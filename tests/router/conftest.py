@@ -6,6 +6,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def frontend():
-    from router.frontend import load_frontend
+    from pdserve.router.frontend import load_frontend
 
     return load_frontend(None)

@@ -14,9 +14,9 @@ import uuid
 
 import grpc
 
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
-from proto.rpc import make_server
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import make_server
 
 BLOCKS = 256
 BLOCK_SIZE = 16

@@ -22,7 +22,7 @@ class RouterThread:
 
     def __init__(self, refs: list, frontend, cfg, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20) -> None:
-        from router.serve import start_stack
+        from pdserve.router.launch import start_stack
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -41,7 +41,7 @@ class RouterThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
-        from router.serve import stop_stack
+        from pdserve.router.launch import stop_stack
 
         self.call(stop_stack(self.stack, drain_timeout_s=5, shutdown_workers=False))
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -72,7 +72,7 @@ class ServeProcess:
                  startup_timeout: float = 900) -> None:
         self.port, self.grpc_port = free_port(), free_port()
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", "--port", str(self.port),
                "--grpc-port", str(self.grpc_port), *args]
         if api_key:
             cmd += ["--api-key", api_key]

@@ -10,10 +10,11 @@ import types
 
 import pytest
 
-from engine.mtp import HEADS_DIR
-from router.cli import main
+from pdserve.engine.spec.mtp_head import HEADS_DIR
+from pdserve.router.cli import main
 from tests.router.harness import REPO
-from worker.config import WorkerConfig
+from pdserve.engine.core.engine_args import EngineArgs
+from pdserve.worker.config import WorkerConfig
 
 HEAD = HEADS_DIR / "smollm2-135m-instruct.safetensors"
 QUESTION = "What is the capital of France?"
@@ -21,7 +22,7 @@ QUESTION = "What is the capital of France?"
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "router.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "pdserve.router.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -60,26 +61,29 @@ def test_bad_speculative_flags_name_the_flag(command, args, flag, capsys) -> Non
     (dict(speculative="mtp", draft_vocab=-1), "draft_vocab"),
     (dict(speculative="mtp", draft_vocab="4096"), "draft_vocab"),
 ])
-def test_worker_config_names_the_bad_field(kw, field) -> None:
+def test_engine_args_name_the_bad_field(kw, field) -> None:
+    """The one place speculative settings are validated; WorkerConfig embeds the result."""
     with pytest.raises(ValueError, match=f"^{field}:"):
-        WorkerConfig(role="decode", worker_id="d0", **kw)
-    cfg = WorkerConfig(role="decode", worker_id="d0", speculative="mtp", num_speculative_tokens=3,
-                       mtp_head=str(HEAD))
-    assert (cfg.speculative, cfg.num_speculative_tokens) == ("mtp", 3)
-    assert WorkerConfig(role="prefill", worker_id="p0").speculative is None  # default off
+        EngineArgs(**kw)
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        WorkerConfig.of("decode", "d0", **kw)
+    cfg = WorkerConfig(role="decode", worker_id="d0", engine=EngineArgs(
+        speculative="mtp", num_speculative_tokens=3, mtp_head=str(HEAD)))
+    assert (cfg.engine.speculative, cfg.engine.num_speculative_tokens) == ("mtp", 3)
+    assert WorkerConfig(role="prefill", worker_id="p0").engine.speculative is None  # default off
 
 
 def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
     """Prefill workers too: they run the MTP layer over the prompt so its KV travels."""
     import ray
 
-    import worker.actor
-    from router.cli import build_parser
-    from router.serve import _check, _launch_workers
+    import pdserve.worker.actor
+    from pdserve.router.cli import build_parser
+    from pdserve.router.launch import _check, _launch_workers
 
     launched: list[WorkerConfig] = []
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2})
-    monkeypatch.setattr(worker.actor, "launch_worker",
+    monkeypatch.setattr(pdserve.worker.actor, "launch_worker",
                         lambda cfg, **kw: launched.append(cfg) or types.SimpleNamespace())
     args = build_parser().parse_args(["serve", "--prefill", "2", "--decode", "1", "--speculative",
                                       "mtp", "--num-speculative-tokens", "3", "--mtp-head",
@@ -87,15 +91,15 @@ def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
     assert _check(args) is None
     _launch_workers(args)
     assert sorted(c.role for c in launched) == ["decode", "prefill", "prefill"]
-    assert {(c.speculative, c.num_speculative_tokens, c.mtp_head, c.draft_vocab)
-            for c in launched} == {("mtp", 3, str(HEAD), 16384)}  # an absolute head path:
+    assert {(c.engine.speculative, c.engine.num_speculative_tokens, c.engine.mtp_head,
+             c.engine.draft_vocab) for c in launched} == {("mtp", 3, str(HEAD), 16384)}  # an absolute head path:
     # Ray workers may run elsewhere
     launched.clear()
     args = build_parser().parse_args(["serve"])
     assert _check(args) is None
     _launch_workers(args)
-    assert {(c.speculative, c.num_speculative_tokens, c.mtp_head) for c in launched} == {
-        (None, None, None)}
+    assert {(c.engine.speculative, c.engine.num_speculative_tokens, c.engine.mtp_head)
+            for c in launched} == {(None, None, None)}
 
 
 def test_serve_refuses_a_head_of_another_model_before_starting_workers() -> None:
@@ -112,7 +116,7 @@ def test_generate_speculative_greedy_equals_plain() -> None:
     plain greedy decoding prints."""
     common = ["generate", "--device", "cpu", "--max-tokens", "48", "--chat", QUESTION]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "router.cli", *common, *extra], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, "-m", "pdserve.router.cli", *common, *extra], cwd=REPO,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for extra in ([], ["--speculative", "mtp", "--num-speculative-tokens", "2"])]
     # both at once: loading the model dominates, and it is single-threaded

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
-from proto.rpc import auth_metadata, make_channel
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import auth_metadata, make_channel
 from tests.router.harness import ServeProcess, wait_until
 from tests.router.test_http_fake import BAD
 

@@ -11,10 +11,10 @@ import grpc
 import httpx
 import pytest
 
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
-from proto.rpc import auth_metadata, make_channel
-from router.core import RouterConfig
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import auth_metadata, make_channel
+from pdserve.router.core import RouterConfig
 from tests.router.fake_worker import FakeRef, FakeWorker
 from tests.router.harness import RouterThread, wait_until
 

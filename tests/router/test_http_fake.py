@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from router.core import RouterConfig
+from pdserve.router.core import RouterConfig
 from tests.router.fake_worker import FakeRef, FakeWorker
 from tests.router.harness import RouterThread, wait_until
 

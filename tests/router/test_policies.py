@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from engine.block_manager import compute_block_hashes
-from router.errors import BadRequest, NotFound, param_of
-from router.policies import (DecodePolicy, PrefillPolicy, PrefixIndex, blocks_needed,
+from pdserve.engine.core.block_manager import compute_block_hashes
+from pdserve.router.errors import BadRequest, NotFound, param_of
+from pdserve.router.policies import (DecodePolicy, PrefillPolicy, PrefixIndex, blocks_needed,
                              straight_to_decode)
-from router.pool import Breaker, HARD_CODES
+from pdserve.router.pool import Breaker, HARD_CODES
 
 
 @dataclass

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import grpc
 import ray
 
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
-from proto.rpc import make_channel
-from worker.actor import launch_worker
-from worker.config import WorkerConfig
-from worker.local_ray import start_local_ray
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import make_channel
+from pdserve.worker.actor import launch_worker
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.local_ray import start_local_ray
 
 
 @dataclass
@@ -47,7 +47,7 @@ def start_ray() -> None:
 
 
 def start_worker(role: str, worker_id: str, timeout_s: float = 300, **kw: object) -> Worker:
-    cfg = WorkerConfig(role=role, worker_id=worker_id, metrics_port=0, **kw)  # type: ignore[arg-type]
+    cfg = WorkerConfig.of(role, worker_id, metrics_port=0, **kw)
     actor = launch_worker(cfg, num_cpus=0)
     ep = ray.get(actor.endpoints.remote(), timeout=timeout_s)
     ch = make_channel(ep["grpc_address"])

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import ray
 
-from proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2 as pb
 from tests.workers.cluster import (decode_stream, idle, introduce, metric_value, prefill,
                                    scrape, start_ray, start_worker, tokens_of, wait_until)
 
@@ -37,7 +37,7 @@ def pair():
 
 
 def _tokenize(texts: list[str]) -> list[list[int]]:
-    from engine.model_source import load_tokenizer
+    from pdserve.engine.model.loader import load_tokenizer
 
     tok = load_tokenizer(None)
     return [tok.encode(t) for t in texts]
@@ -146,7 +146,7 @@ def test_decode_cancel_after_pull_frees_both_sides(pair) -> None:
 
 def test_lost_release_cannot_hang_a_request() -> None:
     start_ray()
-    from kv_transfer.faults import FaultConfig
+    from pdserve.kv_transfer.faults import FaultConfig
 
     p = start_worker("prefill", "lossy-p", model="tiny-llama", block_size=4, num_blocks=64,
                      lease_ttl_s=1.0, faults=FaultConfig(drop_release_prob=1.0))
@@ -215,7 +215,7 @@ def test_killed_prefill_gives_typed_error_within_deadline() -> None:
 
 def test_killed_decode_leaves_pins_to_the_lease() -> None:
     start_ray()
-    from kv_transfer.faults import FaultConfig
+    from pdserve.kv_transfer.faults import FaultConfig
 
     p = start_worker("prefill", "survivor-p", model="tiny-llama", block_size=4, num_blocks=64,
                      lease_ttl_s=1.5)

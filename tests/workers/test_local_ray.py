@@ -20,7 +20,7 @@ def test_a_head_that_misses_the_port_deadline_is_retried_and_leaves_no_processes
     process then starts Ray normally (deadline restored) and the instance works."""
     code = """
         import os, psutil, ray
-        from worker.local_ray import start_local_ray
+        from pdserve.worker.local_ray import start_local_ray
         try:
             start_local_ray(attempts=2, backoff_s=0.1, num_cpus=1, include_dashboard=False)
         except RuntimeError as e:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import queue
 
-from decode_worker.service import _coalesce
-from engine.engine import RequestOutput
+from pdserve.decode_worker.service import _coalesce
+from pdserve.engine.llm_engine import RequestOutput
 
 
 def _out(ids: list[int], text: str, finished: bool = False) -> RequestOutput:

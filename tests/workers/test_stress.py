@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import ray
 
-from kv_transfer.faults import FaultConfig
-from proto import pdserve_pb2 as pb
+from pdserve.kv_transfer.faults import FaultConfig
+from pdserve.proto import pdserve_pb2 as pb
 from tests.workers.cluster import (decode_stream, idle, introduce, metric_value, prefill,
                                    scrape, start_ray, start_worker, wait_until)
 

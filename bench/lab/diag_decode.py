@@ -1,0 +1,220 @@
+"""Where a batch-1 decode step's time goes, per kernel of a layer, for GEMV variants (GPU).
+
+    python -m bench.lab.diag_decode [--out F.json]
+
+Builds the Qwen3-8B-shaped engine of bench_engine (random bf16 weights, Triton, CUDA graphs),
+then for each GEMV tile variant captures the batch-1 decode graph again and reports: the
+replay's time with the LM head and argmax (median of CUDA events), and the critical path by
+kernel position in the layer (qkv, attn, o, gate_up, down): the wall time
+by which each pushed the end of the step. Last, the engine's own decode loop with overlapped
+decode off and on. Prints a table; writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+
+import torch
+
+import sys
+
+import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
+from bench.lab.bench_engine import Plan, drive, fill_static
+from bench.lab.engine_probes import random_prompts, time_ms
+from pdserve.engine.exec.cuda_graphs import DecodeGraphs
+from pdserve.engine.llm import build_engine
+
+LAYER = ["qkv", "attn", "o", "gate_up", "down"]
+NAMES = {"qkv": "_gemv_kernel", "attn": "_decode_kernel", "o": "_gemv_kernel",
+         "gate_up": "_gemv_kernel", "down": "_gemv_kernel"}
+QKV, O_PROJ = (6144, 4096), (4096, 4096)  # Qwen3-8B's (N, K) of q/k/v and o_proj
+
+
+def critical_by_position(fn) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                     and not e.name.startswith(("Memcpy", "Memset"))),
+                    key=lambda e: e.time_range.start)
+    crit, dur = Counter(), Counter()
+    pos, done = 0, events[0].time_range.start
+    for e in events:
+        label = "other"
+        if e.name.startswith(NAMES[LAYER[pos]]):
+            label, pos = LAYER[pos], (pos + 1) % len(LAYER)
+        crit[label] += max(0, e.time_range.end - done) / 1e3
+        dur[label] += (e.time_range.end - e.time_range.start) / 1e3
+        done = max(done, e.time_range.end)
+    return {"critical_ms": dict(crit), "duration_ms": dict(dur)}
+
+
+gemv_mod = sys.modules["pdserve.kernels.gemv"]
+ORIGINAL_PICK = gemv_mod.pick_config
+
+
+def replay_probe(g: DecodeGraphs) -> dict:
+    """Host microseconds of graph.replay(), GPU idle and the same graph still running (it
+    does not block: an overlapped step can queue the next replay behind the running one)."""
+    a = g.graphs[1][0]
+    out = {}
+    for label, first, second in (("idle", None, a), ("same_in_flight", a, a)):
+        times = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            if first is not None:
+                first.replay()
+            t = time.perf_counter()
+            second.replay()
+            times.append(1e6 * (time.perf_counter() - t))
+        torch.cuda.synchronize()
+        out[label] = sorted(times)[len(times) // 2]
+    print("replay host us:", out, flush=True)
+    return out
+
+
+def engine_timeline(engine, vocab: int) -> dict:
+    """GPU activity over 8 decode steps of the engine itself: busy vs idle time, and the
+    kernels/copies outside the decode graph (with their total durations)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.engine.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    engine.add_request(random_prompts(1, 512, vocab, 5)[0], params)
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    busy, idle, end = 0.0, [], ev[0].time_range.start
+    for e in ev:
+        if e.time_range.start > end:
+            idle.append((e.time_range.start - end) / 1e3)
+        busy += max(0, e.time_range.end - max(end, e.time_range.start)) / 1e3
+        end = max(end, e.time_range.end)
+    span = (ev[-1].time_range.end - ev[0].time_range.start) / 1e3
+    layer = set(NAMES.values())
+    extra = Counter()
+    for e in ev:
+        if not any(e.name.startswith(n) for n in layer):
+            extra[e.name[:60]] += (e.time_range.end - e.time_range.start) / 1e3
+    host = Counter()
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name.startswith(("cuda", "aten::")):
+            host[e.name[:40]] += e.cpu_time_total / 1e3
+    out = {"steps": 8, "wall_ms": 1e3 * wall, "gpu_span_ms": span, "gpu_busy_ms": busy,
+           "idle_gaps_ms_top": sorted(idle, reverse=True)[:12], "idle_total_ms": sum(idle),
+           "non_layer_kernels_ms": dict(extra.most_common(15)),
+           "host_top_ms": dict(host.most_common(12))}
+    print(json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def variant(name: str, tiles: dict | None = None, splits: int | None = None):
+    """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
+    (batch 1), and the decode attention's split count (None: the kernel's own choice)."""
+    def pick(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False):
+        import dataclasses
+        cfg = ORIGINAL_PICK(N, K, T, elem_size, prefetch)
+        return dataclasses.replace(cfg, **(tiles or {}).get((N, K), {})) if T == 1 else cfg
+
+    def setup() -> None:
+        gemv_mod.pick_config = pick
+    return name, setup, splits
+
+
+SHAPES = (QKV, O_PROJ, (24576, 4096), (4096, 12288), (151936, 4096))
+VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
+            # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
+            variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),
+            variant("default_again")]  # the spread between two captures of one variant
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="the default tiles only")
+    ap.add_argument("--variants", default="", help="only these VARIANTS (comma-separated)")
+    args = ap.parse_args()
+    plan = Plan()
+    engine = build_engine(plan.preset, device="cuda", dtype="bfloat16", num_blocks=2048,
+                          block_size=16, max_num_seqs=4, max_model_len=plan.max_model_len,
+                          enable_prefix_caching=False, use_triton=True, use_cuda_graphs=True)
+    runner = engine.runner
+    model, vocab = runner.model, engine.config.model.vocab_size
+    drive(engine, random_prompts(1, 700, vocab, 0), 4)  # real KV in the first blocks
+    results = {}
+    only = set(filter(None, args.variants.split(",")))
+    variants = [variant("default")] + ([] if args.quick else
+                                       [v for v in VARIANTS if not only or v[0] in only])
+    best = None
+    for name, setup, splits in variants:
+        setup()
+        model.backend.num_splits = splits
+        g = DecodeGraphs(engine.config, model, runner.kv_cache)
+        g.buckets = [1]
+        g.capture([1])
+        fill_static(g, 1, 640, vocab)
+        graph, hidden, _ = g.graphs[1]
+
+        def step() -> None:
+            graph.replay()
+            model.compute_logits(hidden[:1]).argmax(-1)
+
+        with torch.inference_mode():
+            ms = time_ms(step, torch.device("cuda"), reps=50)
+            ms2 = time_ms(step, torch.device("cuda"), reps=50)
+            crit = critical_by_position(graph.replay)
+        results[name] = {"step_ms": ms, "step_ms_again": ms2, **crit}
+        print(f"{name:14s} {ms:.3f} / {ms2:.3f} ms  " + " ".join(
+            f"{k}={v:.3f}" for k, v in sorted(crit["critical_ms"].items())), flush=True)
+        if best is None or ms < results[best[0]]["step_ms"]:
+            best = (name, setup, splits)
+        del g, graph
+    # the engine loop with the best variant's graphs: overlapped decode off / on
+    name, setup, splits = best
+    setup()
+    model.backend.num_splits = splits
+    ahead = runner.ahead
+    for label, a in (("overlap_off", None), ("overlap_on", ahead)):
+        g = DecodeGraphs(engine.config, model, runner.kv_cache)
+        g.capture([1, 2])
+        g.buckets = [1, 2]
+        runner.cuda_graphs = g
+        runner.ahead = a
+        if a is not None:
+            a.graphs = g
+        drive(engine, random_prompts(1, 512, vocab, 1), 8)
+        steps = drive(engine, random_prompts(1, 512, vocab, 2), 257)
+        dec = [s for s in steps if s["decode"]]
+        tok_s = sum(s["tokens"] for s in dec) / sum(s["s"] for s in dec)
+        results[label] = {"variant": name, "tok_s": tok_s}
+        print(f"{label}: {tok_s:.1f} tok/s ({name})", flush=True)
+    results["replay_host_us"] = replay_probe(g)
+    results["engine_timeline"] = engine_timeline(engine, vocab)
+    results["device"] = torch.cuda.get_device_name()
+    results["command"] = "PYTHONPATH=. python3 -m bench.lab.diag_decode " + " ".join(sys.argv[1:])
+    results["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if args.out:
+        json.dump(results, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""EngineLoop: one thread owns the engine; other threads talk to it through commands.
+
+Workers serve many gRPC streams on a thread pool. Rather than lock the engine, every
+mutation (add, abort, release, kv arrived) is a command run on the loop thread between
+steps, and every request's outputs land on its own queue.Queue. A caller waits on that
+queue with a deadline, so no wait is unbounded.
+
+    loop.call(fn)          run fn(engine) on the loop thread, return its result (deadline)
+    loop.subscribe(rid)    -> queue that receives RequestOutput / Exception for rid
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+
+T = TypeVar("T")
+
+
+class EngineLoopError(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.01,
+                 on_tick: Callable[[LLMEngine], None] | None = None,
+                 on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
+        self._subs: dict[str, queue.Queue] = {}
+        self._subs_lock = threading.Lock()
+        self._idle_wait_s = idle_wait_s
+        self._on_tick = on_tick  # periodic housekeeping on the loop thread (lease expiry)
+        # sees each step's outputs on the loop thread before they are published (metrics)
+        self._on_step = on_step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.fatal: BaseException | None = None
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda e: None, Future()))  # wake it
+        self._thread.join(timeout_s)
+
+    # -- called from other threads -------------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
+        if self.fatal is not None:
+            raise EngineLoopError("engine loop died") from self.fatal
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return fut.result(timeout=timeout_s)
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> Future:
+        """Queue fn(engine) without waiting (e.g. from a gRPC cancel callback)."""
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    def subscribe(self, request_id: str) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        with self._subs_lock:
+            self._subs[request_id] = q
+        return q
+
+    def unsubscribe(self, request_id: str) -> None:
+        with self._subs_lock:
+            self._subs.pop(request_id, None)
+
+    def publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._subs_lock:
+            q = self._subs.get(request_id)
+        if q is not None:
+            q.put(item)
+
+    # -- the loop thread -----------------------------------------------------------------
+    def _drain_commands(self, block: bool) -> None:
+        """Run queued commands; when idle, wait up to idle_wait_s for the first one."""
+        try:
+            item = self._commands.get(timeout=self._idle_wait_s) if block \
+                else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if not fut.cancelled():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # the caller gets the error, the loop goes on
+                    fut.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        last_tick, idle = 0.0, True
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=idle)
+                now = time.monotonic()
+                if self._on_tick is not None and now - last_tick > 0.05:
+                    self._on_tick(self.engine)
+                    last_tick = now
+                # idle also when only requests waiting for remote KV remain: nothing to step
+                outputs: list[RequestOutput] = []
+                idle = True
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    idle = self.engine.idle
+                if outputs and self._on_step is not None:
+                    self._on_step(outputs)
+                for out in outputs:
+                    self.publish(out.request_id, out)
+        except BaseException as e:  # a broken engine must not leave streams waiting
+            self.fatal = e
+            with self._subs_lock:
+                subs = list(self._subs.values())
+            for q in subs:
+                q.put(EngineLoopError(f"engine loop died: {e!r}"))
+            raise

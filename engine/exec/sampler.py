@@ -1,0 +1,345 @@
+"""Sampler: one row of logits per sampling request -> one token (+ optional logprobs).
+
+Pipeline, per row, in this order (each row uses its own request's settings, vectorised over
+the batch with per-row parameter tensors):
+    repetition penalty -> frequency / presence penalties -> temperature
+    -> top-k -> top-p -> min-p -> draw (greedy rows: argmax of the penalised logits)
+
+Randomness. Every request owns a torch.Generator. The noise for output token i is drawn from
+that generator re-seeded with mix(base_seed, i), where base_seed is the request's seed (or,
+unseeded, the engine seed mixed with a per-request counter). So a seeded request draws the
+same tokens whatever else is in the batch, after a preemption, and across the prefill ->
+decode split (P draws token 0, D continues at token 1 with the same seed).
+
+Penalty state. Requests with penalties keep a [V] count tensor of output tokens and a [V] bool
+mask of prompt tokens on the logits' device. The engine calls `state.observe(token)` for each
+token it appends; that is O(1) and nothing is rebuilt from the history.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.exec.device_io import to_device
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32.
+SAMPLING_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, salt: int) -> int:
+    """A 63-bit generator seed from (seed, salt); nearby inputs give unrelated streams."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (salt & _MASK64)) >> 1
+
+
+@dataclass
+class SamplerState:
+    """Per-request sampler state, created once by `Sampler.new_state`."""
+
+    base_seed: int
+    generator: torch.Generator
+    vocab_size: int
+    output_counts: torch.Tensor | None = None  # [V] int32: count of each token in the output
+    prompt_mask: torch.Tensor | None = None  # [V] bool: token occurs in the prompt
+    num_observed: int = 0  # output tokens seen by observe(); must track the request
+
+    def observe(self, token_id: int) -> None:
+        """Account for one new output token (O(1): one indexed add on the device)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token_id: {token_id} outside the vocabulary [0, {self.vocab_size})")
+        self.num_observed += 1
+        if self.output_counts is not None:
+            # the tensor may be an inference tensor (made under inference_mode by the runner):
+            # in-place updates to those are only legal inside inference_mode
+            with torch.inference_mode():
+                self.output_counts[token_id] += 1
+
+    def generator_at(self, position: int) -> torch.Generator:
+        """The generator for output position `position`, re-seeded so draws depend only on it."""
+        self.generator.manual_seed(mix_seed(self.base_seed, position))
+        return self.generator
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # per row: (chosen logprob, top-N [(token, logprob)]) or None
+
+
+def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor,
+                    repetition: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor) -> torch.Tensor:
+    """Penalised copy of logits [B, V].
+
+    prompt_mask [B, V] bool, counts [B, V] output-token counts, the three penalties [B].
+    Repetition (vLLM/HF): tokens seen in prompt or output get logit / r if positive, * r
+    otherwise. Then OpenAI's: logit -= frequency * count + presence * (count > 0).
+    """
+    counts_f = counts.to(logits.dtype)
+    in_output = counts > 0
+    seen = prompt_mask | in_output
+    r = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * counts_f - presence[:, None] * in_output.to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [B, V] outside each row's top-k, then outside its top-p nucleus.
+
+    top_k [B] int64 (V = off), top_p [B] float (1 = off). The nucleus is computed on the
+    top-k survivors' renormalised distribution: the smallest prefix (by descending
+    probability) whose mass reaches top_p; the most likely token is always kept. Ties at
+    the k-th value are broken by sort order, so exactly k tokens survive.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(vocab, device=logits.device)
+    drop = rank[None, :] >= top_k[:, None]  # [B, V] in sorted order
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability strictly ahead of each token
+    # rows with top_p == 1 skip this: fp rounding can push mass_before to 1.0 in the tail
+    drop |= (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter_(-1, order, drop)  # back to vocabulary order
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p [B] times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class HostCopy:
+    """An asynchronous device -> host copy of int64 ids through a reused pinned buffer, so
+    work queued after start() does not delay wait() (a plain .tolist() would queue behind it).
+
+    The copy runs on a side stream, after the work that produced the ids: on the compute
+    stream it would sit between this step's sampling and the next step's inputs and forward
+    (~3 us per copy at batch 1 on an H100, bench/results/diag_spec_k0_*). The ids must not
+    be overwritten before wait() (fresh tensors are kept alive for the side stream; static
+    graph outputs are replayed again only after the host has read them)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._produced: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._n = 0
+        self._ids: list[int] | None = None
+
+    def start(self, ids: torch.Tensor) -> None:
+        """Queue the copy of ids (any shape; wait() returns them flattened)."""
+        ids = ids.reshape(-1)
+        self._n = ids.numel()
+        if ids.device.type != "cuda":  # nothing runs ahead of the host on a CPU
+            self._ids = ids.tolist()
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(ids.device)
+            self._event, self._produced = torch.cuda.Event(), torch.cuda.Event()
+        if self._buf is None or self._buf.numel() < self._n:
+            self._buf = torch.empty(max(self._n, 256), dtype=torch.int64, pin_memory=True)
+        self._produced.record()  # on the compute stream, after the ids' producer
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(self._produced)
+            self._buf[:self._n].copy_(ids, non_blocking=True)
+            self._event.record(self._stream)
+        ids.record_stream(self._stream)
+        self._ids = None
+
+    def wait(self) -> list[int]:
+        if self._ids is not None:
+            return self._ids
+        self._event.synchronize()
+        return self._buf[:self._n].tolist()
+
+
+class Sampler:
+    def __init__(self, seed: int = 0,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """argmax: [B, V] -> int64 [B] for the greedy rows (the model's: a Triton kernel on
+        its fused path), torch.argmax by default."""
+        self.seed = seed
+        self.argmax = argmax if argmax is not None else (lambda x: x.argmax(dim=-1))
+        self._counter = itertools.count()  # distinct streams for unseeded requests
+        self._host_copy = HostCopy()
+
+    @torch.inference_mode()
+    def new_state(self, request: Request, vocab_size: int,
+                  device: torch.device | str) -> SamplerState:
+        """State for one request; counts tokens it already has (e.g. decode after prefill)."""
+        params = request.sampling_params
+        device = torch.device(device)
+        if params.seed is not None:
+            base_seed = params.seed
+        else:
+            base_seed = mix_seed(self.seed, next(self._counter))
+        state = SamplerState(base_seed, torch.Generator(device=device), vocab_size,
+                             num_observed=len(request.output_token_ids))
+        if params.has_penalties:
+            state.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            prompt = torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=device)
+            state.prompt_mask[prompt] = True
+            state.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+            if request.output_token_ids:
+                out = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
+                state.output_counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        return state
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 states: Sequence[SamplerState],
+                 before_sync: Callable[[torch.Tensor], object] | None = None) -> SampleOutput:
+        return self.sample(logits, requests, states, before_sync)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request],
+               states: Sequence[SamplerState],
+               before_sync: Callable[[torch.Tensor], object] | None = None) -> SampleOutput:
+        """Draw one token per row of logits [B, V] (float). before_sync, if given, gets the
+        drawn ids [B] on the device before the host reads them (overlapped decode launches
+        the next forward from them)."""
+        params = [r.sampling_params for r in requests]
+        processed = self._process(logits, requests, states)  # [B, V], -inf outside support
+        token_ids = self.argmax(processed)  # greedy rows keep this
+        random_rows = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
+        if random_rows:
+            rows = to_device(random_rows, torch.int64, logits.device)
+            probs = processed[rows].softmax(dim=-1)  # [R, V]
+            noise = self._noise(requests, states, random_rows, logits)  # [R, V] ~ Exp(1)
+            # exponential race: argmax p_i / E_i is a draw from p, using only per-row noise
+            token_ids[rows] = (probs / noise).argmax(dim=-1)
+        if before_sync is None:
+            ids = token_ids.tolist()
+        else:  # copy the ids out first: a read after before_sync's work would wait for it
+            self._host_copy.start(token_ids)
+            before_sync(token_ids)
+            ids = self._host_copy.wait()
+        return SampleOutput(ids, self._logprobs(logits, params, ids))
+
+    @torch.inference_mode()
+    def probs_after_processing(self, logits: torch.Tensor, requests: Sequence[Request],
+                               states: Sequence[SamplerState]) -> torch.Tensor:
+        """The exact distribution `sample` draws from, [B, V]; greedy rows are one-hot."""
+        processed = self._process(logits, requests, states).float()
+        probs = processed.softmax(dim=-1)
+        greedy_rows = [r.sampling_params.temperature < SAMPLING_EPS for r in requests]
+        if any(greedy_rows):
+            greedy = to_device(greedy_rows, torch.bool, logits.device)
+            one_hot = torch.zeros_like(probs).scatter_(-1, processed.argmax(-1, keepdim=True), 1.0)
+            probs = torch.where(greedy[:, None], one_hot, probs)
+        return probs
+
+    # -- pipeline --------------------------------------------------------------------------
+    def _process(self, logits: torch.Tensor, requests: Sequence[Request],
+                 states: Sequence[SamplerState]) -> torch.Tensor:
+        """Penalties, temperature, top-k, top-p, min-p on a float32 copy of logits [B, V]
+        (the logits themselves when every row is greedy without penalties)."""
+        self._check(logits, requests, states)
+        params = [r.sampling_params for r in requests]
+        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
+        if not pen_rows and all(greedy):  # argmax alone: no float copy of [B, V] (bf16 is fine)
+            return logits
+        out = logits.float()
+        if pen_rows:
+            out = self._penalise(out, params, states, pen_rows)
+        dev, vocab = logits.device, logits.shape[-1]
+
+        def per_row(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return to_device(values, dtype, dev)
+
+        if any(not g and p.temperature != 1.0 for g, p in zip(greedy, params)):
+            temps = per_row([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+            out = out / temps[:, None]
+        # greedy rows skip truncation: argmax survives it anyway
+        top_k = [vocab if g or p.top_k < 0 else min(p.top_k, vocab) for g, p in zip(greedy, params)]
+        top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            out = apply_top_k_top_p(out, per_row(top_k, torch.int64), per_row(top_p))
+        min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+        if any(m > 0.0 for m in min_p):
+            out = apply_min_p(out, per_row(min_p))
+        return out
+
+    def _penalise(self, logits: torch.Tensor, params: list[SamplingParams],
+                  states: Sequence[SamplerState], rows: list[int]) -> torch.Tensor:
+        """Apply penalties to the listed rows only (their states hold counts and masks)."""
+        for i in rows:
+            if states[i].output_counts is None:
+                raise ValueError(f"states[{i}]: request has penalties but its state was made "
+                                 "without them (create it with Sampler.new_state)")
+        dev = logits.device
+        idx = to_device(rows, torch.int64, dev)
+        sub = apply_penalties(
+            logits[idx],
+            torch.stack([states[i].prompt_mask for i in rows]),
+            torch.stack([states[i].output_counts for i in rows]),
+            to_device([params[i].repetition_penalty for i in rows], torch.float32, dev),
+            to_device([params[i].presence_penalty for i in rows], torch.float32, dev),
+            to_device([params[i].frequency_penalty for i in rows], torch.float32, dev))
+        out = logits.clone()
+        out[idx] = sub
+        return out
+
+    def _noise(self, requests: Sequence[Request], states: Sequence[SamplerState],
+               rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise [R, V], row i from request i's generator at its output position."""
+        vocab = logits.shape[-1]
+        noise = [torch.empty(vocab, device=logits.device).exponential_(
+                     generator=states[i].generator_at(len(requests[i].output_token_ids)))
+                 for i in rows]
+        # a zero draw would make p/E = nan for p = 0 (argmax picks nan): keep E > 0
+        return torch.stack(noise).clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
+                  token_ids: list[int]) -> list[Logprobs | None]:
+        """Raw (pre-penalty, pre-temperature) logprobs of the chosen token and the top-N."""
+        out: list[Logprobs | None] = [None] * len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return out
+        dev = logits.device
+        logp = torch.log_softmax(logits[to_device(rows, torch.int64, dev)].float(), dim=-1)
+        chosen = logp.gather(1, to_device([[token_ids[i]] for i in rows], torch.int64, dev))
+        top_lp, top_ids = logp.topk(max(params[i].logprobs for i in rows), dim=-1)  # [R, N]
+        chosen_l, top_lp_l, top_ids_l = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            out[i] = (chosen_l[j], [(int(t), lp) for t, lp in zip(top_ids_l[j][:n], top_lp_l[j][:n])])
+        return out
+
+    @staticmethod
+    def _check(logits: torch.Tensor, requests: Sequence[Request],
+               states: Sequence[SamplerState]) -> None:
+        if logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError(f"logits: expected a float [B, V] tensor, got {tuple(logits.shape)} "
+                             f"{logits.dtype}")
+        if not logits.shape[0] == len(requests) == len(states):
+            raise ValueError(f"logits: {logits.shape[0]} rows but {len(requests)} requests and "
+                             f"{len(states)} states")
+        for i, (req, st) in enumerate(zip(requests, states)):
+            if st.vocab_size != logits.shape[1]:
+                raise ValueError(f"states[{i}].vocab_size: {st.vocab_size} != logits width "
+                                 f"{logits.shape[1]} (request {req.request_id})")
+            if req.sampling_params.has_penalties and st.num_observed != len(req.output_token_ids):
+                raise RuntimeError(
+                    f"request {req.request_id}: sampler state saw {st.num_observed} output "
+                    f"tokens, request has {len(req.output_token_ids)}; call state.observe() "
+                    "for every appended token")

@@ -1,0 +1,227 @@
+"""The decoder: Llama family (SmolLM2, Llama 3) and Qwen3 in one file, read top to bottom.
+
+Tokens arrive as one flat varlen batch [T] (no padding, see engine/model/attention.py); every layer
+writes its new K/V into the paged cache and attends over each sequence's blocks. The only
+attention calls go through `backend` (write_kv, attend), so a Triton backend replaces the
+torch one without touching this file.
+
+Fast path (Model.use_fused_ops, with kernels.TritonAttentionBackend): the residual-add + norm
+pairs, SiLU-and-mul and the attention prologue (QK-norm + RoPE + KV write, one kernel) run as
+Triton kernels; at batch-1 decode (T = 1) each norm and SiLU-mul also folds into the GEMV
+kernel of the projection after it (kernels/gemv.py), and decode attention takes in the
+attention prologue (kernels/decode_attention.py), so a decode layer is 4 GEMVs + one
+attention kernel: 5 kernels.
+Nothing in that path reads device values on the host, so it can be captured in a CUDA graph
+(engine/exec/cuda_graphs.py).
+
+Parameter names follow Hugging Face's Llama/Qwen3 modules (minus the `model.` prefix), except
+that q/k/v and gate/up are merged into qkv_proj and gate_up_proj (one matmul each);
+engine/model/weights.py maps checkpoints onto them.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.model.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.engine.core.config import ModelConfig
+from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, fused_kernels
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged KV cache; Qwen3 adds RMSNorm on q and k per head."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: object) -> None:
+        super().__init__()
+        self.kv_layer = kv_layer  # index into kv_cache's layer dim (MTP layers come after the decoder's)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.backend = backend
+        self.fused = False  # one Triton kernel for QK-norm + RoPE + KV write
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        o = self.attend_qkv(self.qkv_proj(x), cos, sin, meta, kv_cache)
+        return self.o_proj(o)
+
+    def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj); writes
+        this step's K/V into the cache."""
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        # this layer's views [num_blocks, block_size, Hkv, D] of the all-layers cache
+        k_cache, v_cache = kv_cache[:, self.kv_layer, 0], kv_cache[:, self.kv_layer, 1]
+        if self.fused:  # q/k/v stay strided views of the qkv output; rotated k goes to the cache
+            kern = fused_kernels()
+            prologue = kern.Prologue(
+                k, v, cos, sin, meta.slot_mapping,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight,
+                self.q_norm.eps if self.q_norm is not None else 1e-6, meta.rope_positions)
+            o = kern.attend_with_prologue(self.backend, q, prologue, k_cache, v_cache, meta,
+                                          self.scale)
+            return o.reshape(T, self.q_size)
+        if meta is not None and meta.rope_positions is not None:  # tables (Model.rope): rows
+            cos, sin = cos[meta.rope_positions], sin[meta.rope_positions]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        o = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return o.reshape(T, self.q_size)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. The residual add is folded into the next norm: (x, residual) in and out
+    (residual None: x is the whole residual stream, as for the first layer)."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: object) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, kv_layer, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.fused = False  # decode-sized batches: 4 prologue-fused GEMV kernels (kernels.gemv)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.fused and 0 < x.shape[0] <= fused_kernels().GEMV_ROWS:
+            return self._forward_gemv(x, residual, cos, sin, meta, kv_cache)
+        if residual is None:  # first layer: the embedding is the residual stream
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+    def _forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The same layer through kernels.gemv for 1..GEMV_ROWS rows (batch-1 decode, MTP
+        verify of a few drafts). 5 kernels at batch 1: each norm rides in the next projection's
+        prologue, SiLU-and-mul in down_proj's, both residual adds in the epilogues of o_proj
+        and down_proj, and QK-norm + RoPE + the KV write in the attention kernel. Returns (the
+        residual stream after the layer, None): the adds are done, so the next layer (or final
+        norm) takes x alone."""
+        gemv = fused_kernels().gemv
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, h = gemv(x, attn.qkv_proj.weight, "norm", residual, ln1.weight, ln1.eps)
+        o = attn.attend_qkv(qkv, cos, sin, meta, kv_cache)
+        # o_proj's programs ask L2 for its weight while the (latency-bound) attention runs:
+        # batch-1 step 5.66-5.70 -> 5.49-5.57 ms on an H100; the attention kernel asking for
+        # it instead was slower (bench/results/diag_decode_h100_2026-11-24_prefetch*.json)
+        h = gemv(o, attn.o_proj.weight, add=h, prefetch=True)
+        gate_up, _ = gemv(h, mlp.gate_up_proj.weight, "norm", None, ln2.weight, ln2.eps)
+        return gemv(gate_up, mlp.down_proj.weight, "silu", add=h), None
+
+
+class Model(nn.Module):
+    def __init__(self, config: ModelConfig, backend: object | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend if backend is not None else TorchAttentionBackend()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def use_fused_ops(self, enabled: bool = True) -> "Model":
+        """Switch every norm, MLP and attention prologue (MTP modules included, when they are
+        submodules) to the Triton kernels, or back to torch. Pair it with
+        backend=kernels.TritonAttentionBackend() so attention runs as Triton kernels too."""
+        for module in self.modules():
+            if hasattr(module, "fused") and isinstance(module.fused, bool):
+                module.fused = enabled
+        return self
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so. Call again after
+        anything that replaces parameters (to_empty after a meta-device build does)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, return_prenorm: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions [T] -> hidden [T, hidden] after the final norm.
+
+        With return_prenorm, also the last layer's output before the final norm (residual
+        stream included), which MTP drafting consumes.
+        """
+        cos, sin, meta = self.rope(positions, meta)
+        x, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta, kv_cache)
+        if residual is None:  # the batch-1 fused layers add the residual themselves
+            hidden, prenorm = self.norm(x), x
+        else:
+            hidden, prenorm = self.norm(x, residual)
+        return (hidden, prenorm) if return_prenorm else hidden
+
+    def rope(self, positions: torch.Tensor, meta: AttentionMetadata | None
+             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | None]:
+        """cos, sin for the layers, and the metadata to pass with them. On the fused path
+        with reserved tables: the whole tables [max_pos, head_dim / 2], and meta carries the
+        positions, so the attention kernels read each token's row themselves (one gather
+        kernel less per forward: ~4 us of a batch-1 decode step). Otherwise the per-token
+        rows [T, head_dim / 2] (float32) and meta as given (None: a training backend's)."""
+        fused = self.norm.fused and meta is not None
+        tables = self.rotary.tables(positions.device) if fused else None
+        if tables is None:
+            return (*self.rotary.cos_sin(positions), meta)
+        return (*tables, replace(meta, rope_positions=positions))
+
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True,
+                       weight: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (only the rows that sample, to save the big matmul).
+        as_float=False keeps the weights' dtype: enough for an argmax (greedy drafting and
+        verifying), and it skips a conversion pass over the logits. weight [V', hidden]: other
+        head rows instead of lm_head's (a reduced draft vocabulary, engine/spec/mtp_head.py)."""
+        weight = self.lm_head.weight if weight is None else weight
+        if self._head_is_gemv(hidden.shape[0]):
+            logits = fused_kernels().gemv(hidden, weight)
+        else:
+            logits = F.linear(hidden, weight)
+        return logits.float() if as_float else logits
+
+    def argmax(self, logits: torch.Tensor, after_head: bool = False) -> torch.Tensor:
+        """logits [N, V] -> int64 [N], torch.argmax(logits, -1). On the fused path a Triton
+        kernel spread over the GPU (torch reduces a 152K row in one block: ~9 us per call at
+        batch 1). after_head: logits came straight from compute_logits, so the kernel may be
+        a programmatic dependent launch when the head was the GEMV kernel."""
+        if self.norm.fused and logits.is_cuda:
+            pdl = after_head and self._head_is_gemv(logits.shape[0])
+            return fused_kernels().argmax(logits, pdl=pdl)
+        return logits.argmax(dim=-1)
+
+    def _head_is_gemv(self, rows: int) -> bool:
+        """Whether compute_logits runs the LM head for `rows` rows as the GEMV kernel."""
+        return self.norm.fused and 0 < rows <= fused_kernels().GEMV_ROWS
+
+    def greedy(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> int64 [N]: the argmax tokens (greedy drafting and verifying); with
+        `weight`, indices into its rows (see compute_logits)."""
+        return self.argmax(self.compute_logits(hidden, False, weight), after_head=True)

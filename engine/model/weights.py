@@ -1,0 +1,384 @@
+"""Weights into a Model: a Hugging Face safetensors folder, a GGUF file, or seeded random init.
+
+Every path builds the model on the meta device first and then allocates it once, directly in
+the target dtype on the target device, so an 8B model in bf16 never exists in fp32 or on the
+host. Checkpoint tensors are named here in HF style without the `model.` prefix
+("layers.3.self_attn.q_proj.weight"); _Sink copies each into its slice of the merged
+qkv_proj / gate_up_proj and reports anything missing, misshapen or unknown.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pdserve.engine.core.config import ConfigError, ModelConfig, RopeScaling
+from pdserve.engine.model.decoder import Model
+from pdserve.engine.model.mtp_names import hf_num_mtp_layers, mtp_checkpoint_name
+from pdserve.engine.model.presets import param_count
+
+BIG_MODEL_PARAMS = 1_000_000_000  # show progress bars from this size on
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class WeightsError(ValueError):
+    """Weights or their config cannot be read; the message names the path and the cause."""
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype: unsupported {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
+                device: torch.device | str = "cpu", backend: object | None = None) -> Model:
+    """An uninitialised Model allocated once in `dtype` on `device` (built on meta first)."""
+    with torch.device("meta"):
+        model = Model(cfg, backend)
+    model = model.to(as_dtype(dtype)).to_empty(device=torch.device(device))
+    model.tie_weights()  # to_empty replaced the parameters, which unties them
+    return model.requires_grad_(False).eval()
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
+                 device: torch.device | str = "cpu", seed: int = 0, std: float = 0.02,
+                 backend: object | None = None, progress: bool | None = None) -> Model:
+    """Seeded random weights: N(0, std) matrices, unit norms (activations stay O(1)).
+
+    Values are drawn on the device itself, in the target dtype, layer by layer.
+    """
+    device = torch.device(device)
+    model = empty_model(cfg, dtype, device, backend)
+    if device.type == "meta":  # shape-only model: nothing to fill
+        return model
+    gen = torch.Generator(device=device).manual_seed(seed)
+    show = _show_progress(cfg, progress)
+    with torch.no_grad():
+        for name, p in tqdm(list(model.named_parameters()), desc="random init", unit="tensor",
+                            disable=not show):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model
+
+
+def _show_progress(cfg: ModelConfig, progress: bool | None) -> bool:
+    return param_count(cfg) >= BIG_MODEL_PARAMS if progress is None else progress
+
+
+# -- copying checkpoint tensors into the model --------------------------------------------------
+
+# checkpoint projection -> (merged parameter, shard index)
+_MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class _Sink:
+    """Receives (hf_style_name, tensor) pairs, copies them into place and tracks coverage."""
+
+    def __init__(self, model: Model, source: str) -> None:
+        cfg = model.config
+        self.model, self.source = model, source
+        self.params = dict(model.named_parameters())  # a tied lm_head is not listed (shared)
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        self.shards = {"qkv_proj": [(0, q), (q, kv), (q + kv, kv)],
+                       "gate_up_proj": [(0, inter), (inter, inter)]}
+        self.loaded: set[tuple[str, int]] = set()
+
+    def _target(self, name: str) -> tuple[str, int]:
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _MERGED:
+            merged, shard = _MERGED[parts[-2]]
+            return ".".join(parts[:-2] + [merged, parts[-1]]), shard
+        return name, -1
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
+            return  # some tied checkpoints store the head too; the embedding is the same matrix
+        pname, shard = self._target(name)
+        param = self.params.get(pname)
+        if param is None:
+            raise WeightsError(f"{self.source}: unexpected tensor {name!r} (not part of this model)")
+        dest = param.data
+        if shard >= 0:
+            start, size = self.shards[pname.rsplit(".", 2)[-2]][shard]
+            dest = dest.narrow(0, start, size)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise WeightsError(f"{self.source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                               f"expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        self.loaded.add((pname, shard))
+
+    def finish(self) -> None:
+        missing = []
+        for pname in self.params:
+            merged = pname.rsplit(".", 2)[-2]
+            shards = range(len(self.shards[merged])) if merged in self.shards else [-1]
+            missing += [f"{pname}[{s}]" if s >= 0 else pname
+                        for s in shards if (pname, s) not in self.loaded]
+        if missing:
+            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise WeightsError(f"{self.source}: missing tensors {missing[:5]}{more}")
+
+
+# -- Hugging Face folders -------------------------------------------------------------------------
+
+def config_from_hf(d: dict, source: str) -> ModelConfig:
+    """config.json (transformers 4.x or 5.x spelling of RoPE) -> ModelConfig."""
+    archs = {"llama": "llama", "qwen3": "qwen3"}
+    model_type = d.get("model_type")
+    if model_type not in archs:
+        raise WeightsError(f"{source}: model_type {model_type!r} is not supported ({sorted(archs)})")
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if d.get(flag):
+            raise WeightsError(f"{source}: {flag}=true is not supported")
+    try:
+        heads, hidden = d["num_attention_heads"], d["hidden_size"]
+        rope = d.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
+        legacy = d.get("rope_scaling") or {}
+        kind = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+        scale_src = rope if rope.get("rope_type") not in (None, "default") else legacy
+        scaling = None
+        if kind == "llama3":
+            scaling = RopeScaling(
+                factor=float(scale_src["factor"]),
+                low_freq_factor=float(scale_src["low_freq_factor"]),
+                high_freq_factor=float(scale_src["high_freq_factor"]),
+                original_max_position_embeddings=int(scale_src["original_max_position_embeddings"]))
+        elif kind != "default":
+            raise WeightsError(f"{source}: rope_type {kind!r} is not supported (default, llama3)")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return ModelConfig(
+            arch=archs[model_type], vocab_size=d["vocab_size"], hidden_size=hidden,
+            num_layers=d["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            intermediate_size=d["intermediate_size"],
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_scaling=scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            num_mtp_layers=hf_num_mtp_layers(d),  # what the checkpoint has; the engine
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids)  # keeps 0 unless MTP is on
+    except KeyError as e:
+        raise WeightsError(f"{source}: missing field {e.args[0]!r}") from e
+    except (ConfigError, TypeError) as e:
+        raise WeightsError(f"{source}: {e}") from e
+
+
+def read_hf_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    try:
+        return config_from_hf(json.loads(path.read_text()), str(path))
+    except FileNotFoundError as e:
+        raise WeightsError(f"{path}: config.json does not exist") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{path}: cannot read config.json: {e}") from e
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: not a valid safetensors index: {e}") from e
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise WeightsError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for f in files:
+        if not f.is_file():
+            raise WeightsError(f"{f}: safetensors file does not exist")
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                names = list(sf.keys())
+                for name in names:
+                    tensor = sf.get_tensor(name)
+                    yield name, tensor
+        except WeightsError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for bad headers/data
+            raise WeightsError(f"{f}: cannot read safetensors file: {e}") from e
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype | str = torch.float32,
+            device: torch.device | str = "cpu", backend: object | None = None,
+            progress: bool | None = None) -> tuple[Model, ModelConfig]:
+    """A transformers checkpoint folder (config.json + safetensors, single or sharded)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise WeightsError(f"{folder}: model folder does not exist")
+    cfg = read_hf_config(folder)
+    files = _safetensors_files(folder)
+    model = empty_model(cfg, dtype, device, backend)
+    sink = _Sink(model, str(folder))
+    bar = tqdm(desc=f"loading {folder.name}", unit="tensor", disable=not _show_progress(cfg, progress))
+    for name, tensor in _iter_safetensors(files):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # old checkpoints stored the RoPE table; we compute it
+        if cfg.num_mtp_layers and mtp_checkpoint_name(name, cfg.num_layers) is not None:
+            continue  # MTP layers: pdserve.engine.spec.mtp_head.load_hf_mtp reads them when speculation is on
+        sink.load(name.removeprefix("model."), tensor)
+        bar.update()
+    bar.close()
+    sink.finish()
+    return model, cfg
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+
+def open_gguf(path: str | Path) -> "gguf.GGUFReader":  # noqa: F821
+    """A GGUFReader, or WeightsError naming the path when missing or unreadable."""
+    import gguf
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"{path}: GGUF file does not exist")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader fails with ValueError, struct or numpy errors on bad bytes
+        raise WeightsError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
+
+
+_REQUIRED = object()
+
+
+def gguf_value(reader: "gguf.GGUFReader", key: str, default: object = _REQUIRED) -> object:  # noqa: F821
+    """A metadata value; a missing required key raises WeightsError naming it."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise WeightsError(f"{reader.data.filename}: GGUF metadata {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _rope_from_gguf(reader: "gguf.GGUFReader", head_dim: int, theta: float) -> RopeScaling | None:  # noqa: F821
+    """llama.cpp stores Llama-3 scaling as a `rope_freqs` tensor of per-frequency divisors, not as
+    parameters. Assume Llama 3.1's parameters (factor = the largest divisor) and check that they
+    reproduce the tensor, so any other scheme fails loudly instead of running wrong."""
+    from gguf.quants import dequantize
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    divisors = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(-1).copy())
+    arch = gguf_value(reader, "general.architecture")
+    scaling = RopeScaling(
+        factor=float(divisors.max()),
+        original_max_position_embeddings=int(gguf_value(
+            reader, f"{arch}.rope.scaling.original_context_length", 8192)))
+    from pdserve.engine.model.layers import rope_inv_freq
+    expect = rope_inv_freq(head_dim, theta, None) / rope_inv_freq(head_dim, theta, scaling)
+    if divisors.shape != expect.shape or not torch.allclose(divisors, expect, rtol=1e-3):
+        raise WeightsError(f"{reader.data.filename}: rope_freqs does not match Llama-3 RoPE scaling")
+    return scaling
+
+
+def config_from_gguf(reader: "gguf.GGUFReader") -> ModelConfig:  # noqa: F821
+    arch = gguf_value(reader, "general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise WeightsError(f"{reader.data.filename}: GGUF architecture {arch!r} is not supported "
+                           "(llama, qwen3)")
+    hidden = int(gguf_value(reader, f"{arch}.embedding_length"))
+    heads = int(gguf_value(reader, f"{arch}.attention.head_count"))
+    head_dim = int(gguf_value(reader, f"{arch}.attention.key_length", hidden // heads))
+    theta = float(gguf_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    names = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise WeightsError(f"{reader.data.filename}: GGUF tensor 'token_embd.weight' is missing")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    embd_rows = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+    vocab = gguf_value(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else embd_rows)
+    eos = [gguf_value(reader, k, None) for k in ("tokenizer.ggml.eos_token_id",
+                                                  "tokenizer.ggml.eot_token_id")]
+    try:
+        return ModelConfig(
+            arch=arch, vocab_size=int(vocab), hidden_size=hidden,
+            num_layers=int(gguf_value(reader, f"{arch}.block_count")), num_heads=heads,
+            num_kv_heads=int(gguf_value(reader, f"{arch}.attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            intermediate_size=int(gguf_value(reader, f"{arch}.feed_forward_length")),
+            rope_theta=theta, rope_scaling=_rope_from_gguf(reader, head_dim, theta),
+            rms_norm_eps=float(gguf_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+            tie_word_embeddings="output.weight" not in names, qk_norm=arch == "qwen3",
+            max_position_embeddings=int(gguf_value(reader, f"{arch}.context_length", 4096)),
+            bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)))
+    except ConfigError as e:
+        raise WeightsError(f"{reader.data.filename}: {e}") from e
+
+
+_GGUF_GLOBAL = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                "output.weight": "lm_head.weight"}
+_GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_BLOCK.fullmatch(name)
+    if m and m.group(2) in _GGUF_LAYER:
+        return f"layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.weight"
+    return None
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Llama q/k row order. Its converter regroups each head's rows from
+    rotate-half pairs (i, i + D/2) into adjacent pairs (2i, 2i + 1) for its interleaved RoPE:
+    rows viewed as [head, 2, D/2] were swapped to [head, D/2, 2]; swap them back."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path_or_reader: "str | Path | gguf.GGUFReader",  # noqa: F821
+              dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
+              backend: object | None = None, progress: bool | None = None
+              ) -> tuple[Model, ModelConfig]:
+    """Dequantise every tensor of a GGUF file (any ggml type the gguf package knows)."""
+    from gguf.quants import dequantize
+    reader = path_or_reader if hasattr(path_or_reader, "tensors") else open_gguf(path_or_reader)
+    source = str(reader.data.filename)
+    cfg = config_from_gguf(reader)
+    model = empty_model(cfg, dtype, device, backend)
+    sink = _Sink(model, source)
+    for t in tqdm(reader.tensors, desc="loading gguf", unit="tensor",
+                  disable=not _show_progress(cfg, progress)):
+        if t.name == "rope_freqs.weight":
+            continue  # already folded into cfg.rope_scaling
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            raise WeightsError(f"{source}: unexpected GGUF tensor {t.name!r}")
+        try:
+            w = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        except Exception as e:
+            raise WeightsError(f"{source}: cannot dequantise {t.name!r} "
+                               f"({t.tensor_type.name}): {e}") from e
+        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = unpermute_rope_rows(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the file
+            w = np.array(w, order="C")
+        sink.load(name, torch.from_numpy(w))
+    sink.finish()
+    return model, cfg

@@ -1,0 +1,1 @@
+"""MTP speculative decoding: the MTP head, drafting, verification and their CUDA graphs."""

@@ -1,0 +1,358 @@
+"""MTP speculative decoding: configuration, acceptance rules, and the draft/verify driver.
+
+One engine step with speculation (the runner calls into SpecDecoder):
+
+    verify   the target runs [last token, d1..dk] of each request as one varlen batch
+             (query_len k+1, the chunked-prefill path) and decides, per request, how many
+             drafts to accept: n in 0..k, plus one token of its own (the correction or bonus)
+    catch up the MTP layer runs over every position the target computed this step whose
+             next token is now known (accepted rows of a verify, a prefill chunk, a plain
+             decode): input (target hidden at t, token t+1) at position t. This writes the
+             MTP layer's KV for those positions, and the last row's output drafts d1 for the
+             next step
+    chain    k-1 more MTP steps, one token each: (previous MTP output, previous draft) at the
+             next position -> the next draft
+
+Rollback. Rejected positions are never counted: the scheduler advances num_computed_tokens
+by 1 + n, so the target's KV slots of rejected drafts (and the MTP slots the chain wrote past
+the accepted prefix) lie beyond the request's computed length. Nobody reads a slot beyond it
+(attention reads positions < seq_len), and the next verify / catch-up overwrites them before
+they are counted. A block enters the prefix cache only once all its positions are counted.
+
+Acceptance. Greedy requests accept while draft == argmax of the target (exact: the output
+equals non-speculative greedy decoding token for token). Random requests use rejection
+sampling: draft x drawn from q is kept with probability min(1, p(x) / q(x)); on the first
+rejection the token is drawn from norm(max(0, p - q)); after k acceptances a bonus token is
+drawn from p. The emitted tokens are distributed exactly as the target's sampling (p is the
+sampler's own processed distribution: temperature, top-k/p, min-p).
+
+Known limits: requests with penalties or logprobs are not drafted for (their MTP KV is kept
+current, they decode one token per step); the MTP KV at the last position of a prefix-cache
+hit was computed with the original request's next token (affects acceptance, never output).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pdserve.engine.model.attention import make_metadata
+from pdserve.engine.core.config import ConfigError, SpecConfig
+from pdserve.engine.spec.draft_graphs import DraftGraphs, DraftRow
+from pdserve.engine.core.request import Request
+from pdserve.engine.exec.sampler import SAMPLING_EPS, Sampler, SamplerState, mix_seed
+from pdserve.engine.exec.device_io import rows_of
+
+_DRAFT_SALT = 0x6D7470  # draft-sampling generator seed salt ("mtp")
+
+
+@dataclass
+class SpecStats:
+    """Monotonic counters, exported as pdserve:spec_decode_* by worker/metrics.py."""
+
+    num_drafts: int = 0  # verify events (a request with >= 1 draft in a step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos += [0] * (
+                num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(1, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify: accepted drafts + the target's own token."""
+        return 1.0 + self.num_accepted_tokens / max(1, self.num_drafts)
+
+
+# -- acceptance rules (pure functions) ------------------------------------------------------------
+
+def greedy_accept(draft_ids: list[int], target_argmax: list[int]) -> list[int]:
+    """Tokens emitted for drafts d[0..k) given the target's argmax at the k+1 verify rows."""
+    n = 0
+    while n < len(draft_ids) and draft_ids[n] == target_argmax[n]:
+        n += 1
+    return draft_ids[:n] + [target_argmax[n]]
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     draft_ids: torch.Tensor, uniforms: torch.Tensor,
+                     noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling for B sequences with k drafts each (vectorised).
+
+    target_probs [B, k+1, V] (p at each verify row), draft_probs [B, k, V] (the q each draft
+    was drawn from), draft_ids [B, k] int64, uniforms [B, k] in [0, 1), noise [B, k+1, V]
+    Exp(1). Returns num_accepted [B] (the leading run of accepted drafts) and tokens [B, k+1]:
+    row b emits tokens[b, :num_accepted[b] + 1]. The recovered token at row j is an
+    exponential race over the residual max(0, p_j - q_j) (row k: over p_k, the bonus).
+    """
+    B, k = draft_ids.shape
+    p_x = target_probs[:, :k].gather(-1, draft_ids[..., None])[..., 0]  # [B, k]
+    q_x = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
+    accept = uniforms * q_x < p_x  # P(accept) = min(1, p/q)
+    num_accepted = accept.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
+    residual = torch.cat([(target_probs[:, :k] - draft_probs).clamp_min(0.0),
+                          target_probs[:, k:]], dim=1)  # [B, k+1, V]
+    # p == q leaves no residual; such a row cannot reject (u * q < p always), so any
+    # fallback is unreachable: use p to stay well defined
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, target_probs, residual)
+    recovered = (residual / noise).argmax(dim=-1)  # [B, k+1]; scaling never moves argmax
+    cols = torch.arange(k + 1, device=draft_ids.device)
+    padded = torch.cat([draft_ids, recovered[:, k:]], dim=1)
+    tokens = torch.where(cols[None, :] < num_accepted[:, None], padded, recovered)
+    return num_accepted, tokens
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+@dataclass
+class DraftJob:
+    """MTP rows of one request: positions start..start+m-1, whose target hidden states are
+    rows first_row..first_row+m-1 of the hidden tensor handed to propose(), and the tokens
+    that follow each position (m = len(next_tokens))."""
+
+    request: Request
+    start: int
+    next_tokens: list[int]
+    k: int  # drafts wanted after this catch-up (0: only write the MTP KV)
+    first_row: int = 0
+    rows: int = 0  # its rows in the step's hidden tensor (>= m; 0: unknown)
+
+    @property
+    def m(self) -> int:
+        return len(self.next_tokens)
+
+
+def _speculable(req: Request) -> bool:
+    p = req.sampling_params
+    return not p.has_penalties and p.logprobs is None
+
+
+class SpecDecoder:
+    """Verifies drafts against the target and drafts the next ones with the MTP head."""
+
+    def __init__(self, spec: SpecConfig, head: torch.nn.Module, model: torch.nn.Module,
+                 kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.spec, self.head, self.model = spec, head, model
+        self.kv_cache, self.block_size, self.sampler = kv_cache, block_size, sampler
+        self.max_model_len = max_model_len
+        self.eos = frozenset(eos_token_ids)
+        self.device = kv_cache.device
+        head.use_draft_vocab(model, spec.draft_vocab, tuple(eos_token_ids))
+        self.stats = SpecStats(num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
+        self._q: dict[str, torch.Tensor] = {}  # request -> [k, V] draft distributions (random)
+        self._gens: dict[str, torch.Generator] = {}
+        self.draft_graphs: DraftGraphs | None = None  # set by the runner (static drafting)
+
+    def free_request(self, request_id: str) -> None:
+        self._q.pop(request_id, None)
+        self._gens.pop(request_id, None)
+
+    def free_request_drafts(self, request_id: str) -> None:
+        """Its drafts are greedy from now on: no draft distribution to keep."""
+        self._q.pop(request_id, None)
+
+    # -- verify ------------------------------------------------------------------------------
+    def verify(self, items: list[tuple[Request, list[int], int]], hidden: torch.Tensor,
+               states: list[SamplerState]) -> dict[str, list[int]]:
+        """items: (request, its scheduled drafts, index of its last row in hidden); the k+1
+        verify rows end there. Returns the emitted tokens per request (1 to k+1 of them)."""
+        rows = [r for _, drafts, last in items for r in range(last - len(drafts), last + 1)]
+        logits = self.model.compute_logits(rows_of(hidden, rows))
+        out: dict[str, list[int]] = {}
+        greedy = [i for i, (req, _, _) in enumerate(items)
+                  if req.sampling_params.temperature < SAMPLING_EPS]
+        argmax = self.model.argmax(logits).tolist() if greedy else []
+        offset = 0
+        for i, (req, drafts, _) in enumerate(items):
+            k = len(drafts)
+            span = slice(offset, offset + k + 1)
+            offset += k + 1
+            if req.sampling_params.temperature < SAMPLING_EPS:
+                tokens = (drafts + [argmax[span][k]] if self.spec.forced_acceptance
+                          else greedy_accept(drafts, argmax[span]))
+            else:
+                tokens = self._verify_random(req, drafts, logits[span], states[i])
+            self.stats.record(k, len(tokens) - 1)
+            out[req.request_id] = tokens
+        return out
+
+    def _verify_random(self, req: Request, drafts: list[int], logits: torch.Tensor,
+                       state: SamplerState) -> list[int]:
+        k = len(drafts)
+        p = self.sampler.probs_after_processing(logits, [req] * (k + 1), [state] * (k + 1))
+        q = self._q.get(req.request_id)
+        if q is None or q.shape[0] < k:
+            raise RuntimeError(f"request {req.request_id}: no draft distribution for its "
+                               f"{k} drafts")
+        base = len(req.output_token_ids)  # output position of the first emitted token
+        uniforms, noise = [], []
+        for j in range(k + 1):  # per-position generators: reproducible whatever the batch
+            gen = state.generator_at(base + j)
+            uniforms.append(torch.rand((), generator=gen, device=self.device))
+            noise.append(torch.empty(p.shape[-1], device=self.device).exponential_(generator=gen))
+        noise_t = torch.stack(noise).clamp_min_(torch.finfo(torch.float32).tiny)
+        ids = torch.tensor([drafts], dtype=torch.int64, device=self.device)
+        if self.spec.forced_acceptance:
+            bonus = int((p[k] / noise_t[k]).argmax())
+            return drafts + [bonus]
+        n, tokens = rejection_sample(p[None], q[None, :k].to(p.dtype), ids,
+                                     torch.stack(uniforms[:k])[None], noise_t[None])
+        n = int(n[0])
+        return tokens[0, :n + 1].tolist()
+
+    # -- draft -------------------------------------------------------------------------------
+    def cap_k(self, req: Request, k: int, emitted: list[int]) -> int:
+        """Drafts worth making for `req` after it appends `emitted`: none for requests that
+        cannot be verified exactly, that will finish, or past max_tokens / the context /
+        the blocks the scheduler reserved (the chain writes MTP KV up to position N + k - 3)."""
+        if k <= 0 or not _speculable(req):
+            return 0
+        p = req.sampling_params
+        if not p.ignore_eos and any(t in self.eos for t in emitted):
+            return 0
+        if any(t in p.stop_token_ids for t in emitted):
+            return 0
+        n_tokens = req.num_tokens + len(emitted)
+        n_out = len(req.output_token_ids) + len(emitted)
+        room = len(req.block_table) * self.block_size - n_tokens + 2
+        return max(0, min(k, p.max_tokens - n_out - 1, self.max_model_len - n_tokens, room))
+
+    def propose(self, jobs: list[DraftJob], hidden: torch.Tensor,
+                states: dict[str, SamplerState],
+                before_sync: Callable[[torch.Tensor], object] | None = None
+                ) -> dict[str, list[int]]:
+        """Catch-up pass over all jobs' rows (hidden: the target's normed hidden states),
+        then the chain for jobs with k > 0. Returns drafts per request. before_sync: see
+        DraftGraphs.propose (called only when the static path drafts)."""
+        jobs = [j for j in jobs if j.m > 0]
+        if not jobs:
+            return {}
+        static = self._propose_static(jobs, hidden, before_sync)
+        if static is not None:
+            return static
+        dev = self.device
+        rows = torch.tensor([r for j in jobs for r in range(j.first_row, j.first_row + j.m)],
+                            device=dev)
+        ids = [t for j in jobs for t in j.next_tokens]
+        positions = [p for j in jobs for p in range(j.start, j.start + j.m)]
+        meta = make_metadata([j.m for j in jobs], [j.start + j.m for j in jobs],
+                             [j.request.block_table for j in jobs], self.block_size, dev)
+        g = self.head(self.model, torch.tensor(ids, device=dev), hidden[rows],
+                      torch.tensor(positions, device=dev), meta, self.kv_cache, step=0)
+        ends = torch.tensor([j.m for j in jobs]).cumsum(0) - 1
+        want = [i for i, j in enumerate(jobs) if j.k > 0]
+        if not want:
+            return {}
+        last = g[ends[want].to(dev)]
+        return self._chain([jobs[i] for i in want], last, states)
+
+    def catch_up_on_device(self, requests: list[Request], starts: list[int],
+                           hidden: torch.Tensor, ids: torch.Tensor) -> bool:
+        """The k = 0 catch-up of a plain decode step from the sampler's device ids [B]
+        (request i: hidden row i, position starts[i]), launched before the host reads them;
+        the runner then skips propose() for the step. False when static drafting is off or
+        does not fit, or the MTP KV is not maintained (then propose() runs as before)."""
+        if self.draft_graphs is None or not self.spec.maintain_mtp_kv:
+            return False
+        if not self.draft_graphs.catch_up_from_device(requests, starts, hidden, ids):
+            return False
+        for req in requests:
+            self._q.pop(req.request_id, None)  # as _propose_static: no drafts, no distribution
+        return True
+
+    def _propose_static(self, jobs: list[DraftJob], hidden: torch.Tensor,
+                        before_sync: Callable[[torch.Tensor], object] | None = None
+                        ) -> dict[str, list[int]] | None:
+        """The same proposal through DraftGraphs when the step is uniform (every job has q
+        rows laid out in order and wants the same k) and every drafting request is greedy;
+        None otherwise (the dynamic path runs)."""
+        if self.draft_graphs is None:
+            return None
+        q, k = jobs[0].rows, jobs[0].k
+        if any(j.rows != q or j.k != k or j.first_row != i * q for i, j in enumerate(jobs)):
+            return None
+        if k > 0 and any(j.request.sampling_params.temperature >= SAMPLING_EPS for j in jobs):
+            return None
+        rows = [DraftRow(j.request, j.start, j.next_tokens) for j in jobs]
+        drafts = self.draft_graphs.propose(rows, hidden, q, k, before_sync if k > 0 else None)
+        if drafts is None:
+            return None
+        for j in jobs:
+            self.free_request_drafts(j.request.request_id)
+        return {j.request.request_id: d for j, d in zip(jobs, drafts) if d}
+
+    def _chain(self, jobs: list[DraftJob], g: torch.Tensor,
+               states: dict[str, SamplerState]) -> dict[str, list[int]]:
+        """g [n, H]: the catch-up output at each job's last position (drafts d1). Drafts stay
+        on the device until the chain ends: one host sync for all k steps."""
+        qs: dict[str, list[torch.Tensor]] = {j.request.request_id: [] for j in jobs}
+        active = list(range(len(jobs)))
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (jobs drafting, their tokens)
+        step = 0
+        while True:
+            logits = self.head.draft_logits(self.model, g)
+            tokens = self._draw(logits, [jobs[a] for a in active], states, qs)
+            steps.append((active, tokens))
+            step += 1
+            keep = [i for i, a in enumerate(active) if jobs[a].k > step]
+            if not keep:
+                break
+            active = [active[i] for i in keep]
+            g = self._chain_step([jobs[a] for a in active], g[keep], tokens[keep], step)
+        for rid, rows in qs.items():
+            if rows:
+                self._q[rid] = torch.stack(rows)
+            else:
+                self._q.pop(rid, None)
+        host = torch.cat([t for _, t in steps]).tolist()  # the one sync of the chain
+        drafts: dict[str, list[int]] = {j.request.request_id: [] for j in jobs}
+        offset = 0
+        for rows, _ in steps:
+            for i, a in enumerate(rows):
+                drafts[jobs[a].request.request_id].append(host[offset + i])
+            offset += len(rows)
+        return drafts
+
+    def _chain_step(self, jobs: list[DraftJob], g: torch.Tensor, ids: torch.Tensor,
+                    step: int) -> torch.Tensor:
+        """One token per job: (its last draft ids [n], g) at position last + step -> g [n, H]."""
+        pos = [j.start + j.m - 1 + step for j in jobs]
+        meta = make_metadata([1] * len(jobs), [p + 1 for p in pos],
+                             [j.request.block_table for j in jobs], self.block_size, self.device)
+        return self.head(self.model, ids, g, torch.tensor(pos, device=self.device), meta,
+                         self.kv_cache, step=step)
+
+    def _draw(self, logits: torch.Tensor, jobs: list[DraftJob], states: dict[str, SamplerState],
+              qs: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """One draft per row [n] (on the device): argmax for greedy requests; for random ones
+        a draw from q, the request's processed MTP distribution (kept in qs for the
+        acceptance test)."""
+        tokens = self.model.argmax(logits)
+        for i, job in enumerate(jobs):
+            req = job.request
+            if req.sampling_params.temperature < SAMPLING_EPS:
+                continue
+            state = states[req.request_id]
+            q = self.sampler.probs_after_processing(logits[i:i + 1], [req], [state])[0]
+            gen = self._gens.get(req.request_id)
+            if gen is None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(mix_seed(state.base_seed, _DRAFT_SALT))
+                self._gens[req.request_id] = gen
+            tokens[i] = torch.multinomial(q, 1, generator=gen)[0]
+            qs[req.request_id].append(q)
+        return tokens

@@ -1,0 +1,25 @@
+"""Every kernel launcher in one namespace (imports triton): `from pdserve.kernels import ops`.
+
+The engine reaches the kernels through this module only when its fused path is on, so the
+torch path never imports triton.
+"""
+from __future__ import annotations
+
+from pdserve.kernels.argmax import argmax
+from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
+from pdserve.kernels.decode_attention import (MAX_GROUP_ROWS, Prologue, choose_num_splits,
+                                              fused_decode_attention, paged_decode_attention)
+from pdserve.kernels.gemv import MODEL_ROWS as GEMV_ROWS
+from pdserve.kernels.gemv import gemv
+from pdserve.kernels.kv_write import write_kv
+from pdserve.kernels.prefill_attention import paged_prefill_attention
+from pdserve.kernels.rmsnorm import fused_add_rmsnorm
+from pdserve.kernels.silu_mul import silu_and_mul
+from pdserve.kernels.spec_accept import spec_accept
+
+__all__ = [
+    "GEMV_ROWS", "MAX_GROUP_ROWS", "Prologue", "argmax", "choose_num_splits",
+    "fused_add_rmsnorm", "fused_decode_attention", "fused_qk_norm_rope_kv", "gemv",
+    "paged_decode_attention", "paged_prefill_attention", "silu_and_mul", "spec_accept",
+    "write_kv",
+]

@@ -1,0 +1,154 @@
+"""gRPC face: the Pdserve service (Generate server streaming, ListModels, Health).
+
+Same validation and errors as HTTP, as gRPC statuses: INVALID_ARGUMENT naming the field,
+NOT_FOUND for an unknown model, UNAUTHENTICATED (API key in `authorization: Bearer` metadata,
+checked by proto.rpc's interceptor; Health stays open), RESOURCE_EXHAUSTED when full,
+UNAVAILABLE while draining. Optional TLS.
+
+The server is proto.rpc's thread-pool server; each call hands its request to the router's
+asyncio loop (where the core and the worker channels live) and reads results from a queue.
+A client that cancels cancels the core task, which frees the request on the workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import queue
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from pdserve.engine.core.sampling_params import InvalidRequestError
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.convert import params_from_proto
+from pdserve.proto.rpc import TLSConfig, make_server
+from pdserve.router.core import Job, RouterCore
+from pdserve.router.dispatch import Delta
+from pdserve.router.errors import BadRequest, RouterError
+from pdserve.router.frontend import CHAT_ROLES
+from pdserve.router.protocol import content_text
+
+_END = object()
+
+
+class PdserveServicer(pbg.PdserveServicer):
+    def __init__(self, core: RouterCore, loop: asyncio.AbstractEventLoop) -> None:
+        self.core, self.loop = core, loop
+
+    # -- Generate ------------------------------------------------------------------------
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[pb.GenerateResponse]:
+        try:
+            job, n, rid = self._job(request)
+        except RouterError as e:
+            context.abort(e.grpc_code, e.message)
+        q: queue.Queue = queue.Queue()
+        fut = asyncio.run_coroutine_threadsafe(self._pump(job, n, rid, q), self.loop)
+        context.add_callback(fut.cancel)  # client cancelled or went away
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, RouterError):
+                context.abort(item.grpc_code, item.message)
+            if isinstance(item, BaseException):
+                context.abort(grpc.StatusCode.INTERNAL, f"internal error: {item!r}")
+            yield item
+
+    async def _pump(self, job: Job, n: int, rid: str, q: queue.Queue) -> None:
+        finished, completion, cached = 0, 0, 0
+        prompt_tokens = sum(len(p) for p in job.prompts)
+        try:
+            async with contextlib.aclosing(self.core.generate(job)) as gen:
+                async for d in gen:
+                    msg = _to_proto(rid, d)
+                    if d.finish_reason:
+                        finished += 1
+                        completion += d.completion_tokens or len(d.token_ids)
+                        cached = max(cached, d.cached_tokens)
+                        if finished == n:  # the request's last message carries its usage
+                            msg.usage.CopyFrom(pb.Usage(prompt_tokens=prompt_tokens,
+                                                        completion_tokens=completion,
+                                                        cached_tokens=cached))
+                    q.put(msg)
+            q.put(_END)
+        except asyncio.CancelledError:
+            q.put(_END)
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported to the client as a status
+            q.put(e)
+
+    def _job(self, request: pb.GenerateRequest) -> tuple[Job, int, str]:
+        core, fe = self.core, self.core.frontend
+        fe.check_model(request.model or None)
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise BadRequest("prompt: one of prompt, prompt_token_ids or messages is required",
+                             param="prompt")
+        if kind == "prompt":
+            ids = fe.encode_prompt(request.prompt)
+        elif kind == "prompt_token_ids":
+            ids = fe.encode_prompt(list(request.prompt_token_ids.ids), param="prompt_token_ids")
+        else:
+            ids = fe.encode_chat(_messages(request.messages))
+        try:
+            params = params_from_proto(request.params)
+            if not request.params.HasField("max_tokens") and kind == "messages":
+                params = dataclasses.replace(params, max_tokens=core.max_tokens_default(len(ids)))
+        except InvalidRequestError as e:
+            raise BadRequest.from_invalid(e) from e
+        if len(request.request_id) > 128:
+            raise BadRequest("request_id: must be at most 128 characters", param="request_id")
+        rid = request.request_id or uuid.uuid4().hex
+        job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", [ids], params,
+                  timeout_s=request.timeout_s if request.timeout_s > 0 else None)
+        return job, params.n, rid
+
+    # -- the rest ------------------------------------------------------------------------
+    def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        fe = self.core.frontend
+        return pb.ListModelsResponse(models=[pb.ModelCard(id=fe.model_id,
+                                                          max_model_len=fe.max_model_len)])
+
+    def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+        core = self.core
+        ws = list(core.pool.workers.values())
+        status = "draining" if core.draining else "ok" if all(w.up for w in ws) else "degraded"
+        return pb.HealthResponse(status=status, role="router", worker_id=core.cfg.router_id,
+                                 num_running=sum(w.inflight for w in ws),
+                                 num_waiting=max(0, core.inflight - sum(w.inflight for w in ws)))
+
+
+def _messages(msgs: pb.ChatMessages) -> list[dict[str, str]]:
+    if not msgs.messages:
+        raise BadRequest("messages: must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(msgs.messages):
+        if m.role not in CHAT_ROLES:
+            raise BadRequest(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
+                             f"got {m.role!r}", param=f"messages[{i}].role")
+        out.append({"role": m.role, "content": content_text(m.content, f"messages[{i}].content", m.role)})
+    return out
+
+
+def _to_proto(request_id: str, d: Delta) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=request_id, index=d.index, text=d.text,
+                              token_ids=d.token_ids, finish_reason=d.finish_reason or "")
+    for tok, lp, top in d.logprobs:
+        msg.logprobs.append(pb.TokenLogprob(token_id=tok, logprob=lp,
+                                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top]))
+    return msg
+
+
+def start_grpc(core: RouterCore, loop: asyncio.AbstractEventLoop, host: str, port: int,
+               api_key: str | None = None, tls: TLSConfig | None = None,
+               max_workers: int = 256) -> tuple[grpc.Server, int]:
+    """Start the Pdserve service; returns (server, bound port)."""
+    server, bound = make_server(host, port, max_workers=max_workers, api_key=api_key, tls=tls,
+                                open_methods=("/Health",))
+    pbg.add_PdserveServicer_to_server(PdserveServicer(core, loop), server)
+    server.start()
+    return server, bound

@@ -1,0 +1,327 @@
+"""`pdserve serve`: start (or join) Ray, launch the worker pools, run the router.
+
+    pdserve serve                                  # embedded model, 1 prefill + 1 decode
+    pdserve serve --prefill 2 --decode 2 --model /models/llama.gguf
+    pdserve serve --colocated --replicas 2        # workers that do both (the baseline)
+    pdserve serve --speculative mtp --num-speculative-tokens 2   # MTP drafting on every worker
+
+HTTP (OpenAI-compatible) on 127.0.0.1:8000, gRPC (pdserve.v1.Pdserve) on 127.0.0.1:50051
+unless told otherwise; both endpoints and each worker's metrics address are printed once
+the pool is ready. A Ray instance started here has token authentication on and no
+dashboard. SIGTERM/SIGINT drain: /health says draining, new requests get 503, requests in
+flight finish (up to --drain-timeout), then the workers are shut down.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+from pdserve.router.policies import ROUTING_POLICIES
+
+log = logging.getLogger("pdserve.serve")
+# Streams the router keeps open on one worker at most: a worker serves gRPC from a pool of
+# 64 threads (proto.rpc.make_server's default) and each Prefill/Decode holds one; the rest
+# stay free for Health, Release, Abort and AddPeer. More would queue inside the worker, where
+# a queued Decode can outlive its prefill lease.
+WORKER_STREAMS = 56
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the router (HTTP + gRPC) over Ray-managed prefill/decode pools")
+    a = p.add_argument
+    a("--model", default=None, help="HF folder, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)")
+    a("--served-model-name", default=None, help="the model id clients use (default: from the model)")
+    a("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    a("--decode", type=int, default=1, help="decode workers (default 1)")
+    a("--colocated", action="store_true", help="workers that prefill and decode (see --replicas)")
+    a("--replicas", type=int, default=1, help="colocated workers (with --colocated)")
+    a("--host", default="127.0.0.1", help="bind address of HTTP and gRPC (default 127.0.0.1)")
+    a("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    a("--grpc-port", type=int, default=50051, help="gRPC port (default 50051)")
+    a("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+      help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+           "(default: $PDSERVE_API_KEY)")
+    a("--tls-cert", default=None, help="gRPC TLS certificate (PEM)")
+    a("--tls-key", default=None, help="gRPC TLS private key (PEM)")
+    a("--address", default=None, help="join this Ray cluster instead of starting one")
+    a("--worker-host", default="127.0.0.1",
+      help="address workers bind their gRPC/metrics on (multi-node clusters need a reachable one)")
+    a("--device", default=None, help="cpu | cuda (default: cuda when the cluster has GPUs)")
+    a("--block-size", type=int, default=16)
+    a("--num-blocks", type=int, default=None, help="KV blocks per worker (default: sized by the engine)")
+    a("--max-model-len", type=int, default=None)
+    a("--max-num-seqs", type=int, default=64, help="sequences per worker batch; also the router's "
+                                                  "per-worker request cap")
+    a("--max-num-batched-tokens", type=int, default=2048,
+      help="tokens per engine step (the prefill chunk size; default 2048)")
+    a("--eager", action="store_true",
+      help="on CUDA, run the torch reference ops without Triton kernels or CUDA graphs")
+    a("--lease-ttl", type=float, default=30.0, help="seconds a prefill worker pins KV for a reader")
+    a("--disagg-threshold", type=int, default=0,
+      help="prompts with fewer uncached tokens prefill on the decode worker (0 = never)")
+    a("--routing", choices=ROUTING_POLICIES, default="prefix_aware")
+    a("--max-inflight", type=int, default=1024, help="requests in flight before 429")
+    a("--retry-budget", type=int, default=2, help="re-dispatches per request after worker failures")
+    a("--request-timeout", type=float, default=600.0, help="default deadline of a request (s)")
+    a("--max-restarts", type=int, default=3, help="Ray restarts of a worker that dies")
+    a("--startup-timeout", type=float, default=900.0, help="wait this long for workers (s)")
+    a("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for requests (s)")
+    a("--log-level", default="warning")
+    from pdserve.router.cli import add_speculative_args
+
+    add_speculative_args(p)  # --speculative, --num-speculative-tokens, --mtp-head
+    p.set_defaults(func=_cmd_serve)
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """The first bad flag, as a message naming it."""
+    mins = [("--replicas", args.replicas, 1)] if args.colocated else \
+        [("--prefill", args.prefill, 0), ("--decode", args.decode, 1)]
+    for flag, v, least in mins:
+        if v < least:
+            return f"{flag}: must be >= {least}, got {v}"
+    for flag, v in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if not 0 <= v <= 65535:
+            return f"{flag}: must be a port number, got {v}"
+    if bool(args.tls_cert) != bool(args.tls_key):
+        return "--tls-cert/--tls-key: give both or neither"
+    for flag, v in (("--max-inflight", args.max_inflight), ("--max-num-seqs", args.max_num_seqs),
+                    ("--block-size", args.block_size)):
+        if v < 1:
+            return f"{flag}: must be >= 1, got {v}"
+    if args.retry_budget < 0 or args.disagg_threshold < 0:
+        return "--retry-budget/--disagg-threshold: must be >= 0"
+    from pdserve.router.cli import check_speculative
+
+    # a joined cluster (--address) may keep the head file on the worker nodes only
+    return check_speculative(args, check_files=not args.address)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    problem = _check(args)
+    if problem:
+        print(f"pdserve serve: {problem}", file=sys.stderr)
+        return 2
+    if not args.address and "ray" not in sys.modules:
+        # token authentication for the Ray we start (Ray 2.60 defaults to it; older versions
+        # read the variable when ray is imported, so it must be set before that)
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _start_ray(args: argparse.Namespace, namespace: str) -> bool:
+    """Join --address or start a local instance (token auth on, no dashboard). True = ours."""
+    import ray
+
+    from pdserve.worker.local_ray import start_local_ray
+
+    if args.address:
+        ray.init(address=args.address, namespace=namespace, log_to_driver=True)
+        return False
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    if mode != "token":
+        log.warning("RAY_AUTH_MODE=%s: the local Ray cluster runs WITHOUT token authentication", mode)
+    start_local_ray(include_dashboard=False, namespace=namespace, log_to_driver=True)
+    return True
+
+
+def _launch_workers(args: argparse.Namespace) -> list:
+    import ray
+
+    from pdserve.router.cli import engine_args
+    from pdserve.router.pool import RayWorkerRef
+    from pdserve.worker.actor import launch_worker
+    from pdserve.worker.config import WorkerConfig
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    device = args.device or ("cuda" if gpus >= 1 else "cpu")
+    # one GPU each; CPU actors take a fraction of a core so small machines host several
+    num_gpus, num_cpus = (1, 1) if device.startswith("cuda") else (0, 0.25)
+    fast = device.startswith("cuda") and not args.eager  # Triton kernels + CUDA graphs
+    roles = [("colocated", args.replicas)] if args.colocated else \
+        [("prefill", args.prefill), ("decode", args.decode)]
+    engine = engine_args(args, device=device, block_size=args.block_size,
+                         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                         max_model_len=args.max_model_len,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         use_triton=fast, use_cuda_graphs=fast)
+    refs = []
+    for role, count in roles:
+        for i in range(count):
+            cfg = WorkerConfig(role=role, worker_id=f"{role}-{i}", engine=engine,
+                               host=args.worker_host, lease_ttl_s=args.lease_ttl)
+            actor = launch_worker(cfg, num_gpus=num_gpus, num_cpus=num_cpus,
+                                  max_restarts=args.max_restarts)
+            refs.append(RayWorkerRef(actor, cfg.worker_id, role))
+    spec = "" if not args.speculative else \
+        f", speculative {args.speculative} k={args.num_speculative_tokens or 1}"
+    _say(f"pdserve: launched {len(refs)} workers on {device} "
+         f"({', '.join(f'{n} {r}' for r, n in roles)}{spec}); loading the model")
+    return refs
+
+
+@dataclass
+class Stack:
+    """A running router: core + pool + HTTP + gRPC servers."""
+
+    core: object
+    pool: object
+    http: object
+    http_task: asyncio.Task
+    grpc_server: object
+    http_port: int
+    grpc_port: int
+
+
+async def start_stack(refs: list, frontend, cfg, *, host: str = "127.0.0.1", port: int = 8000,
+                      grpc_port: int = 50051, api_key: str | None = None, tls=None,
+                      capacity: int = 64, startup_timeout_s: float = 900.0, progress=None,
+                      log_level: str = "warning", max_body_bytes: int = 8 << 20) -> Stack:
+    """Connect to the workers behind `refs`, then serve HTTP and gRPC (port 0 = pick one)."""
+    from pdserve.router.core import RouterCore
+    from pdserve.router.http_app import create_app
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.pool import WorkerPool
+    from pdserve.router.grpc_server import start_grpc
+
+    metrics = RouterMetrics(cfg.router_id)
+    pool = WorkerPool(refs, capacity=capacity, on_health=lambda w: metrics.worker_seen(
+        w.role, w.worker_id, w.up, w.health.kv_cache_usage if w.health else None,
+        w.health.num_pinned_blocks if w.health else None))
+    core = RouterCore(pool, frontend, cfg, metrics)
+    pool.on_change = lambda w: core.prefill_policy.forget(w.worker_id)
+    await pool.start(startup_timeout_s, progress=progress)
+    grpc_server, gport = start_grpc(core, asyncio.get_running_loop(), host, grpc_port,
+                                    api_key=api_key, tls=tls)
+    http = _uvicorn(create_app(core, api_key=api_key, max_body_bytes=max_body_bytes), host, port,
+                    log_level)
+    http_task = asyncio.create_task(http.serve())
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.05)
+    if http_task.done():
+        grpc_server.stop(0)
+        await pool.close()
+        raise OSError(f"--port: the HTTP server could not start on {host}:{port}")
+    bound = http.servers[0].sockets[0].getsockname()[1]
+    return Stack(core, pool, http, http_task, grpc_server, bound, gport)
+
+
+async def stop_stack(stack: Stack, drain_timeout_s: float, shutdown_workers: bool) -> None:
+    """Drain (new requests get 503; in-flight ones finish up to the timeout), then stop."""
+    core = stack.core
+    _say(f"pdserve: draining ({core.inflight} requests in flight, up to {drain_timeout_s:.0f} s)")
+    core.start_drain()
+    if not await core.wait_idle(drain_timeout_s):
+        _say(f"pdserve: drain timeout: {core.inflight} requests still in flight are cut off")
+    stack.http.should_exit = True
+    await asyncio.gather(stack.http_task, return_exceptions=True)
+    stack.grpc_server.stop(2).wait(3)
+    if shutdown_workers:
+        _say("pdserve: shutting down workers")
+    await stack.pool.close(shutdown_workers=shutdown_workers)
+
+
+def _uvicorn(app, host: str, port: int, log_level: str):
+    """uvicorn without its own signal handling: SIGTERM means drain, which we do."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=5)
+    return Server(config)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import ray
+
+    from pdserve.proto.rpc import TLSConfig
+    from pdserve.router.core import RouterConfig
+    from pdserve.router.frontend import load_frontend
+
+    frontend = load_frontend(args.model, args.max_model_len, args.served_model_name)
+    if args.speculative and not (args.address and args.mtp_head):
+        # a head that cannot load fails here, not in every worker
+        from pdserve.engine.core.config import ConfigError
+        from pdserve.engine.model.loader import resolve_model
+        from pdserve.engine.spec.mtp_head import check_mtp_head
+
+        try:
+            check_mtp_head(resolve_model(args.model), frontend.config, args.mtp_head)
+        except ConfigError as e:
+            print(f"pdserve serve: --speculative: {e}", file=sys.stderr)
+            return 2
+    router_id = f"router-{uuid.uuid4().hex[:6]}"
+    owned = _start_ray(args, namespace=f"pdserve-{router_id}")
+    refs: list = []
+    try:
+        refs = _launch_workers(args)
+        cfg = RouterConfig(block_size=args.block_size, routing=args.routing,
+                           disagg_threshold=args.disagg_threshold, max_inflight=args.max_inflight,
+                           retry_budget=args.retry_budget, request_timeout_s=args.request_timeout,
+                           router_id=router_id)
+        tls = TLSConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
+        stack = await start_stack(refs, frontend, cfg, host=args.host, port=args.port,
+                                  grpc_port=args.grpc_port, api_key=args.api_key, tls=tls,
+                                  capacity=max(1, min(args.max_num_seqs, WORKER_STREAMS)),
+                                  startup_timeout_s=args.startup_timeout,
+                                  progress=_progress(), log_level=args.log_level)
+        refs = []  # the stack owns them now
+        _print_ready(args, frontend.model_id, stack, tls is not None)
+        await _until_signal(stack.http_task)
+        await stop_stack(stack, args.drain_timeout, shutdown_workers=True)
+        return 0
+    finally:
+        for ref in refs:  # startup failed: do not leave actors behind
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ref.shutdown(), 10)
+        if owned:
+            ray.shutdown()
+
+
+def _progress():
+    start = time.monotonic()
+
+    def report(ready: int, total: int) -> None:
+        _say(f"pdserve: {ready}/{total} workers ready ({time.monotonic() - start:.0f} s)")
+    return report
+
+
+def _print_ready(args, model_id: str, stack: Stack, tls: bool) -> None:
+    for w in stack.pool.workers.values():
+        ep = w.endpoints
+        _say(f"  worker {w.worker_id:<12} {w.role:<9} grpc {ep.get('grpc_address')}  "
+             f"metrics http://{ep.get('metrics_address')}/metrics")
+    _say(f"pdserve: serving {model_id!r}")
+    _say(f"  HTTP  http://{args.host}:{stack.http_port}/v1   (OpenAI-compatible; /health, /metrics)")
+    _say(f"  gRPC  {args.host}:{stack.grpc_port}   (pdserve.v1.Pdserve{', TLS' if tls else ''})")
+    _say("pdserve: ready")
+
+
+async def _until_signal(http_task: asyncio.Task) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
