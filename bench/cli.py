@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY")
                    or os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $PDSERVE_API_KEY or $OPENAI_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=100, help="measured requests per rate (with --trace: its first N lines)")
+    p.add_argument("--num-prompts", type=int, default=100,
+                   help="measured requests per rate (with --trace: its first N lines)")
     p.add_argument("--warmup", type=int, default=0, help="unmeasured requests sent first")
     p.add_argument("--input-len", default="256", help="prompt words (~tokens): N or LO:HI")
     p.add_argument("--output-len", default="128", help="max_tokens: N or LO:HI")
@@ -118,8 +119,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
 def _run_rates(args: argparse.Namespace, model: str, rates: list[float], runs: list[list],
                warmup: list, slo: dict[str, float]) -> tuple[list[dict], list, list]:
     """One load run per rate; returns JSON records, CDF inputs and sweep points."""
-    from pdserve.bench import loadgen
-    from pdserve.bench import report
+    from pdserve.bench import loadgen, report
 
     records, cdf_runs, sweep = [], [], []
     for i, rate in enumerate(rates if not args.trace else [math.inf]):
@@ -142,8 +142,7 @@ def _run_rates(args: argparse.Namespace, model: str, rates: list[float], runs: l
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench import loadgen
-    from pdserve.bench import report
+    from pdserve.bench import loadgen, report
 
     try:
         rates, slo = _validate(args)
@@ -151,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     server_models = loadgen.fetch_models(args.base_url, args.api_key)
     model = args.model or (server_models[0] if server_models else None)
     if model is None:

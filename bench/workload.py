@@ -48,7 +48,7 @@ class LengthRange:
     hi: int
 
     @classmethod
-    def parse(cls, text: str, name: str) -> "LengthRange":
+    def parse(cls, text: str, name: str) -> LengthRange:
         try:
             parts = [int(p) for p in str(text).split(":")]
         except ValueError as e:

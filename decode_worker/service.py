@@ -27,9 +27,11 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
+import torch
 
-from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.llm_engine import RequestOutput
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.handshake import HandshakeError, IncompatiblePeerError
 from pdserve.proto import pdserve_pb2 as pb
@@ -313,11 +315,8 @@ def _merge(items: list[RequestOutput]) -> RequestOutput:
         new_logprobs=[lp for o in items for lp in o.new_logprobs])
 
 
-def _hidden_state(result: pb.PrefillResult) -> "torch.Tensor | None":
+def _hidden_state(result: pb.PrefillResult) -> torch.Tensor | None:
     """The prefill worker's last pre-norm hidden state (float32 little-endian), if shipped."""
     if not result.last_hidden_state:
         return None
-    import numpy as np
-    import torch
-
     return torch.from_numpy(np.frombuffer(result.last_hidden_state, dtype="<f4").copy())

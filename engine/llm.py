@@ -14,11 +14,11 @@ import torch
 
 from pdserve.engine.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core.engine_args import EngineArgs
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.model.loader import load_model, resolve_model
-from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
-from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.weights import as_dtype
+from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
 from pdserve.kernels.triton_mode import select_triton_mode
 
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core.config import EngineConfig, SpecConfig, compat_payload
 from pdserve.engine.core.detokenizer import DetokResult, IncrementalDetokenizer
-from pdserve.engine.model.decoder import Model
 from pdserve.engine.core.request import Request, RequestStatus
-from pdserve.engine.exec.runner import ModelRunner, StepResult
 from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.exec.runner import ModelRunner, StepResult
+from pdserve.engine.model.decoder import Model
 from pdserve.engine.spec.spec_decoder import SpecStats
 
 

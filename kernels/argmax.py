@@ -16,9 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._triton import (FLOAT_DTYPES, arrival_counters, check_launchable, check_tensor,
-                             interpreting, jit, next_pow2, num_sms, pdl_enter, pdl_launch,
-                             scratch_fp32)
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    arrival_counters,
+    check_launchable,
+    check_tensor,
+    interpreting,
+    jit,
+    next_pow2,
+    num_sms,
+    pdl_enter,
+    pdl_launch,
+    scratch_fp32,
+)
 
 BLOCK = 1024  # entries per program per step
 MAX_INDEX = (1 << 24) - 1  # partial indices travel through fp32 scratch as bit patterns

@@ -22,8 +22,16 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from pdserve.kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor, jit,
-                             next_pow2, pdl_enter, pdl_launch)
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    check_head_dim,
+    check_launchable,
+    check_tensor,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_launch,
+)
 from pdserve.kernels.kv_write import check_cache_pair
 
 INDEX_DTYPES = (torch.int32, torch.int64)

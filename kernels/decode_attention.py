@@ -34,8 +34,18 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._triton import (arrival_counters, check_tensor, dot_dtype, dot_precision,
-                             interpreting, jit, next_pow2, num_sms, pdl_enter, pdl_launch)
+from pdserve.kernels._triton import (
+    arrival_counters,
+    check_tensor,
+    dot_dtype,
+    dot_precision,
+    interpreting,
+    jit,
+    next_pow2,
+    num_sms,
+    pdl_enter,
+    pdl_launch,
+)
 from pdserve.kernels.attn_prologue import Prologue, check_prologue, rope_rows, write_new_kv
 from pdserve.kernels.kv_write import check_q_and_cache
 

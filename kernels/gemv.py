@@ -32,9 +32,22 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._triton import (FLOAT_DTYPES, arrival_counters, check_launchable, check_tensor,
-                             dot_dtype, dot_precision, interpreting, jit, l2_prefetch_rows,
-                             next_pow2, pdl_enter, pdl_launch, prefetch_lines, scratch_fp32)
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    arrival_counters,
+    check_launchable,
+    check_tensor,
+    dot_dtype,
+    dot_precision,
+    interpreting,
+    jit,
+    l2_prefetch_rows,
+    next_pow2,
+    pdl_enter,
+    pdl_launch,
+    prefetch_lines,
+    scratch_fp32,
+)
 from pdserve.kernels.rmsnorm import fused_add_rmsnorm
 from pdserve.kernels.silu_mul import silu_and_mul
 

@@ -9,8 +9,15 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from pdserve.kernels._triton import (FLOAT_DTYPES, check_head_dim, check_launchable, check_tensor, is_pow2,
-                             jit, next_pow2)
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    check_head_dim,
+    check_launchable,
+    check_tensor,
+    is_pow2,
+    jit,
+    next_pow2,
+)
 
 
 @jit

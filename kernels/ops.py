@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from pdserve.kernels.argmax import argmax
 from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
-from pdserve.kernels.decode_attention import (MAX_GROUP_ROWS, Prologue, choose_num_splits,
-                                              fused_decode_attention, paged_decode_attention)
+from pdserve.kernels.decode_attention import (
+    MAX_GROUP_ROWS,
+    Prologue,
+    choose_num_splits,
+    fused_decode_attention,
+    paged_decode_attention,
+)
 from pdserve.kernels.gemv import MODEL_ROWS as GEMV_ROWS
 from pdserve.kernels.gemv import gemv
 from pdserve.kernels.kv_write import write_kv

@@ -23,7 +23,14 @@ import math
 import torch
 import triton.language as tl
 
-from pdserve.kernels._triton import (check_tensor, dot_dtype, dot_precision, interpreting, jit, next_pow2)
+from pdserve.kernels._triton import (
+    check_tensor,
+    dot_dtype,
+    dot_precision,
+    interpreting,
+    jit,
+    next_pow2,
+)
 from pdserve.kernels.kv_write import check_q_and_cache
 
 LOG2E = 1.4426950408889634

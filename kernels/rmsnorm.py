@@ -8,8 +8,15 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from pdserve.kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, jit, next_pow2,
-                             pdl_enter, pdl_launch)
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    check_launchable,
+    check_tensor,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_launch,
+)
 
 MAX_HIDDEN = 65536  # one row must fit one program's registers
 

@@ -8,8 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._triton import (FLOAT_DTYPES, check_launchable, check_tensor, jit, next_pow2,
-                             pdl_enter, pdl_launch)
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    check_launchable,
+    check_tensor,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_launch,
+)
 
 BLOCK_MAX = 1024  # columns per program: enough programs to fill the GPU even at T = 1
 

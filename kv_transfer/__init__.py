@@ -5,15 +5,25 @@ in-process for unit tests), leases, handshake, fault injection.
 
 Importing this package does not import NIXL; constructing a NixlKVTransport does.
 """
+from .errors import (
+    KVTransferError,
+    KVTransferTimeout,
+    StalePeerError,
+    TransferStats,
+    UnknownPeerError,
+)
 from .faults import FaultConfig, FaultInjector, InjectedFault
-from .handshake import (HandshakeError, IncompatiblePeerError, PeerInfo, check_compatible,
-                        compat_hash)
+from .handshake import (
+    HandshakeError,
+    IncompatiblePeerError,
+    PeerInfo,
+    check_compatible,
+    compat_hash,
+)
+from .inproc_transport import InProcessKVTransport
 from .layout import KVLayout, Run, coalesce, coalesce_pairs
 from .lease import Lease, LeaseError, LeaseTable
 from .metrics import KVMetrics, KVTransferMetrics, kv_metrics
-from .errors import (KVTransferError, KVTransferTimeout, StalePeerError, TransferStats,
-                     UnknownPeerError)
-from .inproc_transport import InProcessKVTransport
 from .nixl_transport import NixlKVTransport
 from .transport import TRANSPORTS, KVTransport, make_transport
 

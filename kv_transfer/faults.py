@@ -45,7 +45,7 @@ class FaultConfig:
             raise ValueError(f"delay_s: must be a finite number >= 0, got {self.delay_s!r}")
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "FaultConfig":
+    def from_dict(cls, d: dict | None) -> FaultConfig:
         """From a worker config section; unknown keys are errors that name the key."""
         d = d or {}
         known = {f.name for f in fields(cls)}

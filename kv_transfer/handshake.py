@@ -86,7 +86,7 @@ class PeerInfo:
         return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "PeerInfo":
+    def from_bytes(cls, blob: bytes) -> PeerInfo:
         if not isinstance(blob, (bytes, bytearray)):
             raise HandshakeError(f"peer_info: expected bytes, got {type(blob).__name__}")
         if len(blob) > MAX_PEER_INFO_BYTES:
@@ -100,7 +100,7 @@ class PeerInfo:
         return cls._from_dict(d)
 
     @classmethod
-    def _from_dict(cls, d: dict) -> "PeerInfo":
+    def _from_dict(cls, d: dict) -> PeerInfo:
         types = {"worker_id": str, "incarnation": str, "agent_name": str, "agent_metadata": str,
                  "kv_base_addr": int, "kv_device_id": int, "kv_mem_type": str,
                  "layout": dict, "compat_hash": str, "compat_config": dict, "version": int}

@@ -18,11 +18,21 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import KVTransferError, KVTransferTimeout, StalePeerError, TransferStats, \
-    UnknownPeerError
+from .errors import (
+    KVTransferError,
+    KVTransferTimeout,
+    StalePeerError,
+    TransferStats,
+    UnknownPeerError,
+)
 from .faults import FaultInjector, InjectedFault
-from .handshake import (PeerInfo, check_compatible, check_layout_matches_compat, compat_hash,
-                        normalize_config)
+from .handshake import (
+    PeerInfo,
+    check_compatible,
+    check_layout_matches_compat,
+    compat_hash,
+    normalize_config,
+)
 from .layout import KVLayout, check_block_ids, coalesce_pairs
 from .metrics import KVMetrics, kv_metrics
 

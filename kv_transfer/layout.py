@@ -10,8 +10,9 @@ descriptor (DESIGN.md), so fewer, larger descriptors are what make transfers fas
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ class KVLayout:
         return self.num_blocks * self.block_bytes
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor) -> "KVLayout":
+    def from_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
         """Layout of an engine KV tensor; refuses shapes whose blocks are not contiguous."""
         if kv_cache.dim() != KV_CACHE_NDIM:
             raise ValueError(f"kv_cache: expected {KV_CACHE_NDIM} dims [num_blocks, num_kv_layers, "
@@ -70,7 +71,7 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVLayout":
+    def from_dict(cls, d: dict) -> KVLayout:
         if not isinstance(d, dict):
             raise ValueError(f"layout: expected an object, got {type(d).__name__}")
         missing = [f for f in cls.__dataclass_fields__ if f not in d]
@@ -78,7 +79,7 @@ class KVLayout:
             raise ValueError(f"layout.{missing[0]}: missing")
         return cls(**{f: d[f] for f in cls.__dataclass_fields__})
 
-    def mismatch(self, other: "KVLayout") -> list[str]:
+    def mismatch(self, other: KVLayout) -> list[str]:
         """Fields (other than num_blocks) that differ: such blocks mean different things."""
         out = []
         for name in self.__dataclass_fields__:

@@ -37,8 +37,8 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from .faults import FaultInjector
 from .metrics import KVMetrics

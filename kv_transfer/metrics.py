@@ -58,7 +58,7 @@ class KVTransferMetrics:
         self.nixl_failed = counter("nixl_num_failed_transfers", "Failed NIXL transfers")
         self.nixl_expired = counter("nixl_num_kv_expired_reqs", "Requests whose KV expired")
 
-    def bind(self, role: str, worker: str) -> "KVMetrics":
+    def bind(self, role: str, worker: str) -> KVMetrics:
         return KVMetrics(self, role, worker)
 
 
@@ -98,7 +98,7 @@ class KVMetrics:
 
 
 _lock = threading.Lock()
-_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, KVTransferMetrics]" = \
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, KVTransferMetrics] = \
     weakref.WeakKeyDictionary()
 
 

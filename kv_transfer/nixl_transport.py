@@ -23,7 +23,8 @@ Thread-safety: `read_blocks` may run from many threads at once (the NIXL agent r
 reader-writer sync mode; the peer table is under a lock; each read holds its own transfer
 handle). `add_peer`/`remove_peer` are safe concurrently with reads: a replaced or removed
 peer is dropped from NIXL when its last in-flight read finishes, and new reads on it raise
-StalePeerError (replaced) or UnknownPeerError (removed). The caller must not use the destination blocks while a read is in flight.
+StalePeerError (replaced) or UnknownPeerError (removed). The caller must not use the
+destination blocks while a read is in flight.
 `close()` waits (bounded) for in-flight reads, then releases everything.
 
 No pickle: nixl_agent's only pickle paths (get_serialized_descs / deserialize_descs) and its
@@ -36,20 +37,37 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from .errors import (KVTransferError, KVTransferTimeout, StalePeerError, TransferStats,
-                     UnknownPeerError)
+from .errors import (
+    KVTransferError,
+    KVTransferTimeout,
+    StalePeerError,
+    TransferStats,
+    UnknownPeerError,
+)
 from .faults import FaultInjector, InjectedFault
-from .handshake import (HandshakeError, PeerInfo, check_compatible,
-                        check_layout_matches_compat, compat_hash,
-                        normalize_config)
-from .layout import (KVLayout, Run, block_descriptors, check_block_ids, coalesce_pairs,
-                     run_descriptors)
+from .handshake import (
+    HandshakeError,
+    PeerInfo,
+    check_compatible,
+    check_layout_matches_compat,
+    compat_hash,
+    normalize_config,
+)
+from .layout import (
+    KVLayout,
+    Run,
+    block_descriptors,
+    check_block_ids,
+    coalesce_pairs,
+    run_descriptors,
+)
 from .metrics import KVMetrics, kv_metrics
 
 log = logging.getLogger(__name__)
@@ -393,7 +411,7 @@ class NixlKVTransport:
         except Exception:
             log.warning("deregistering KV memory of %s failed", self.worker_id, exc_info=True)
 
-    def __enter__(self) -> "NixlKVTransport":
+    def __enter__(self) -> NixlKVTransport:
         return self
 
     def __exit__(self, *exc: object) -> None:

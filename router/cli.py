@@ -11,9 +11,9 @@ import importlib.util
 import os
 import sys
 
-from pdserve.kernels.triton_mode import select_triton_mode
 from pdserve.engine.core.config import MAX_SPECULATIVE_TOKENS
 from pdserve.engine.core.engine_args import EngineArgs
+from pdserve.kernels.triton_mode import select_triton_mode
 
 
 def _int_arg(text: str, lo: int, hi: int | None = None) -> int:
@@ -103,8 +103,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"pdserve generate: {problem}", file=sys.stderr)
         return 2
     from pdserve.engine.core.config import ConfigError
-    from pdserve.engine.llm import LLM
     from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+    from pdserve.engine.llm import LLM
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    for name, module in _EXTRA_COMMANDS.items():
+    for module in _EXTRA_COMMANDS.values():
         if importlib.util.find_spec(module) is None:
             continue  # a command whose module is not part of this build
         importlib.import_module(module).add_parser(sub)
@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # subcommands contributed by other modules: each exposes add_parser(sub) -> sets func
-_EXTRA_COMMANDS = {"serve": "pdserve.router.launch", "bench": "pdserve.bench.cli", "train-mtp": "pdserve.engine.train_mtp"}
+_EXTRA_COMMANDS = {"serve": "pdserve.router.launch", "bench": "pdserve.bench.cli",
+                   "train-mtp": "pdserve.engine.train_mtp"}
 
 
 def main(argv: list[str] | None = None) -> int:

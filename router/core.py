@@ -98,7 +98,7 @@ class RouterCore:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def pool_tokens(self) -> int | None:

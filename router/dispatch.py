@@ -26,8 +26,13 @@ from pdserve.engine.core.block_manager import compute_block_hashes
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.convert import params_to_proto
-from pdserve.router.errors import (BadRequest, KVTransferFailed, RequestTimeout, WorkerUnavailable,
-                           param_of)
+from pdserve.router.errors import (
+    BadRequest,
+    KVTransferFailed,
+    RequestTimeout,
+    WorkerUnavailable,
+    param_of,
+)
 from pdserve.router.metrics import StageTimes
 from pdserve.router.policies import blocks_needed, straight_to_decode
 from pdserve.router.pool import WorkerState
@@ -139,7 +144,7 @@ class ChoiceRun:
                     raise WorkerUnavailable("no healthy decode worker", code="no_healthy_worker")
                 try:
                     await asyncio.wait_for(changed.wait(), min(0.5, max(0.01, self.remaining())))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             self._set_waiting(False)

@@ -35,7 +35,7 @@ class BadRequest(RouterError):
     status, type, grpc_code = 400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT
 
     @classmethod
-    def from_invalid(cls, e: InvalidRequestError) -> "BadRequest":
+    def from_invalid(cls, e: InvalidRequestError) -> BadRequest:
         return cls(str(e), param=e.param)
 
 

@@ -31,8 +31,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.router.core import Job, RouterCore, collect
 from pdserve.router.dispatch import Delta
 from pdserve.router.errors import BadRequest, PayloadTooLarge, RouterError, Unauthorized
-from pdserve.router.protocol import (ParsedRequest, chat_choice, chat_chunk_choice, completion_choice,
-                             parse_chat, parse_completion, usage_body)
+from pdserve.router.protocol import (
+    ParsedRequest,
+    chat_choice,
+    chat_chunk_choice,
+    completion_choice,
+    parse_chat,
+    parse_completion,
+    usage_body,
+)
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")

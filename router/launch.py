@@ -37,7 +37,8 @@ WORKER_STREAMS = 56
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the router (HTTP + gRPC) over Ray-managed prefill/decode pools")
     a = p.add_argument
-    a("--model", default=None, help="HF folder, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)")
+    a("--model", default=None,
+      help="HF folder, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)")
     a("--served-model-name", default=None, help="the model id clients use (default: from the model)")
     a("--prefill", type=int, default=1, help="prefill workers (default 1)")
     a("--decode", type=int, default=1, help="decode workers (default 1)")
@@ -195,10 +196,10 @@ async def start_stack(refs: list, frontend, cfg, *, host: str = "127.0.0.1", por
                       log_level: str = "warning", max_body_bytes: int = 8 << 20) -> Stack:
     """Connect to the workers behind `refs`, then serve HTTP and gRPC (port 0 = pick one)."""
     from pdserve.router.core import RouterCore
+    from pdserve.router.grpc_server import start_grpc
     from pdserve.router.http_app import create_app
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.pool import WorkerPool
-    from pdserve.router.grpc_server import start_grpc
 
     metrics = RouterMetrics(cfg.router_id)
     pool = WorkerPool(refs, capacity=capacity, on_health=lambda w: metrics.worker_seen(

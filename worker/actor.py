@@ -63,7 +63,7 @@ class WorkerActor:
 
 
 def launch_worker(cfg: WorkerConfig, num_gpus: float = 0, num_cpus: float = 1,
-                  max_restarts: int = 3) -> "ray.actor.ActorHandle":
+                  max_restarts: int = 3) -> ray.actor.ActorHandle:
     """Start a named, restartable worker actor (name = worker_id)."""
     actor_cls = ray.remote(WorkerActor)
     return actor_cls.options(name=cfg.worker_id, num_gpus=num_gpus, num_cpus=num_cpus,

@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from pdserve.engine.llm import LLM
-from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.config import SpecConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
 from pdserve.engine.train_mtp import chat, heldout_prompts
+
 from bench.lab.kernel_bench import emit
 
 
@@ -52,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     "command": " ".join([sys.executable] + sys.argv),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(
                         timespec="seconds"), "runs": []}
     for size in (int(s) for s in args.sizes.split(",")):
         result["runs"].append(measure(size, args.device, args.prompts, args.max_tokens))

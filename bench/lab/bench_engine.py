@@ -36,11 +36,21 @@ import torch
 from pdserve.kernels.triton_mode import select_triton_mode  # noqa: E402
 
 select_triton_mode()  # first: compiled (GPU) or interpreted (CPU) Triton
-from bench.lab.engine_probes import (GcWatch, count_kernels, gemv_bandwidth, kernel_times, log,
-                                 random_prompts, run_hf, slow_steps, time_ms)
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm import build_engine
-from pdserve.engine.core.sampling_params import SamplingParams
+
+from bench.lab.engine_probes import (
+    GcWatch,
+    count_kernels,
+    gemv_bandwidth,
+    kernel_times,
+    log,
+    random_prompts,
+    run_hf,
+    slow_steps,
+    time_ms,
+)
 
 
 @dataclass(frozen=True)
@@ -357,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     result: dict = {"device": name, "command": " ".join([sys.executable] + sys.argv),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(
                         timespec="seconds"),
                     "versions": _versions(), "plan": dataclasses.asdict(plan)}
 

@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.model.loader import resolve_model
-from pdserve.engine.core.sampling_params import SamplingParams
 
 
 def _prompts(batch: int) -> list[str]:
@@ -92,7 +92,7 @@ def main() -> int:
               "device": f"CPU: {platform.processor() or platform.machine()}, "
                         f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
               "command": " ".join(["python", "-m", "bench.lab.bench_engine_cpu", *sys.argv[1:]]),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "torch": torch.__version__, "results": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

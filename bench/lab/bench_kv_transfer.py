@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
 GPU_UCX_TLS = "cuda_ipc,cuda_copy,tcp"
 TINY = dict(arch="llama", vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,
@@ -89,8 +89,7 @@ def progress(msg: str) -> None:
 def _kv_setup(args: argparse.Namespace, device: str) -> tuple[Any, dict]:
     import torch
 
-    from pdserve.engine.core.config import CacheConfig
-    from pdserve.engine.core.config import compat_payload
+    from pdserve.engine.core.config import CacheConfig, compat_payload
     model = model_config(args.preset)
     num_blocks = math.ceil(args.tokens / args.block_size)
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_blocks, kv_dtype=args.dtype)
@@ -291,7 +290,7 @@ def run(args: argparse.Namespace) -> dict:
                     proc.kill()
     model = model_config(args.preset)
     return {"device": device_name(args.device), "command": " ".join([sys.executable] + sys.argv),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "env": env, "versions": _versions(),
             "config": {"preset": args.preset, "tokens": args.tokens,
                        "block_size": args.block_size, "dtype": args.dtype,

@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.lab.engine_probes import GcWatch, slow_steps
-from pdserve.engine.llm import build_engine
-from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.config import SpecConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import build_engine
+
+from bench.lab.engine_probes import GcWatch, slow_steps
 
 
 @dataclass(frozen=True)
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     start = time.perf_counter()
     result: dict = {"device": name, "command": " ".join([sys.executable] + sys.argv),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(
                         timespec="seconds"),
                     "torch": torch.__version__, "plan": dataclasses.asdict(plan)}
     skip = set(filter(None, args.skip.split(",")))

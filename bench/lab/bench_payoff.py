@@ -39,13 +39,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
+
+from pdserve.bench.workload import LengthRange  # noqa: E402
 
 from bench.lab import payoff_load as load  # noqa: E402
 from bench.lab import payoff_metrics as pm  # noqa: E402
 from bench.lab import payoff_report as report  # noqa: E402
 from bench.lab.payoff_driver import MULTI_GPU_ENV, ClusterProcess, header, write_json  # noqa: E402
-from pdserve.bench.workload import LengthRange  # noqa: E402
 
 SETUPS = ("disagg", "colocated")
 
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench_payoff: {e}", file=sys.stderr)
         return 2
-    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     out = Path(args.out or f"bench/results/payoff_{date}.json")
     run = Run(plan, out, argv)
     print(f"bench_payoff: {plan['model']} on {run.payload['device']}; setups {plan['setups']}, "

@@ -21,12 +21,19 @@ import time
 
 import torch
 
-from bench.lab.bench_engine import (device_rates, drive, gpu_step_ms, kv_bytes_per_token,
-                                weight_bytes_per_token, Plan)
-from bench.lab.kernel_bench import emit
-from bench.lab.engine_probes import kernel_times, log, random_prompts
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm import build_engine
+
+from bench.lab.bench_engine import (
+    Plan,
+    device_rates,
+    drive,
+    gpu_step_ms,
+    kv_bytes_per_token,
+    weight_bytes_per_token,
+)
+from bench.lab.engine_probes import kernel_times, log, random_prompts
+from bench.lab.kernel_bench import emit
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter
 
 import torch
 
-import sys
-
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
-from bench.lab.bench_engine import Plan, drive, fill_static
-from bench.lab.engine_probes import random_prompts, time_ms
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm import build_engine
+
+from bench.lab.bench_engine import Plan, drive, fill_static
+from bench.lab.engine_probes import random_prompts, time_ms
 
 LAYER = ["qkv", "attn", "o", "gate_up", "down"]
 NAMES = {"qkv": "_gemv_kernel", "attn": "_decode_kernel", "o": "_gemv_kernel",

@@ -26,13 +26,14 @@ import time
 
 import torch
 
-from bench.lab.kernel_bench import emit
-from bench.lab.engine_probes import log, random_prompts
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_channel
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
+
+from bench.lab.engine_probes import log, random_prompts
+from bench.lab.kernel_bench import emit
 
 
 def stream_times(stub, rid: str, prompt: list[int], max_tokens: int, out: dict) -> None:

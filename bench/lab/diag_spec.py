@@ -18,10 +18,11 @@ import time
 
 import torch
 
-from bench.lab.engine_probes import random_prompts
-from pdserve.engine.llm import build_engine
-from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.config import SpecConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import build_engine
+
+from bench.lab.engine_probes import random_prompts
 
 
 def gpu_gaps(engine, steps: int) -> dict:

@@ -22,8 +22,9 @@ import torch
 
 import pdserve.kernels.gemv  # noqa: F401
 from pdserve.engine.model.decoder import DecoderLayer
-from bench.lab.kernel_bench import emit
+
 from bench.lab.bench_gemv import SHAPES, _graph_us, _setup
+from bench.lab.kernel_bench import emit
 
 gemv_mod = sys.modules["pdserve.kernels.gemv"]
 ORIGINAL_PICK = gemv_mod.pick_config
@@ -122,7 +123,7 @@ def _l2(shares: dict[tuple[int, int], float], rows: tuple[int, ...] = (1, 2, 3, 
     return pick
 
 
-def _tiles(tiles: dict[tuple[int, int], "gemv_mod.GemvConfig"]):
+def _tiles(tiles: dict[tuple[int, int], gemv_mod.GemvConfig]):
     """pick_config with these tensor-core tiles per (N, K) at 2+ rows (occupancy experiments:
     fewer stages / narrower tiles let a waiting PDL dependent share an SM with the running
     GEMV, which a 160 KB-shared-memory gate_up tile does not)."""
@@ -134,7 +135,7 @@ def _tiles(tiles: dict[tuple[int, int], "gemv_mod.GemvConfig"]):
     return pick
 
 
-def _tc(block_n: int, block_k: int, stages: int, split: int = 1) -> "gemv_mod.GemvConfig":
+def _tc(block_n: int, block_k: int, stages: int, split: int = 1) -> gemv_mod.GemvConfig:
     return gemv_mod.GemvConfig(block_n, block_k, 4, stages, tensor_cores=True, split_k=split)
 
 
@@ -166,9 +167,10 @@ VARIANTS = {"default": ORIGINAL_PICK, "no_small_kernels": ORIGINAL_PICK,
 def in_model(names: list[str], ks: list[int], repeats: int) -> dict:
     """Batch-1 forced-acceptance steps per GEMV variant, variants alternating `repeats`
     times (the spread between repeats of one variant is the noise to beat)."""
-    from bench.lab.bench_mtp import Plan, random_prompts, run_case
-    from pdserve.engine.model.presets import get_preset
     from pdserve.engine.core.config import SpecConfig
+    from pdserve.engine.model.presets import get_preset
+
+    from bench.lab.bench_mtp import Plan, random_prompts, run_case
 
     plan = Plan(decode_tokens=128)
     [prompt] = random_prompts(1, plan.prompt_len, get_preset(plan.preset).vocab_size, 0)

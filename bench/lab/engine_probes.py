@@ -23,7 +23,7 @@ class GcWatch:
     spent in them (a full collection of a process holding torch and Triton can take ms, which
     lands in whichever engine step triggers it)."""
 
-    def __enter__(self) -> "GcWatch":
+    def __enter__(self) -> GcWatch:
         self.counts, self.seconds, self._t0 = [0, 0, 0], 0.0, 0.0
         gc.callbacks.append(self._cb)
         return self

@@ -30,7 +30,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
 READY, STOPPED, ERROR = "PAYOFF_READY", "PAYOFF_STOPPED", "PAYOFF_ERROR"
 

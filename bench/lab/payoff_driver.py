@@ -22,7 +22,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # multi-GPU hosts (offline-wheels README): no NVLink multicast in any process
 MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -43,19 +43,23 @@ def detect_device() -> str:
 
 def parse_worker_opts(items: list[str]) -> dict[str, dict]:
     """["prefill:max_num_batched_tokens=8192", "seed=1"] -> {"prefill": {...}, "all": {...}};
-    keys must be WorkerConfig fields; values are JSON when they parse as JSON, else strings."""
+    keys must be WorkerConfig or EngineArgs fields (WorkerConfig.of splits them); values are
+    JSON when they parse as JSON, else strings."""
     import dataclasses
 
+    from pdserve.engine.core.engine_args import EngineArgs
     from pdserve.worker.config import ROLES, WorkerConfig
 
-    fields = {f.name for f in dataclasses.fields(WorkerConfig)} - {"role", "worker_id", "faults"}
+    fields = ({f.name for f in dataclasses.fields(WorkerConfig)} - {"role", "worker_id", "faults",
+                                                                    "engine"}) | \
+        {f.name for f in dataclasses.fields(EngineArgs)}
     out: dict[str, dict] = {}
     for item in items:
         scope, kv = item.split(":", 1) if ":" in item.split("=", 1)[0] else ("all", item)
         key, sep, raw = kv.partition("=")
         if not sep or key not in fields or (scope != "all" and scope not in ROLES):
             raise ValueError(f"--worker-opt: expected [ROLE:]KEY=VALUE with ROLE in {ROLES} and "
-                             f"KEY a WorkerConfig field ({', '.join(sorted(fields))}), got {item!r}")
+                             f"KEY a worker or engine field ({', '.join(sorted(fields))}), got {item!r}")
         try:
             value = json.loads(raw)
         except ValueError:
@@ -115,7 +119,7 @@ def header(plan: dict, argv: list[str]) -> dict:
             "device": f"{len(names)}x {names[0]}" if names and len(set(names)) == 1 else names,
             "devices": names, "host": platform.node(),
             "command": shlex.join([sys.executable, "-m", "bench.lab.bench_payoff", *argv]),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "versions": _versions(), "git": _git(),
             "env": {k: os.environ.get(k) for k in (*MULTI_GPU_ENV, "UCX_TLS", "PYTHONPATH")},
             "plan": plan}

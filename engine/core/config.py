@@ -111,7 +111,7 @@ class EngineConfig:
         _require(self.overlap_decode in ("auto", "on", "off"), "overlap_decode",
                  f"must be 'auto', 'on' or 'off', got {self.overlap_decode!r}")
 
-    def with_(self, **changes: object) -> "EngineConfig":
+    def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)
 
 
@@ -182,10 +182,11 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ConfigError(f"speculative.method: unknown {self.method!r}; known: {SPECULATIVE_METHODS}")
+            raise ConfigError(f"speculative.method: unknown {self.method!r}; "
+                              f"known: {SPECULATIVE_METHODS}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(f"speculative.num_speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
-                              f"{self.num_speculative_tokens}")
+            raise ConfigError("speculative.num_speculative_tokens: must be in "
+                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
         if self.draft_graphs not in ("auto", "on", "off"):
             raise ConfigError("speculative.draft_graphs: must be 'auto', 'on' or 'off', got "
                               f"{self.draft_graphs!r}")

@@ -18,8 +18,9 @@ When a stop string appears, only the text before its first occurrence is emitted
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 # prompt tokens decoded as context so the first output token's spacing is right

@@ -13,8 +13,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.engine.core.config import (MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, ConfigError,
-                                        SpecConfig)
+from pdserve.engine.core.config import (
+    MAX_SPECULATIVE_TOKENS,
+    SPECULATIVE_METHODS,
+    ConfigError,
+    SpecConfig,
+)
 
 OVERLAP_MODES = ("auto", "on", "off")
 

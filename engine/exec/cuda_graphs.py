@@ -13,7 +13,7 @@ launch. What a replay needs:
   The block table has a fixed width, max_model_len / block_size, so the decode kernel picks
   the same split count at capture and at every replay.
 - No host reads of device data inside the captured region: the Triton path (Model with
-  use_fused_ops + kernels.TritonAttentionBackend) uses only tensor shapes and host ints;
+  use_fused_ops + engine.model.triton_attention.TritonAttentionBackend) uses only tensor shapes and host ints;
   the torch attention path loops over host lengths, so graphs require use_triton.
 
 Only decode-only steps (every sequence brings one token) on CUDA replay a graph; anything
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.model.attention import AttentionMetadata, HostBatch
 from pdserve.engine.core.config import ConfigError, EngineConfig
-from pdserve.engine.model.decoder import Model
 from pdserve.engine.exec.static_inputs import StaticInputs
+from pdserve.engine.model.attention import AttentionMetadata, HostBatch
+from pdserve.engine.model.decoder import Model
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -158,7 +158,7 @@ def maybe_decode_graphs(config: EngineConfig, model: Model,
                           "over host-side sequence lengths, which a graph would freeze)")
     if getattr(model.backend, "name", None) != "triton":
         raise ConfigError("use_cuda_graphs: the model must be built with "
-                          "backend=kernels.TritonAttentionBackend() (engine.llm.build_engine "
+                          "backend=engine.model.triton_attention.TritonAttentionBackend() (engine.llm.build_engine "
                           "does this for use_triton)")
     graphs = DecodeGraphs(config, model, kv_cache)
     graphs.capture()

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.model.attention import HostBatch
-from pdserve.engine.exec.cuda_graphs import DecodeGraphs
-from pdserve.engine.model.decoder import Model
 from pdserve.engine.core.scheduler import ScheduledRequest
+from pdserve.engine.exec.cuda_graphs import DecodeGraphs
+from pdserve.engine.model.attention import HostBatch
+from pdserve.engine.model.decoder import Model
 
 
 @dataclass

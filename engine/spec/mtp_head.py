@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pdserve.engine.model.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.core.config import ConfigError, ModelConfig
+from pdserve.engine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from pdserve.engine.model.decoder import DecoderLayer, Model
 from pdserve.engine.model.layers import RMSNorm, fused_kernels
 from pdserve.engine.model.mtp_names import mtp_checkpoint_name
 from pdserve.engine.model.weights import WeightsError, _iter_safetensors, _safetensors_files, _Sink
-from pdserve.engine.model.decoder import DecoderLayer, Model
 
 MTP_FORMAT = "pdserve-mtp"
 HEADS_DIR = Path(__file__).parent.parent / "mtp_heads"  # trained heads shipped with the package
@@ -44,7 +44,7 @@ _SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads",
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, backend: object) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)  # on the embedding of token t+1
@@ -82,7 +82,7 @@ class MTPLayer(nn.Module):
 class MTPHead(nn.Module):
     """The MTP layers of one target model. `config` is the target's (with num_mtp_layers > 0)."""
 
-    def __init__(self, config: ModelConfig, backend: object | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         if config.num_mtp_layers < 1:
             raise ConfigError("num_mtp_layers: an MTP head needs at least one layer")
@@ -143,7 +143,7 @@ class MTPHead(nn.Module):
             return target.greedy(hidden)
         return self.draft_ids[target.greedy(hidden, weight=self.draft_weight)]
 
-    def set_fused(self, enabled: bool) -> "MTPHead":
+    def set_fused(self, enabled: bool) -> MTPHead:
         """Same switch as Model.use_fused_ops, for this head's norms, MLP and prologue."""
         for module in self.modules():
             if hasattr(module, "fused") and isinstance(module.fused, bool):
@@ -159,7 +159,7 @@ def with_mtp_layers(cfg: ModelConfig, n: int) -> ModelConfig:
 
 
 def empty_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-               backend: object | None = None) -> MTPHead:
+               backend: AttentionBackend | None = None) -> MTPHead:
     """An uninitialised head allocated once in dtype on device (built on meta first)."""
     with torch.device("meta"):
         head = MTPHead(cfg, backend)
@@ -167,7 +167,7 @@ def empty_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
 
 
 def random_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                seed: int = 0, std: float = 0.02, backend: object | None = None) -> MTPHead:
+                seed: int = 0, std: float = 0.02, backend: AttentionBackend | None = None) -> MTPHead:
     """Seeded N(0, std) matrices and unit norms, like pdserve.engine.model.weights.random_model."""
     head = empty_head(cfg, dtype, device, backend)
     gen = torch.Generator(device=torch.device(device)).manual_seed(seed + 7919)
@@ -232,7 +232,7 @@ def check_head_file(path: str | Path, cfg: ModelConfig) -> dict[str, str]:
 
 
 def load_mtp_head(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-                  device: torch.device | str, backend: object | None = None) -> MTPHead:
+                  device: torch.device | str, backend: AttentionBackend | None = None) -> MTPHead:
     """A head saved by save_mtp_head; its shape metadata must match the target `cfg`."""
     from safetensors import safe_open
 
@@ -255,7 +255,7 @@ def load_mtp_head(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
 # -- Hugging Face checkpoints --------------------------------------------------------------------
 
 def load_hf_mtp(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-                device: torch.device | str, backend: object | None = None) -> MTPHead:
+                device: torch.device | str, backend: AttentionBackend | None = None) -> MTPHead:
     """The MTP layers of a Hugging Face checkpoint folder (cfg.num_mtp_layers of them)."""
 
     head = empty_head(cfg, dtype, device, backend)
@@ -278,7 +278,7 @@ def load_hf_mtp(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype,
 
 
 def resolve_mtp_head(source: object, cfg: ModelConfig, dtype: torch.dtype,
-                     device: torch.device | str, backend: object | None = None, seed: int = 0,
+                     device: torch.device | str, backend: AttentionBackend | None = None, seed: int = 0,
                      path: str | Path | None = None) -> tuple[MTPHead, ModelConfig, str]:
     """The MTP head for a model source (engine.model.loader.ModelSource): `path` if given
     (our format), else the checkpoint's own MTP layers (Hugging Face folder), random weights

@@ -32,17 +32,17 @@ hit was computed with the original request's next token (affects acceptance, nev
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from pdserve.engine.model.attention import make_metadata
-from pdserve.engine.core.config import ConfigError, SpecConfig
-from pdserve.engine.spec.draft_graphs import DraftGraphs, DraftRow
+from pdserve.engine.core.config import SpecConfig
 from pdserve.engine.core.request import Request
-from pdserve.engine.exec.sampler import SAMPLING_EPS, Sampler, SamplerState, mix_seed
 from pdserve.engine.exec.device_io import rows_of
+from pdserve.engine.exec.sampler import SAMPLING_EPS, Sampler, SamplerState, mix_seed
+from pdserve.engine.model.attention import make_metadata
+from pdserve.engine.spec.draft_graphs import DraftGraphs, DraftRow
 
 _DRAFT_SALT = 0x6D7470  # draft-sampling generator seed salt ("mtp")
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.spec.draft_graphs import DraftRow
 from pdserve.engine.core.request import Request
 from pdserve.engine.exec.sampler import SAMPLING_EPS, HostCopy
+from pdserve.engine.spec.draft_graphs import DraftRow
 from pdserve.engine.spec.spec_decoder import SpecDecoder, greedy_accept
 
 

@@ -37,25 +37,43 @@ acceptance) and a loss curve <out>.png (matplotlib, or a plain plot without it).
 The recipe lives in submodules: prompts (1: templates, topics, tasks, chat templating),
 corpus (2-3: generation engine, hidden-state recorder, teacher top-K), training (4),
 evaluation (5: acceptance), plots (loss curve PNG), cli (flags and the run). This package
-re-exports their names, so `from engine.train_mtp import ...` and `add_parser` (used by
-router.cli) work as before.
+re-exports their public names, so `from pdserve.engine.train_mtp import ...` and `add_parser`
+(used by router/cli.py) work.
 """
 from __future__ import annotations
 
-from pdserve.engine.train_mtp.cli import DEFAULTS, _cmd_train, _default, add_parser
-from pdserve.engine.train_mtp.corpus import (HiddenRecorder, PaddedDecodeBackend, Sample, _common_prefix,
-                                     _progress_interval, _top_k, generate_corpus,
-                                     generation_engine)
+from pdserve.engine.train_mtp.cli import DEFAULTS, add_parser
+from pdserve.engine.train_mtp.corpus import (
+    HiddenRecorder,
+    PaddedDecodeBackend,
+    Sample,
+    generate_corpus,
+    generation_engine,
+)
 from pdserve.engine.train_mtp.evaluation import measure_acceptance
-from pdserve.engine.train_mtp.plots import _plain_png, _smooth, plot_losses
-from pdserve.engine.train_mtp.prompts import (_CODE_TASKS, _CODE_TEMPLATES, _WHAT, _WHO, _WRITING,
-                                      HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
-                                      TRAIN_TOPICS, ChatPrompts, chat, chat_text, corpus_prompts,
-                                      heldout_prompts, task_prompts, temperature_for,
-                                      training_prompts)
-from pdserve.engine.train_mtp.training import (INITS, DenseCausalBackend, _batch, _distill,
-                                       _length_batches, _null, batch_loss, evaluate_top1,
-                                       init_head, train_head)
+from pdserve.engine.train_mtp.plots import plot_losses
+from pdserve.engine.train_mtp.prompts import (
+    HELDOUT_TEMPLATES,
+    HELDOUT_TOPICS,
+    TRAIN_TEMPLATES,
+    TRAIN_TOPICS,
+    ChatPrompts,
+    chat,
+    chat_text,
+    corpus_prompts,
+    heldout_prompts,
+    task_prompts,
+    temperature_for,
+    training_prompts,
+)
+from pdserve.engine.train_mtp.training import (
+    INITS,
+    DenseCausalBackend,
+    batch_loss,
+    evaluate_top1,
+    init_head,
+    train_head,
+)
 
 __all__ = [
     "DEFAULTS", "HELDOUT_TEMPLATES", "HELDOUT_TOPICS", "INITS", "TRAIN_TEMPLATES",

@@ -14,9 +14,16 @@ import torch
 from pdserve.engine.train_mtp.corpus import Sample, generate_corpus, generation_engine
 from pdserve.engine.train_mtp.evaluation import measure_acceptance
 from pdserve.engine.train_mtp.plots import plot_losses
-from pdserve.engine.train_mtp.prompts import (HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
-                                      TRAIN_TOPICS, ChatPrompts, corpus_prompts,
-                                      heldout_prompts, temperature_for)
+from pdserve.engine.train_mtp.prompts import (
+    HELDOUT_TEMPLATES,
+    HELDOUT_TOPICS,
+    TRAIN_TEMPLATES,
+    TRAIN_TOPICS,
+    ChatPrompts,
+    corpus_prompts,
+    heldout_prompts,
+    temperature_for,
+)
 from pdserve.engine.train_mtp.training import INITS, train_head
 from pdserve.kernels.triton_mode import select_triton_mode
 

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from pdserve.engine.train_mtp.prompts import ChatPrompts
 
+
 def _progress_interval() -> float:
     """tqdm refresh: every 2 s on a terminal, every 15 s into a log (keeps logs short)."""
     return 2.0 if sys.stderr.isatty() else 15.0
@@ -120,9 +121,9 @@ def generation_engine(model: str | None, device: str, seed: int, *, max_num_seqs
     must be computed, the shared system prompt included). Fast path (default on CUDA): Triton
     kernels and CUDA-graph decode steps (falls back to eager if capture fails); else (CPU)
     the padded decode attention above."""
-    from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.llm import build_engine
+    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model.loader import load_model
 
     fast = device.startswith("cuda") if fast is None else fast
@@ -164,7 +165,7 @@ class _Run:
     cut: bool = False
 
 
-def generate_corpus(engine, prompts: "list[list[int]] | ChatPrompts", max_tokens: int,
+def generate_corpus(engine, prompts: list[list[int]] | ChatPrompts, max_tokens: int,
                     temperatures: list[float], seed: int, top_k: int = 32, *,
                     time_budget_s: float | None = None, refill_below: float = 0.75,
                     store_device: torch.device | str = "cpu",
@@ -196,7 +197,7 @@ def generate_corpus(engine, prompts: "list[list[int]] | ChatPrompts", max_tokens
     return _with_teacher(engine.runner.model, kept, top_k, shared)
 
 
-def _run_requests(engine, prompts: "list[list[int]] | ChatPrompts", max_tokens: int,
+def _run_requests(engine, prompts: list[list[int]] | ChatPrompts, max_tokens: int,
                   temperatures: list[float], seed: int, deadline: float | None,
                   refill_below: float) -> _Run:
     """Admit prompts in waves and step the engine until all are answered or the deadline."""

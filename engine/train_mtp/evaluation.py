@@ -6,15 +6,16 @@ import torch
 
 from pdserve.engine.train_mtp.prompts import chat
 
+
 def measure_acceptance(model_name: str | None, head_path: str, prompts: list[str], k: int,
                        max_tokens: int, device: str, dtype: str = "float32") -> dict:
     """Greedy decoding of `prompts` with k drafts per step; numbers from the engine counters.
     float32 by default, on any device: the CI acceptance test runs that way on CPU."""
     import gc
 
-    from pdserve.engine.llm import LLM
-    from pdserve.engine.core.sampling_params import SamplingParams
     from pdserve.engine.core.config import SpecConfig
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
 
     llm = LLM(model_name, device=device, dtype=dtype, speculative=SpecConfig(
         num_speculative_tokens=k, batch_k_caps=()), mtp_head=head_path,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 def _smooth(values: list[float]) -> tuple[list[float], int]:
     window = max(1, len(values) // 50)
     out = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from pdserve.engine.train_mtp.corpus import Sample, _progress_interval
 
+
 class DenseCausalBackend:
     """Training attention: the batch is B padded rows of equal length; causal SDPA, no cache.
     (The MTP layer's Attention writes K/V through write_kv, then attends: we keep them.)"""

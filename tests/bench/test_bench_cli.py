@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from sse_server import TokenStreamServer
 
 from pdserve.router.cli import main as pdserve_main
-from sse_server import TokenStreamServer
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

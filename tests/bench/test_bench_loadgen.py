@@ -10,11 +10,16 @@ import math
 import re
 
 import pytest
-
-from pdserve.bench import loadgen
-from pdserve.bench import report
-from pdserve.bench.workload import LengthRange, RequestSpec, random_workload, trace_workload, TraceEntry
 from sse_server import TokenStreamServer
+
+from pdserve.bench import loadgen, report
+from pdserve.bench.workload import (
+    LengthRange,
+    RequestSpec,
+    TraceEntry,
+    random_workload,
+    trace_workload,
+)
 
 FIRST_DELAY, TOKEN_DELAY = 0.15, 0.03
 

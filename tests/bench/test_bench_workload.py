@@ -9,8 +9,16 @@ import pytest
 
 from pdserve.bench import report
 from pdserve.bench.loadgen import RequestResult
-from pdserve.bench.workload import (LengthRange, PrefixBlocks, TraceEntry, WORDS, poisson_arrivals,
-                            random_workload, read_trace, trace_workload)
+from pdserve.bench.workload import (
+    WORDS,
+    LengthRange,
+    PrefixBlocks,
+    TraceEntry,
+    poisson_arrivals,
+    random_workload,
+    read_trace,
+    trace_workload,
+)
 
 
 def test_length_range_parse():

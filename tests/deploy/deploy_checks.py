@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import yaml
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "pdserve-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
-DESIGN = REPO.parent / "shared" / "DESIGN.md"
+DESIGN = REPO / "docs" / "design.md"
 
 # series Prometheus makes itself (not exported by any pdserve process)
 PROMETHEUS_BUILTINS = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped",
@@ -131,10 +131,8 @@ def source_metric_names() -> tuple[set[str], list[str]]:
 
     names: set[str] = set()
     read = []
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))  # the repo's top-level packages, installed or not
     for module, build in METRIC_SOURCES.items():
-        if not (REPO / (module.replace(".", "/") + ".py")).exists():
+        if not (REPO / (module.removeprefix("pdserve.").replace(".", "/") + ".py")).exists():
             continue
         reg = CollectorRegistry()
         build(reg)

@@ -12,13 +12,13 @@ import math
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-import httpx
-import yaml
+from typing import Any
 
 import deploy_checks as dc
+import httpx
+import yaml
 
 PROMETHEUS = shutil.which("prometheus")
 SHIPPED_CONFIG = dc.DEPLOY / "prometheus" / "prometheus.yml"

@@ -18,11 +18,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import deploy_checks as dc
 import httpx
 import pytest
-
-import deploy_checks as dc
 from prometheus_server import PROMETHEUS, PrometheusServer, wait_for, write_config
+
 from tests.router.harness import REPO, ServeProcess, free_port
 
 pytestmark = pytest.mark.slow

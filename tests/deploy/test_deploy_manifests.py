@@ -17,7 +17,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
 from crd_schemas import CRD_SCHEMAS
 from deploy_checks import DEPLOY
 

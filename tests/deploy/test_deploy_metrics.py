@@ -10,10 +10,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import deploy_checks as dc
 import pytest
 import yaml
-
-import deploy_checks as dc
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None,

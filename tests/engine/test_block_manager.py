@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.core.block_manager import (BlockManager, NoFreeBlocksError, compute_block_hashes,
-                                  hash_block)
+from pdserve.engine.core.block_manager import (
+    BlockManager,
+    NoFreeBlocksError,
+    compute_block_hashes,
+    hash_block,
+)
 from pdserve.engine.core.config import CacheConfig
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.sampling_params import SamplingParams

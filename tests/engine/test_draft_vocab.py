@@ -9,10 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.engine.core.config import ConfigError
-from pdserve.engine.llm import LLM
-from pdserve.engine.core.config import SpecConfig
+from pdserve.engine.core.config import ConfigError, SpecConfig
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
 
 TINY = dict(device="cpu", block_size=4, num_blocks=256)
 PROMPTS = [[5 + i, 17, 99, 3 * i + 1, 42] * (i + 1) for i in range(4)]

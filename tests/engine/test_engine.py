@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
+from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.model.loader import resolve_model
-from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

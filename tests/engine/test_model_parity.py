@@ -21,7 +21,7 @@ TOL = 1e-4
 VOCAB = 96
 
 
-def _llama(tie: bool, scaled: bool, **shape: int) -> "transformers.PretrainedConfig":
+def _llama(tie: bool, scaled: bool, **shape: int) -> transformers.PretrainedConfig:
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if scaled:  # original context 64 puts head dims in all three Llama-3 bands (kept/blended/divided)
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,

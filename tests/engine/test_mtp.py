@@ -8,14 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core.config import ConfigError
+from pdserve.engine.core.config import ConfigError
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import build_engine
 from pdserve.engine.model.mtp_names import mtp_checkpoint_name
-from pdserve.engine.spec.mtp_head import (MTPHead, load_mtp_head, random_head,
-                        save_mtp_head, with_mtp_layers)
 from pdserve.engine.model.presets import get_preset
-from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.weights import read_hf_config
+from pdserve.engine.spec.mtp_head import (
+    MTPHead,
+    load_mtp_head,
+    random_head,
+    save_mtp_head,
+    with_mtp_layers,
+)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -169,9 +174,15 @@ def test_model_without_a_head_says_how_to_get_one(tmp_path: Path) -> None:
 # -- train-mtp ---------------------------------------------------------------------------------
 
 def test_heldout_prompts_are_never_trained_on() -> None:
-    from pdserve.engine.train_mtp import (HELDOUT_TEMPLATES, HELDOUT_TOPICS, TRAIN_TEMPLATES,
-                                  TRAIN_TOPICS, corpus_prompts, heldout_prompts,
-                                  training_prompts)
+    from pdserve.engine.train_mtp import (
+        HELDOUT_TEMPLATES,
+        HELDOUT_TOPICS,
+        TRAIN_TEMPLATES,
+        TRAIN_TOPICS,
+        corpus_prompts,
+        heldout_prompts,
+        training_prompts,
+    )
 
     assert not set(TRAIN_TOPICS) & set(HELDOUT_TOPICS)
     assert not set(TRAIN_TEMPLATES) & set(HELDOUT_TEMPLATES)
@@ -191,8 +202,8 @@ def test_heldout_prompts_are_never_trained_on() -> None:
 def test_recipe_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     """Corpus from the engine (hidden states recorded from its own steps), training (loss
     goes down), the saved head loads into an engine whose greedy output is unchanged."""
+    from pdserve.engine.exec.runner import allocate_kv_cache
     from pdserve.engine.model.attention import make_metadata
-    from engine.exec.runner import allocate_kv_cache
     from pdserve.engine.train_mtp import generate_corpus, generation_engine, train_head
 
     engine = generation_engine("tiny-qwen3", "cpu", seed=0)
@@ -288,7 +299,7 @@ def test_train_mtp_help_lists_the_knobs(capsys) -> None:
 
 
 def test_plain_png_without_matplotlib(tmp_path: Path) -> None:
-    from pdserve.engine.train_mtp import _plain_png
+    from pdserve.engine.train_mtp.plots import _plain_png
 
     path = tmp_path / "curve.png"
     _plain_png([5.0, 4.0, 3.5, 3.0], path, [{"step": 2, "top1": 0.4}, {"step": 4, "top1": 0.5}])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.llm import LLM
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
            "Once upon a time, in a land far away,"]
@@ -47,7 +47,7 @@ def test_overlap_serves_steps_and_discards_on_batch_change(runs) -> None:
 
 
 def test_overlap_auto_is_off_without_graphs_and_bad_value_named() -> None:
-    from engine.core.config import ConfigError, EngineConfig
+    from pdserve.engine.core.config import ConfigError, EngineConfig
     from pdserve.engine.model.presets import get_preset
 
     llm = LLM(device="cpu", dtype="float32")

@@ -5,9 +5,14 @@ import pytest
 import torch
 
 from pdserve.engine.core.request import Request
-from pdserve.engine.exec.sampler import (Sampler, SamplerState, apply_min_p, apply_penalties,
-                            apply_top_k_top_p)
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.exec.sampler import (
+    Sampler,
+    SamplerState,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 
 V = 32
 
@@ -64,7 +69,9 @@ def test_seeded_sampling_reproduces_alone_and_in_any_batch() -> None:
 
 def test_different_seeds_differ_and_unseeded_requests_differ() -> None:
     s = Sampler()
-    flat = lambda step: torch.zeros(1, V)  # uniform: any repeat across 25 draws is chance
+    def flat(step: int) -> torch.Tensor:  # uniform: any repeat across 25 draws is chance
+        return torch.zeros(1, V)
+
     toks = []
     for seed in (1, 2, None, None):
         req = make_request(seed=seed)

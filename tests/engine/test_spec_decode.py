@@ -7,18 +7,15 @@ continuation cut at a random point, so acceptance is partial and rollback is exe
 from __future__ import annotations
 
 import dataclasses
-
 import random
 
 import pytest
 import torch
 
-from engine.core.config import CacheConfig, compatibility_hash
-from pdserve.engine.llm import LLM
+from pdserve.engine.core.config import CacheConfig, SpecConfig, compatibility_hash
 from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.engine.core.config import SpecConfig
-from pdserve.engine.spec.spec_decoder import (DraftJob, SpecStats, greedy_accept,
-                                rejection_sample)
+from pdserve.engine.llm import LLM
+from pdserve.engine.spec.spec_decoder import SpecStats, greedy_accept, rejection_sample
 
 TINY = dict(device="cpu", block_size=4, num_blocks=256)
 PROMPTS = [[5 + i, 17, 99, 3 * i + 1, 42] * (i + 1) for i in range(5)]
@@ -197,8 +194,8 @@ def test_random_sampling_keeps_the_target_support_and_seed() -> None:
     assert llm.engine.spec_stats.num_draft_tokens > 0
     assert out == tokens(spec_llm(3).generate(PROMPTS, params))  # seeded: reproducible
     model = llm.engine.runner.model
+    from pdserve.engine.exec.runner import allocate_kv_cache
     from pdserve.engine.model.attention import make_metadata
-    from engine.exec.runner import allocate_kv_cache
 
     for prompt, o in zip(PROMPTS, out):
         seq = prompt + o

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import torch
 
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.llm import build_engine
-from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.config import SpecConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import build_engine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_channel

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdserve.engine.core.config import SpecConfig
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM, build_engine
 from pdserve.engine.spec.mtp_head import HEADS_DIR
-from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.engine.core.config import SpecConfig
 from pdserve.engine.train_mtp import chat, heldout_prompts, training_prompts
 from pdserve.worker.metrics import WorkerMetrics
 

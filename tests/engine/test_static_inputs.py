@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.exec.static_inputs import StaticInputs
+from pdserve.engine.model.attention import HostBatch
 
 
 def _batch(seqs: list[tuple[int, list[int]]], q: int, bs: int = 4) -> HostBatch:

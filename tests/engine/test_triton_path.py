@@ -11,24 +11,21 @@ be identical.
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install pdserve[triton])", allow_module_level=True)
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-from pdserve.kernels._triton import interpreter_problem  # noqa: E402
-
-from pdserve.engine.model.attention import make_metadata  # noqa: E402
+# tests/conftest.py chose compiled or interpreted Triton before this module imports triton
+from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets  # noqa: E402
 from pdserve.engine.llm import LLM  # noqa: E402
+from pdserve.engine.model.attention import make_metadata  # noqa: E402
 from pdserve.engine.model.presets import get_preset  # noqa: E402
-from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.model.triton_attention import TritonAttentionBackend  # noqa: E402
 from pdserve.engine.model.weights import random_model  # noqa: E402
+from pdserve.kernels._triton import interpreter_problem  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 4
@@ -55,7 +52,7 @@ def _pair(preset: str, dtype: torch.dtype):
             else:
                 vals = torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5
             p.copy_(vals.to(dtype))
-    fast = random_model(cfg, dtype, DEVICE, seed=0, backend=kernels.TritonAttentionBackend())
+    fast = random_model(cfg, dtype, DEVICE, seed=0, backend=TritonAttentionBackend())
     fast.load_state_dict(ref.state_dict())
     return ref, fast.use_fused_ops()
 

@@ -10,10 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.core.config import ConfigError
+from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.model.decoder import Model
-from pdserve.engine.model.loader import EMBEDDED_MODEL, embedded_gguf_path, load_model, resolve_model
+from pdserve.engine.model.loader import (
+    EMBEDDED_MODEL,
+    embedded_gguf_path,
+    load_model,
+    resolve_model,
+)
 from pdserve.engine.model.presets import get_preset, param_count, preset_names
 from pdserve.engine.model.weights import WeightsError, load_gguf, load_hf, random_model
 

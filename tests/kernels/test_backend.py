@@ -4,10 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.model.attention import TorchAttentionBackend, make_metadata
+from pdserve.engine.model.attention import AttentionBackend, TorchAttentionBackend, make_metadata
 from pdserve.engine.model.triton_attention import TritonAttentionBackend
 
 HQ, HKV, D, BS = 6, 2, 64, 8
+
+
+def test_both_backends_implement_the_attention_backend_protocol() -> None:
+    assert isinstance(TorchAttentionBackend(), AttentionBackend)
+    assert isinstance(TritonAttentionBackend(), AttentionBackend)
+    assert not isinstance(object(), AttentionBackend)
 
 
 def _step(query_lens, seq_lens, device, seed):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.ops import paged_decode_attention
 from pdserve.kernels.decode_attention import choose_num_splits
+from pdserve.kernels.ops import paged_decode_attention
 from pdserve.kernels.reference import paged_attention_ref
 
 
@@ -150,7 +150,7 @@ def test_rows_per_seq_is_checked(device, paged_cache):
 
 @pytest.mark.parametrize("query_lens", [[3, 3], [2, 3]])
 def test_attention_entry_point_for_verify_steps(query_lens, device, paged_cache, close):
-    """kernels.attention: uniform query lengths (a verify step) take the decode kernel with
+    """triton_attention.attention: uniform query lengths (a verify step) take the decode kernel with
     rows_per_seq, mixed ones the chunked-prefill kernel; both match the reference."""
     from pdserve.engine.model.attention import AttentionMetadata
     from pdserve.engine.model.triton_attention import attention

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.ops import gemv
 from pdserve.kernels.gemv import GemvConfig
+from pdserve.kernels.ops import gemv
 from pdserve.kernels.reference import gemv_ref
 
 

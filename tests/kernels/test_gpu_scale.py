@@ -62,9 +62,9 @@ def test_decode_under_cuda_graph_replay(paged_cache, close):
 def test_fresh_prefill_sdpa_matches_the_paged_kernel(paged_cache, close):
     """The SDPA path the backend takes for one fresh 3001-token prompt (blocks scattered in the
     cache, last block partial) computes what the paged Triton kernel does."""
+    from pdserve.engine.model import sdpa_prefill
     from pdserve.engine.model.attention import AttentionMetadata
     from pdserve.engine.model.triton_attention import TritonAttentionBackend
-    from pdserve.engine.model import sdpa_prefill
 
     S, dtype = 3001, torch.bfloat16
     cache = paged_cache([S], 16, HKV, D, dtype)

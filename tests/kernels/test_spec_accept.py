@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.spec.spec_decoder import greedy_accept
 from pdserve.engine.spec.draft_graphs import accept_ref
+from pdserve.engine.spec.spec_decoder import greedy_accept
 from pdserve.kernels.spec_accept import spec_accept
 
 BS = 4  # block size: small, so chain positions cross blocks

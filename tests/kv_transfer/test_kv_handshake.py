@@ -8,9 +8,14 @@ import pytest
 import torch
 
 from pdserve.engine.core.config import CacheConfig, ModelConfig, compat_payload, compatibility_hash
-from pdserve.kv_transfer.handshake import (HandshakeError, IncompatiblePeerError, PeerInfo,
-                                   check_compatible, check_layout_matches_compat,
-                                   compat_hash)
+from pdserve.kv_transfer.handshake import (
+    HandshakeError,
+    IncompatiblePeerError,
+    PeerInfo,
+    check_compatible,
+    check_layout_matches_compat,
+    compat_hash,
+)
 from pdserve.kv_transfer.layout import KVLayout
 
 MODEL = ModelConfig(arch="llama", vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,

@@ -5,8 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.kv_transfer.layout import (KVLayout, Run, block_descriptors, coalesce, coalesce_pairs,
-                                run_descriptors)
+from pdserve.kv_transfer.layout import (
+    KVLayout,
+    Run,
+    block_descriptors,
+    coalesce,
+    coalesce_pairs,
+    run_descriptors,
+)
 
 
 def test_layout_from_cache_block_bytes_match_one_contiguous_block():

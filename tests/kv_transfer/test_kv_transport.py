@@ -7,13 +7,23 @@ import time
 
 import pytest
 import torch
+from kv_peer_proc import SHAPE, PeerProc
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.core.config import CacheConfig, ModelConfig, compat_payload
-from kv_peer_proc import SHAPE, PeerProc
-from pdserve.kv_transfer import (FaultConfig, FaultInjector, IncompatiblePeerError, InjectedFault,
-                         KVTransferError, KVTransferTimeout, NixlKVTransport, PeerInfo,
-                         StalePeerError, UnknownPeerError, coalesce_pairs)
+from pdserve.kv_transfer import (
+    FaultConfig,
+    FaultInjector,
+    IncompatiblePeerError,
+    InjectedFault,
+    KVTransferError,
+    KVTransferTimeout,
+    NixlKVTransport,
+    PeerInfo,
+    StalePeerError,
+    UnknownPeerError,
+    coalesce_pairs,
+)
 from pdserve.kv_transfer.metrics import kv_metrics
 
 pytestmark = pytest.mark.timeout(300)

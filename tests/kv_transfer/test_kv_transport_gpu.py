@@ -5,10 +5,10 @@ import time
 
 import pytest
 import torch
-
 from kv_peer_proc import SHAPE, PeerProc
-from pdserve.kv_transfer import NixlKVTransport, PeerInfo, coalesce_pairs
 from test_kv_transport import COMPAT, LOCAL, REMOTE
+
+from pdserve.kv_transfer import NixlKVTransport, PeerInfo, coalesce_pairs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

@@ -23,7 +23,7 @@ BLOCK_SIZE = 16
 
 
 class FakeWorker(pbg.WorkerServicer):
-    registry: dict[str, "FakeWorker"] = {}  # worker id -> instance (decode "pulls" from it)
+    registry: dict[str, FakeWorker] = {}  # worker id -> instance (decode "pulls" from it)
 
     def __init__(self, worker_id: str, role: str, vocab: int = 49152, eos: int = 2) -> None:
         self.worker_id, self.role, self.vocab, self.eos = worker_id, role, vocab, eos
@@ -46,7 +46,7 @@ class FakeWorker(pbg.WorkerServicer):
         self.address = ""
         FakeWorker.registry[worker_id] = self
 
-    def start(self) -> "FakeWorker":
+    def start(self) -> FakeWorker:
         self.server, port = make_server("127.0.0.1", 0, max_workers=128)
         pbg.add_WorkerServicer_to_server(self, self.server)
         self.server.start()

@@ -10,11 +10,12 @@ import types
 
 import pytest
 
+from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.engine.spec.mtp_head import HEADS_DIR
 from pdserve.router.cli import main
-from tests.router.harness import REPO
-from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.worker.config import WorkerConfig
+
+from tests.router.harness import REPO
 
 HEAD = HEADS_DIR / "smollm2-135m-instruct.safetensors"
 QUESTION = "What is the capital of France?"
@@ -92,8 +93,8 @@ def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
     _launch_workers(args)
     assert sorted(c.role for c in launched) == ["decode", "prefill", "prefill"]
     assert {(c.engine.speculative, c.engine.num_speculative_tokens, c.engine.mtp_head,
-             c.engine.draft_vocab) for c in launched} == {("mtp", 3, str(HEAD), 16384)}  # an absolute head path:
-    # Ray workers may run elsewhere
+             c.engine.draft_vocab) for c in launched} == {("mtp", 3, str(HEAD), 16384)}
+    # (an absolute head path: Ray workers may run elsewhere)
     launched.clear()
     args = build_parser().parse_args(["serve"])
     assert _check(args) is None

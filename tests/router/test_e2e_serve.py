@@ -18,6 +18,7 @@ import pytest
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import auth_metadata, make_channel
+
 from tests.router.harness import ServeProcess, wait_until
 from tests.router.test_http_fake import BAD
 

@@ -15,6 +15,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import auth_metadata, make_channel
 from pdserve.router.core import RouterConfig
+
 from tests.router.fake_worker import FakeRef, FakeWorker
 from tests.router.harness import RouterThread, wait_until
 

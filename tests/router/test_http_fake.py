@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from pdserve.router.core import RouterConfig
+
 from tests.router.fake_worker import FakeRef, FakeWorker
 from tests.router.harness import RouterThread, wait_until
 

@@ -9,9 +9,14 @@ import pytest
 
 from pdserve.engine.core.block_manager import compute_block_hashes
 from pdserve.router.errors import BadRequest, NotFound, param_of
-from pdserve.router.policies import (DecodePolicy, PrefillPolicy, PrefixIndex, blocks_needed,
-                             straight_to_decode)
-from pdserve.router.pool import Breaker, HARD_CODES
+from pdserve.router.policies import (
+    DecodePolicy,
+    PrefillPolicy,
+    PrefixIndex,
+    blocks_needed,
+    straight_to_decode,
+)
+from pdserve.router.pool import HARD_CODES, Breaker
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pdserve.worker.local_ray import start_local_ray
 
 @dataclass
 class Worker:
-    actor: "ray.actor.ActorHandle"
+    actor: ray.actor.ActorHandle
     cfg: WorkerConfig
     address: str
     stub: pbg.WorkerStub

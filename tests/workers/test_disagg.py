@@ -10,8 +10,19 @@ import pytest
 import ray
 
 from pdserve.proto import pdserve_pb2 as pb
-from tests.workers.cluster import (decode_stream, idle, introduce, metric_value, prefill,
-                                   scrape, start_ray, start_worker, tokens_of, wait_until)
+
+from tests.workers.cluster import (
+    decode_stream,
+    idle,
+    introduce,
+    metric_value,
+    prefill,
+    scrape,
+    start_ray,
+    start_worker,
+    tokens_of,
+    wait_until,
+)
 
 PROMPTS = [
     "The capital of France is",

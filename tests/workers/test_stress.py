@@ -10,8 +10,18 @@ import ray
 
 from pdserve.kv_transfer.faults import FaultConfig
 from pdserve.proto import pdserve_pb2 as pb
-from tests.workers.cluster import (decode_stream, idle, introduce, metric_value, prefill,
-                                   scrape, start_ray, start_worker, wait_until)
+
+from tests.workers.cluster import (
+    decode_stream,
+    idle,
+    introduce,
+    metric_value,
+    prefill,
+    scrape,
+    start_ray,
+    start_worker,
+    wait_until,
+)
 
 N_REQUESTS = 200
 

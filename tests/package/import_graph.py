@@ -1,5 +1,5 @@
 """pdserve's module import graph, read from the source (ast), imports inside functions and
-under TYPE_CHECKING included: what tests/packaging/test_import_graph.py checks."""
+under TYPE_CHECKING included: what tests/package/test_import_graph.py checks."""
 from __future__ import annotations
 
 import ast

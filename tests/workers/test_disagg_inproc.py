@@ -1,0 +1,86 @@
+"""Disaggregated == colocated greedy through the in-process KV transport: two Workers in this
+process (engine loop + gRPC server on loopback each), KV copied between their engines by
+kv_transfer/inproc_transport.py instead of NIXL. The real-NIXL versions of these checks run
+in test_disagg.py (Ray actors) and tests/engine/test_spec_decode_disagg.py."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import build_engine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import make_channel
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.server import Worker
+
+TINY = dict(device="cpu", block_size=4, num_blocks=256)
+PROMPTS = [[7 + i, 3, 99, 2 * i + 1, 40, 11] * (i + 2) for i in range(3)]
+
+
+def colocated_greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, params)[0] for p in prompts]
+    out: dict[str, list[int]] = {r: [] for r in rids}
+    for o in engine.generate_until_done():
+        out[o.request_id] += o.new_token_ids
+    return [out[r] for r in rids]
+
+
+@contextlib.contextmanager
+def inproc_pair(model: str, **engine: object) -> Iterator[tuple[Worker, Worker, pbg.WorkerStub,
+                                                                 pbg.WorkerStub]]:
+    p_engine = build_engine(model, **TINY, **engine)
+    p_engine.keep_hidden = True  # as build_worker_engine does for the prefill role
+    workers = [Worker(WorkerConfig(role=role, worker_id=wid, metrics_port=-1,
+                                   kv_transport="inproc"), engine=e).start()
+               for role, wid, e in (("prefill", "ip-p", p_engine),
+                                    ("decode", "ip-d", build_engine(model, **TINY, **engine)))]
+    channels = [make_channel(w.address) for w in workers]
+    try:
+        ps, ds = (pbg.WorkerStub(ch) for ch in channels)
+        reply = ds.AddPeer(ps.GetPeerInfo(pb.GetPeerInfoRequest(), timeout=10), timeout=30)
+        assert reply.accepted, reply.reason
+        yield workers[0], workers[1], ps, ds
+    finally:
+        for ch in channels:
+            ch.close()
+        for w in workers:
+            w.stop()
+
+
+def disagg_greedy(ps: pbg.WorkerStub, ds: pbg.WorkerStub, rid: str, prompt: list[int],
+                  n: int) -> list[int]:
+    params = pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    res = ps.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                                       timeout_s=60), timeout=65)
+    assert res.HasField("kv") and len(res.kv.block_ids) > 0
+    toks: list[int] = []  # the decode stream starts with the prefill worker's first token
+    for out in ds.Decode(pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                                          prefill=res, timeout_s=60), timeout=65):
+        toks += list(out.token_ids)
+    assert toks[0] == res.first_token_id
+    return toks
+
+
+@pytest.mark.parametrize("model, engine", [("tiny-llama", {}),
+                                           ("tiny-qwen3", {"speculative": "mtp",
+                                                           "num_speculative_tokens": 2})])
+def test_disaggregated_equals_colocated_through_the_inproc_transport(model, engine) -> None:
+    expected = colocated_greedy(build_engine(model, **TINY), PROMPTS, 16)
+    with inproc_pair(model, **engine) as (P, D, ps, ds):
+        got = [disagg_greedy(ps, ds, f"r{i}", p, 16) for i, p in enumerate(PROMPTS)]
+        assert got == expected
+        # the decode worker's blocks hold the prefill worker's KV, bit for bit (the last
+        # block also takes the decoded tokens, and with MTP a recomputed position)
+        rid, remote, local, n = D.decode.recent_pulls[-1]
+        kv_p, kv_d = P.engine.runner.kv_cache, D.engine.runner.kv_cache
+        assert len(remote) >= 3
+        for r, loc in zip(remote[:-1], local[:-1]):
+            torch.testing.assert_close(kv_d[loc], kv_p[r], atol=0, rtol=0)
+        assert P.rt.health().num_pinned_blocks == 0  # every lease was released
