@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 
-from pdserve.engine.core.config import MAX_SPECULATIVE_TOKENS
+from pdserve.engine.core.config import MAX_SPECULATIVE_TOKENS, ConfigError
 from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.kernels.triton_mode import select_triton_mode
 
@@ -54,16 +54,18 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_speculative(args: argparse.Namespace, check_files: bool = True) -> str | None:
-    """The first bad speculative flag, as a message naming it; None when fine. Turns
+    """The first bad speculative flag, as a message naming it; None when fine. The rules are
+    EngineArgs' (the one place they live); its field names come back as flags. Turns
     --speculative none into None and --mtp-head into an absolute path."""
     if args.speculative == "none":
         args.speculative = None
-    if args.speculative is None:
-        for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens),
-                            ("--mtp-head", args.mtp_head),
-                            ("--draft-vocab", args.draft_vocab)):
-            if value is not None:
-                return f"{flag}: needs --speculative mtp"
+    try:
+        EngineArgs(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                   mtp_head=args.mtp_head, draft_vocab=args.draft_vocab)
+    except ConfigError as e:
+        field, _, rest = str(e).partition(":")  # "draft_vocab: needs speculative='mtp'"
+        flag = "--" + field.replace("_", "-")
+        return flag + ":" + rest.replace("speculative='mtp'", "--speculative mtp")
     if args.mtp_head is not None and check_files:
         if not os.path.isfile(args.mtp_head):
             return f"--mtp-head: no such file: {args.mtp_head!r}"

@@ -158,7 +158,7 @@ def maybe_decode_graphs(config: EngineConfig, model: Model,
                           "over host-side sequence lengths, which a graph would freeze)")
     if getattr(model.backend, "name", None) != "triton":
         raise ConfigError("use_cuda_graphs: the model must be built with "
-                          "backend=engine.model.triton_attention.TritonAttentionBackend() (engine.llm.build_engine "
+                          "backend=TritonAttentionBackend() (engine.llm.build_engine "
                           "does this for use_triton)")
     graphs = DecodeGraphs(config, model, kv_cache)
     graphs.capture()

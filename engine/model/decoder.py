@@ -5,7 +5,7 @@ writes its new K/V into the paged cache and attends over each sequence's blocks.
 attention calls go through `backend` (write_kv, attend), so a Triton backend replaces the
 torch one without touching this file.
 
-Fast path (Model.use_fused_ops, with engine.model.triton_attention.TritonAttentionBackend): the residual-add + norm
+Fast path (Model.use_fused_ops, with TritonAttentionBackend): the residual-add + norm
 pairs, SiLU-and-mul and the attention prologue (QK-norm + RoPE + KV write, one kernel) run as
 Triton kernels; at batch-1 decode (T = 1) each norm and SiLU-mul also folds into the GEMV
 kernel of the projection after it (kernels/gemv.py), and decode attention takes in the

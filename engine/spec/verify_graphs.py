@@ -4,7 +4,7 @@ A verify step at small batch is as launch-bound as a decode step, so it replays 
 graph the same way (engine/exec/cuda_graphs.py): static buffers, the batch padded up to a bucket,
 padding rows that write no KV (slot -1). The differences: every sequence brings q = k + 1
 tokens (one graph set per k), the attention takes the split-K decode kernel with q causal
-rows per sequence (engine/model/triton_attention.py attention(): uniform query lengths), and a padding sequence gets
+rows per sequence (triton_attention.attention(): uniform query lengths), and a padding sequence gets
 seq_len q over block 0 (every row needs seq_len >= q; it reads block 0 and writes nothing).
 
 Only steps where every scheduled request verifies exactly k drafts replay; the rest (prefill

@@ -137,20 +137,20 @@ def test_next_verify_launched_from_device_drafts(forced: bool) -> None:
 @pytest.mark.parametrize("forced", [False, True])
 def test_device_acceptance_kernel_equals_its_torch_reference(forced: bool) -> None:
     """The fused path (use_triton; the Triton interpreter on CPU) runs a uniform verify
-    step's acceptance as kernels.spec_accept: k = 3 (a two-step chain moved back on the
+    step's acceptance as pdserve.kernels.ops.spec_accept: k = 3 (a two-step chain moved back on the
     device), real acceptance of random drafts (mostly rejected) and forced acceptance.
     Outputs equal the torch path's (engine.spec.draft_graphs.accept_ref), step for step."""
     spec = SpecConfig(num_speculative_tokens=3, batch_k_caps=(), draft_graphs="on",
                       forced_acceptance=forced)
     kw = dict(speculative=spec, overlap_decode="on", **TINY)
     prompts, params = PROMPTS[:2], PARAMS[:2]
-    kernels = pytest.importorskip("kernels")
+    ops = pytest.importorskip("pdserve.kernels.ops")
     fast = LLM("tiny-qwen3", use_triton=True, **kw)
     torch_path = LLM("tiny-qwen3", **kw)
     got = [r.outputs[0].token_ids for r in fast.generate(prompts, params)]
     want = [r.outputs[0].token_ids for r in torch_path.generate(prompts, params)]
     assert fast.engine.runner.verify_ahead.launched > 0
-    assert fast.engine.runner.spec.draft_graphs._accept is kernels.spec_accept
+    assert fast.engine.runner.spec.draft_graphs._accept is ops.spec_accept
     assert got == want
     accepted = [llm.engine.spec_stats.num_accepted_tokens for llm in (fast, torch_path)]
     assert accepted[0] == accepted[1]

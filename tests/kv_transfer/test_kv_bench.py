@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(400)
 def test_bench_runs_on_cpu_and_writes_json(tmp_path):
     out = tmp_path / "kv.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_kv_transfer.py"), "--device", "cpu",
+    cmd = [sys.executable, str(ROOT / "bench" / "lab" / "bench_kv_transfer.py"), "--device", "cpu",
            "--preset", "tiny", "--tokens", "200", "--block-size", "8", "--reps", "2",
            "--warmup", "1", "--frag-run", "3", "--timeout", "120", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=tmp_path)

@@ -10,26 +10,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import build_engine
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_channel
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
 
+from tests.engine.test_spec_decode_disagg import plain_greedy
+
 TINY = dict(device="cpu", block_size=4, num_blocks=256)
 PROMPTS = [[7 + i, 3, 99, 2 * i + 1, 40, 11] * (i + 2) for i in range(3)]
-
-
-def colocated_greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(p, params)[0] for p in prompts]
-    out: dict[str, list[int]] = {r: [] for r in rids}
-    for o in engine.generate_until_done():
-        out[o.request_id] += o.new_token_ids
-    return [out[r] for r in rids]
 
 
 @contextlib.contextmanager
@@ -72,7 +63,7 @@ def disagg_greedy(ps: pbg.WorkerStub, ds: pbg.WorkerStub, rid: str, prompt: list
                                            ("tiny-qwen3", {"speculative": "mtp",
                                                            "num_speculative_tokens": 2})])
 def test_disaggregated_equals_colocated_through_the_inproc_transport(model, engine) -> None:
-    expected = colocated_greedy(build_engine(model, **TINY), PROMPTS, 16)
+    expected = plain_greedy(build_engine(model, **TINY), PROMPTS, 16)
     with inproc_pair(model, **engine) as (P, D, ps, ds):
         got = [disagg_greedy(ps, ds, f"r{i}", p, 16) for i, p in enumerate(PROMPTS)]
         assert got == expected
