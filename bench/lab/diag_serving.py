@@ -152,7 +152,7 @@ def main() -> None:
         rt.stop()
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
            "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "model": cfg.model, "switch_interval_s": sys.getswitchinterval(), "runs": rows}
+           "model": cfg.engine.model, "switch_interval_s": sys.getswitchinterval(), "runs": rows}
     emit(res, args.out)
 
 

@@ -14,6 +14,11 @@ class InvalidRequestError(ValueError):
         self.message = message
 
 
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -52,18 +57,22 @@ class SamplingParams:
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        need(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-             f"must be an integer >= 1, got {self.max_tokens!r}")
+        # integer ranges are the wire's (proto/pdserve.proto: uint32, int32, int64): a value
+        # that cannot cross to a worker is the client's error, named here, not a 500 later
+        need(is_int(self.n) and 1 <= self.n <= UINT32_MAX, "n",
+             f"must be an integer >= 1, got {self.n!r}")
+        need(is_int(self.max_tokens) and 1 <= self.max_tokens <= UINT32_MAX, "max_tokens",
+             f"must be an integer in [1, {UINT32_MAX}], got {self.max_tokens!r}")
         need(is_num(self.temperature) and not math.isnan(self.temperature)
              and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
-        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-             f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        need(is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX), "top_k",
+             f"must be -1 (off) or in [1, {INT32_MAX}], got {self.top_k!r}")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
              f"must be in (0, 1], got {self.top_p!r}")
         need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",
              f"must be in [0, 1], got {self.min_p!r}")
-        need(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        need(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+             "seed", f"must be a 64-bit signed integer, got {self.seed!r}")
         need(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
              "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -71,8 +80,8 @@ class SamplingParams:
             need(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop",
              "every stop string must be a non-empty string")
-        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative integers")
+        need(all(is_int(t) and 0 <= t <= UINT32_MAX for t in self.stop_token_ids),
+             "stop_token_ids", f"must be integers in [0, {UINT32_MAX}]")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         need(self.transfer_failure_policy in ("retry", "recompute", "fail"),

@@ -140,6 +140,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      400, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    # integers the wire cannot carry (proto uint32 / int32 / int64): 400, not a 500
+    ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**31}, 400, "top_k"),
 ]
 
 
