@@ -183,9 +183,38 @@ async def read_json(request: Request, limit: int) -> dict:
         data = json.loads(bytes(body))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError (invalid UTF-8)
         raise BadRequest(f"body: malformed JSON: {e}") from e
+    except RecursionError as e:  # nesting deeper than the decoder's recursion limit
+        raise BadRequest(f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels") from e
     if not isinstance(data, dict):
         raise BadRequest("body: must be a JSON object")
+    check_json(data)
     return data
+
+
+MAX_JSON_DEPTH = 32  # OpenAI bodies nest a few levels (tools' schemas a few more)
+
+
+def check_json(data: dict) -> None:
+    """Bounded nesting, and text that is valid Unicode: JSON's \\ud800 escapes decode to lone
+    surrogates, which no tokenizer or UTF-8 encoder takes. BadRequest names the field."""
+    stack: list[tuple[object, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                             param=path.split("[")[0].split(".")[0] or None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BadRequest(f"{path}: not valid Unicode (an unpaired surrogate at "
+                                 f"{e.start})", param=path) from e
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path or "body", depth + 1))  # keys are text too
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
 
 
 async def _unless_gone(aw: Awaitable[T], request: Request) -> T:

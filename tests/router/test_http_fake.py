@@ -118,6 +118,13 @@ def test_n2_seeded_choices_differ_and_logprobs(cluster):
     assert len(content) == 2 and content[0]["top_logprobs"][0]["logprob"] == -0.5
 
 
+def nested(depth: int) -> list:
+    value: list = ["x"]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 BAD = [
     # (path, body or raw bytes, status, param)
     ("/v1/completions", b"{not json", 400, None),
@@ -145,6 +152,14 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "top_k": 2**31}, 400, "top_k"),
+    # nesting beyond the decoder's recursion limit, and beyond the router's bound
+    ("/v1/completions", b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400, None),
+    ("/v1/completions", {"prompt": "hi", "user": nested(34)}, 400, "user"),
+    # lone surrogates (JSON \ud800 escapes) in the prompt, a message's content, a stop string
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "messages[0].content"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["ok", "\\ud83d"]}', 400, "stop[1]"),
 ]
 
 
