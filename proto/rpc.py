@@ -14,6 +14,9 @@ import grpc
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# servers own their port: without this, gRPC sets SO_REUSEPORT and a second server on the same
+# port silently takes a share of the connections
+_SERVER_OPTIONS = [*_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def make_server(host: str, port: int, max_workers: int = 64, api_key: str | None
     """A thread-pool gRPC server bound to host:port (port 0 = pick one). Returns (server, port)."""
     interceptors = [ApiKeyInterceptor(api_key, open_methods)] if api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=_OPTIONS, interceptors=interceptors)
+                         options=_SERVER_OPTIONS, interceptors=interceptors)
     address = f"{host}:{port}"
     if tls is None:
         bound = server.add_insecure_port(address)

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -108,7 +109,7 @@ def _check(args: argparse.Namespace) -> str | None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    problem = _check(args)
+    problem = _check(args) or _taken_port(args)
     if problem:
         print(f"pdserve serve: {problem}", file=sys.stderr)
         return 2
@@ -120,6 +121,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(args))
     except KeyboardInterrupt:
         return 130
+
+
+def _taken_port(args: argparse.Namespace) -> str | None:
+    """The router's first port that is already in use, as a message naming it and its flag:
+    checked before Ray and the workers start, so a second `pdserve serve` fails at once."""
+    for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if port == 0:  # any free port
+            continue
+        try:  # SO_REUSEADDR like the real servers (a port in TIME_WAIT is free), no REUSEPORT
+            socket.create_server((args.host, port)).close()
+        except OSError as e:
+            return f"{flag}: {args.host}:{port} is in use or cannot be bound ({e.strerror})"
+    return None
 
 
 def _say(msg: str) -> None:
