@@ -132,6 +132,13 @@ class PeerInfo:
                    compat_config=d["compat_config"], version=d["version"])
 
 
+def check_new_peer(local: PeerInfo, remote: PeerInfo) -> None:
+    """What every transport checks before trusting a peer: not itself, and compatible."""
+    if remote.worker_id == local.worker_id:
+        raise ValueError(f"peer_info.worker_id: {remote.worker_id!r} is this worker itself")
+    check_compatible(local, remote)
+
+
 def check_compatible(local: PeerInfo, remote: PeerInfo) -> None:
     """Raise IncompatiblePeerError naming every field that differs; return if compatible."""
     problems: list[str] = []

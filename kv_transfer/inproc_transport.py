@@ -28,8 +28,8 @@ from .errors import (
 from .faults import FaultInjector, InjectedFault
 from .handshake import (
     PeerInfo,
-    check_compatible,
     check_layout_matches_compat,
+    check_new_peer,
     compat_hash,
     normalize_config,
 )
@@ -73,9 +73,7 @@ class InProcessKVTransport:
 
     def add_peer(self, info: PeerInfo) -> None:
         """Trust `info` for reads; refuses incompatible peers, replaces older incarnations."""
-        if info.worker_id == self.worker_id:
-            raise ValueError(f"peer_info.worker_id: {info.worker_id!r} is this worker itself")
-        check_compatible(self._info, info)
+        check_new_peer(self._info, info)
         with self._lock:
             self._check_open()
             self._peers[info.worker_id] = info

@@ -55,8 +55,8 @@ from .faults import FaultInjector, InjectedFault
 from .handshake import (
     HandshakeError,
     PeerInfo,
-    check_compatible,
     check_layout_matches_compat,
+    check_new_peer,
     compat_hash,
     normalize_config,
 )
@@ -149,9 +149,7 @@ class NixlKVTransport:
 
     def add_peer(self, info: PeerInfo) -> None:
         """Trust `info` for reads; refuses incompatible peers, replaces older incarnations."""
-        if info.worker_id == self.worker_id:
-            raise ValueError(f"peer_info.worker_id: {info.worker_id!r} is this worker itself")
-        check_compatible(self._info, info)
+        check_new_peer(self._info, info)
         with self._lock:
             self._check_open()
             old = self._peers.get(info.worker_id)
