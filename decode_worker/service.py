@@ -92,7 +92,7 @@ class DecodeService:
             old = self._peers.pop(msg.worker_id, None)
             if old is not None:
                 old[2].close()
-            ch = make_channel(msg.grpc_address)
+            ch = make_channel(msg.grpc_address, cluster_secret=self.rt.cfg.cluster_secret)
             self._peers[msg.worker_id] = (msg.incarnation, pbg.WorkerStub(ch), ch)
         return pb.AddPeerReply(accepted=True)
 

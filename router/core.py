@@ -74,6 +74,7 @@ class RouterCore:
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Task] = set()
+        self._outs: set[asyncio.Queue] = set()  # each request's delta queue (cut_all)
 
     # -- admission -----------------------------------------------------------------------
     def _admit(self) -> None:
@@ -93,6 +94,14 @@ class RouterCore:
 
     def start_drain(self) -> None:
         self.draining = True
+
+    def cut_all(self) -> int:
+        """End every request in flight with an error (the drain deadline passed): each
+        stream sends what it has, then an error chunk and [DONE]. Returns how many."""
+        for out in self._outs:
+            out.put_nowait(Draining("the server stopped at its drain deadline before this "
+                                    "request finished; retry on another instance"))
+        return len(self._outs)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         try:
@@ -123,10 +132,11 @@ class RouterCore:
         """Deltas of all n completions, interleaved; raises RouterError on failure."""
         self._admit()
         tasks: list[asyncio.Task] = []
+        out: asyncio.Queue = asyncio.Queue()
+        self._outs.add(out)
         try:
             for ids in job.prompts:
                 self.frontend.check_length(len(ids), job.params.max_tokens, self.pool_tokens())
-            out: asyncio.Queue = asyncio.Queue()
             deadline = job.arrival + (job.timeout_s or self.cfg.request_timeout_s)
             for i, (rid, ids, params) in enumerate(self._fan_out(job)):
                 run = ChoiceRun(self, rid, i, ids, params, job.arrival, deadline, out.put_nowait)
@@ -141,6 +151,7 @@ class RouterCore:
             # synchronous first: a cancelled caller may not get to run the await below
             for t in tasks:
                 t.cancel()
+            self._outs.discard(out)
             self._leave()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)

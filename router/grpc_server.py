@@ -24,7 +24,7 @@ from pdserve.engine.core.sampling_params import InvalidRequestError
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.convert import params_from_proto
-from pdserve.proto.rpc import TLSConfig, make_server
+from pdserve.proto.rpc import TLSConfig, api_key_interceptor, make_server
 from pdserve.router.core import Job, RouterCore
 from pdserve.router.dispatch import Delta
 from pdserve.router.errors import BadRequest, RouterError
@@ -147,8 +147,8 @@ def start_grpc(core: RouterCore, loop: asyncio.AbstractEventLoop, host: str, por
                api_key: str | None = None, tls: TLSConfig | None = None,
                max_workers: int = 256) -> tuple[grpc.Server, int]:
     """Start the Pdserve service; returns (server, bound port)."""
-    server, bound = make_server(host, port, max_workers=max_workers, api_key=api_key, tls=tls,
-                                open_methods=("/Health",))
+    auth = api_key_interceptor(api_key, open_methods=("/Health",)) if api_key else None
+    server, bound = make_server(host, port, max_workers=max_workers, auth=auth, tls=tls)
     pbg.add_PdserveServicer_to_server(PdserveServicer(core, loop), server)
     server.start()
     return server, bound

@@ -18,9 +18,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -51,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
       help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
            "(default: $PDSERVE_API_KEY)")
+    a("--cluster-secret-file", default=None,
+      help="file holding the credential every worker RPC must carry (a mounted Kubernetes "
+           "secret, say; at least 16 characters). Default: a fresh random secret per run")
     a("--tls-cert", default=None, help="gRPC TLS certificate (PEM)")
     a("--tls-key", default=None, help="gRPC TLS private key (PEM)")
     a("--address", default=None, help="join this Ray cluster instead of starting one")
@@ -101,6 +106,13 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"{flag}: must be >= 1, got {v}"
     if args.retry_budget < 0 or args.disagg_threshold < 0:
         return "--retry-budget/--disagg-threshold: must be >= 0"
+    if args.cluster_secret_file:
+        from pdserve.proto.rpc import read_secret_file
+
+        try:
+            read_secret_file(args.cluster_secret_file)
+        except ValueError as e:
+            return str(e)
     from pdserve.router.cli import check_speculative
 
     # a joined cluster (--address) may keep the head file on the worker nodes only
@@ -114,9 +126,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve serve: {problem}", file=sys.stderr)
         return 2
     if not args.address and "ray" not in sys.modules:
-        # token authentication for the Ray we start (Ray 2.60 defaults to it; older versions
-        # read the variable when ray is imported, so it must be set before that)
+        # token authentication for the Ray head we start, with a fresh token: the head gets
+        # it through its environment (RayHead), this process's Ray client reads it here
+        # (older Ray versions read these when ray is imported, so they are set before that)
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+        if os.environ["RAY_AUTH_MODE"] == "token":
+            os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     try:
         return asyncio.run(_serve(args))
     except KeyboardInterrupt:
@@ -140,23 +155,40 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _start_ray(args: argparse.Namespace, namespace: str) -> bool:
-    """Join --address or start a local instance (token auth on, no dashboard). True = ours."""
+def _start_ray(args: argparse.Namespace, namespace: str):
+    """Join --address, or start a local head (token auth on, no dashboard) in its own process
+    group and connect to it. Returns the head we started (stop it last), else None."""
     import ray
 
-    from pdserve.worker.local_ray import start_local_ray
+    from pdserve.worker.local_ray import RayHead
 
     if args.address:
         ray.init(address=args.address, namespace=namespace, log_to_driver=True)
-        return False
+        return None
     mode = os.environ.get("RAY_AUTH_MODE", "token")
     if mode != "token":
         log.warning("RAY_AUTH_MODE=%s: the local Ray cluster runs WITHOUT token authentication", mode)
-    start_local_ray(include_dashboard=False, namespace=namespace, log_to_driver=True)
-    return True
+    head = RayHead("127.0.0.1", os.path.join(tempfile.gettempdir(), f"pdserve-{namespace}-ray.log"))
+    _say("pdserve: starting Ray")
+    address = head.start(dict(os.environ))
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=True)
+    except BaseException:
+        head.stop()
+        raise
+    return head
 
 
-def _launch_workers(args: argparse.Namespace) -> list:
+def _cluster_secret(args: argparse.Namespace) -> str:
+    """The workers' credential: read from --cluster-secret-file, else made for this run (the
+    workers get it from us through Ray, never on a socket the cluster serves)."""
+    from pdserve.proto.rpc import new_cluster_secret, read_secret_file
+
+    return read_secret_file(args.cluster_secret_file) if args.cluster_secret_file \
+        else new_cluster_secret()
+
+
+def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     import ray
 
     from pdserve.router.cli import engine_args
@@ -179,8 +211,8 @@ def _launch_workers(args: argparse.Namespace) -> list:
     refs = []
     for role, count in roles:
         for i in range(count):
-            cfg = WorkerConfig(role=role, worker_id=f"{role}-{i}", engine=engine,
-                               host=args.worker_host, lease_ttl_s=args.lease_ttl)
+            cfg = WorkerConfig(role=role, worker_id=f"{role}-{i}", cluster_secret=cluster_secret,
+                               engine=engine, host=args.worker_host, lease_ttl_s=args.lease_ttl)
             actor = launch_worker(cfg, num_gpus=num_gpus, num_cpus=num_cpus,
                                   max_restarts=args.max_restarts)
             refs.append(RayWorkerRef(actor, cfg.worker_id, role))
@@ -204,7 +236,8 @@ class Stack:
     grpc_port: int
 
 
-async def start_stack(refs: list, frontend, cfg, *, host: str = "127.0.0.1", port: int = 8000,
+async def start_stack(refs: list, frontend, cfg, *, cluster_secret: str, host: str = "127.0.0.1",
+                      port: int = 8000,
                       grpc_port: int = 50051, api_key: str | None = None, tls=None,
                       capacity: int = 64, startup_timeout_s: float = 900.0, progress=None,
                       log_level: str = "warning", max_body_bytes: int = 8 << 20) -> Stack:
@@ -216,9 +249,10 @@ async def start_stack(refs: list, frontend, cfg, *, host: str = "127.0.0.1", por
     from pdserve.router.pool import WorkerPool
 
     metrics = RouterMetrics(cfg.router_id)
-    pool = WorkerPool(refs, capacity=capacity, on_health=lambda w: metrics.worker_seen(
-        w.role, w.worker_id, w.up, w.health.kv_cache_usage if w.health else None,
-        w.health.num_pinned_blocks if w.health else None))
+    pool = WorkerPool(refs, cluster_secret=cluster_secret, capacity=capacity,
+                      on_health=lambda w: metrics.worker_seen(
+                          w.role, w.worker_id, w.up, w.health.kv_cache_usage if w.health else None,
+                          w.health.num_pinned_blocks if w.health else None))
     core = RouterCore(pool, frontend, cfg, metrics)
     pool.on_change = lambda w: core.prefill_policy.forget(w.worker_id)
     await pool.start(startup_timeout_s, progress=progress)
@@ -243,7 +277,9 @@ async def stop_stack(stack: Stack, drain_timeout_s: float, shutdown_workers: boo
     _say(f"pdserve: draining ({core.inflight} requests in flight, up to {drain_timeout_s:.0f} s)")
     core.start_drain()
     if not await core.wait_idle(drain_timeout_s):
-        _say(f"pdserve: drain timeout: {core.inflight} requests still in flight are cut off")
+        cut = core.cut_all()
+        _say(f"pdserve: drain timeout: {cut} requests still in flight end with an error")
+        await core.wait_idle(5.0)  # each stream sends its error chunk and [DONE]
     stack.http.should_exit = True
     await asyncio.gather(stack.http_task, return_exceptions=True)
     stack.grpc_server.stop(2).wait(3)
@@ -286,16 +322,18 @@ async def _serve(args: argparse.Namespace) -> int:
             print(f"pdserve serve: --speculative: {e}", file=sys.stderr)
             return 2
     router_id = f"router-{uuid.uuid4().hex[:6]}"
-    owned = _start_ray(args, namespace=f"pdserve-{router_id}")
+    head = _start_ray(args, namespace=f"pdserve-{router_id}")
     refs: list = []
     try:
-        refs = _launch_workers(args)
+        secret = _cluster_secret(args)
+        refs = _launch_workers(args, secret)
         cfg = RouterConfig(block_size=args.block_size, routing=args.routing,
                            disagg_threshold=args.disagg_threshold, max_inflight=args.max_inflight,
                            retry_budget=args.retry_budget, request_timeout_s=args.request_timeout,
                            router_id=router_id)
         tls = TLSConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
-        stack = await start_stack(refs, frontend, cfg, host=args.host, port=args.port,
+        stack = await start_stack(refs, frontend, cfg, cluster_secret=secret, host=args.host,
+                                  port=args.port,
                                   grpc_port=args.grpc_port, api_key=args.api_key, tls=tls,
                                   capacity=max(1, min(args.max_num_seqs, WORKER_STREAMS)),
                                   startup_timeout_s=args.startup_timeout,
@@ -309,8 +347,10 @@ async def _serve(args: argparse.Namespace) -> int:
         for ref in refs:  # startup failed: do not leave actors behind
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ref.shutdown(), 10)
-        if owned:
-            ray.shutdown()
+        ray.shutdown()
+        if head is not None:
+            _say("pdserve: stopping Ray")
+            head.stop()
 
 
 def _progress():

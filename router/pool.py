@@ -24,7 +24,7 @@ import grpc
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
-from pdserve.proto.rpc import MAX_MESSAGE_BYTES
+from pdserve.proto.rpc import make_aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +164,12 @@ class WorkerState:
 
 
 class WorkerPool:
-    def __init__(self, refs: list[WorkerRef], *, capacity: int = 64,
+    def __init__(self, refs: list[WorkerRef], *, cluster_secret: str, capacity: int = 64,
                  poll_interval_s: float = 0.5, rpc_timeout_s: float = 5.0,
                  on_change: Callable[[WorkerState], None] | None = None,
                  on_health: Callable[[WorkerState], None] | None = None) -> None:
         self.workers = {r.worker_id: WorkerState(r, capacity) for r in refs}
+        self._cluster_secret = cluster_secret  # every call to a worker carries it
         self.poll_interval_s = poll_interval_s
         self.rpc_timeout_s = rpc_timeout_s
         self.on_change = on_change  # a worker came back as a new incarnation (forget its cache)
@@ -246,7 +247,7 @@ class WorkerPool:
     async def _connect(self, w: WorkerState, ep: dict) -> None:
         old = w.channel
         w.endpoints, w.incarnation = ep, ep.get("incarnation", "")
-        w.channel = _aio_channel(ep["grpc_address"])
+        w.channel = make_aio_channel(ep["grpc_address"], self._cluster_secret)
         w.stub = pbg.WorkerStub(w.channel)
         w.peers.clear()  # a new decode incarnation knows no peers
         w.refused.clear()
@@ -348,12 +349,3 @@ async def _safe_alive(ref: WorkerRef) -> bool | None:
         return await asyncio.wait_for(ref.alive(), 5.0)
     except Exception:  # noqa: BLE001 - dead or restarting
         return False
-
-
-_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-
-
-def _aio_channel(address: str) -> grpc.aio.Channel:
-    # worker services listen on the cluster's private side without TLS (worker/runtime.py)
-    return grpc.aio.insecure_channel(address, options=_OPTIONS)

@@ -14,6 +14,7 @@ import ray
 from google.protobuf.json_format import MessageToDict
 
 from pdserve.kernels.triton_mode import select_triton_mode
+from pdserve.kv_transfer.ucx_binding import bind_ucx
 from pdserve.worker.config import WorkerConfig
 
 
@@ -32,6 +33,9 @@ class WorkerActor:
         # the actor process is an entry point: compiled or interpreted Triton is chosen here,
         # before the engine imports triton
         select_triton_mode()
+        # UCX (under NIXL) listens only on the interface of the worker's host: set before
+        # the transport creates its NIXL agent
+        bind_ucx(cfg.host)
         from pdserve.worker.server import Worker  # after the Triton mode is set
 
         logging.basicConfig(level=logging.INFO)

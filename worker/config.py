@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.kv_transfer.faults import FaultConfig
 from pdserve.kv_transfer.transport import TRANSPORTS
+from pdserve.proto.rpc import check_cluster_secret
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -21,6 +22,8 @@ ROLES = ("prefill", "decode", "colocated")
 class WorkerConfig:
     role: str
     worker_id: str
+    # the credential every worker RPC must carry (proto/rpc.py); never printed
+    cluster_secret: str = field(repr=False)
     engine: EngineArgs = field(default_factory=EngineArgs)
     host: str = "127.0.0.1"
     grpc_port: int = 0  # 0 = pick a free port
@@ -35,6 +38,7 @@ class WorkerConfig:
             raise ValueError(f"role: must be one of {ROLES}, got {self.role!r}")
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
+        check_cluster_secret(self.cluster_secret)
         if not isinstance(self.engine, EngineArgs):
             raise TypeError(f"engine: expected EngineArgs, got {type(self.engine).__name__}")
         if self.lease_ttl_s <= 0:
@@ -46,10 +50,11 @@ class WorkerConfig:
                              f"got {self.kv_transport!r}")
 
     @classmethod
-    def of(cls, role: str, worker_id: str, **fields: object) -> WorkerConfig:
+    def of(cls, role: str, worker_id: str, cluster_secret: str, **fields: object) -> WorkerConfig:
         """Shorthand for scripts and tests: fields of EngineArgs go into `engine`, the rest
         are the worker's own (an unknown name is a TypeError, as for any dataclass)."""
         names = {f.name for f in dataclasses.fields(EngineArgs)}
         engine = EngineArgs(**{k: v for k, v in fields.items() if k in names})  # type: ignore[arg-type]
         own = {k: v for k, v in fields.items() if k not in names}
-        return cls(role=role, worker_id=worker_id, engine=engine, **own)  # type: ignore[arg-type]
+        return cls(role=role, worker_id=worker_id, cluster_secret=cluster_secret, engine=engine,
+                   **own)  # type: ignore[arg-type]

@@ -9,10 +9,15 @@ real fault still fails, with its cause.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 log = logging.getLogger(__name__)
@@ -72,3 +77,102 @@ def gcs_log_tail(error: str, lines: int = 20) -> str:
                 out += [f"{os.path.basename(path)}: {line.rstrip()}"
                         for line in f.readlines()[-lines:]]
     return "\n".join(out) or f"(no GCS or raylet log under {session}/logs)"
+
+
+class RayHead:
+    """A local Ray head (`ray start --head --block`) in its own session and process group.
+
+    Why not `ray.init()`: the GCS and raylet it starts share pdserve's process group, so a stop
+    signal sent to the group (systemd's default, `kill -- -PGID`) kills them before pdserve
+    has drained its streams. Started here they never see that signal: pdserve drains, then
+    calls stop(). If pdserve dies without stopping it, the kernel sends the head SIGTERM
+    (PR_SET_PDEATHSIG, set in _head_main), and Ray's head ends everything it started.
+    Token authentication is on (a fresh token per head, given to this process's Ray client
+    through RAY_AUTH_TOKEN, which `pdserve serve` sets before Ray is imported).
+    """
+
+    def __init__(self, node_ip: str, log_path: str, num_cpus: int | None = None) -> None:
+        self.node_ip, self.log_path, self.num_cpus = node_ip, log_path, num_cpus
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self, env: dict[str, str], timeout_s: float = 120.0) -> str:
+        """Start the head; its GCS address once it says it runs (else raise with its log)."""
+        port = _free_port(self.node_ip)
+        cmd = [sys.executable, "-m", "pdserve.worker.local_ray", "start", "--head", "--block",
+               f"--port={port}", "--include-dashboard=false", "--disable-usage-stats"]
+        if self.num_cpus is not None:
+            cmd.append(f"--num-cpus={self.num_cpus}")
+        # pdserve has drained before it stops the head: Ray's own drain on SIGTERM (30 s by
+        # default, for Ray Serve) would only delay the exit
+        env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        with open(self.log_path, "w") as log_file:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        end = time.monotonic() + timeout_s
+        while "Ray runtime started" not in self._log():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                tail = "\n".join(self._log().splitlines()[-20:])
+                self.stop()
+                raise RuntimeError(f"the Ray head did not start within {timeout_s:.0f} s "
+                                   f"(log {self.log_path}):\n{tail}")
+            time.sleep(0.2)
+        self.address = f"{self.node_ip}:{port}"
+        return self.address
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM to the head (Ray ends the processes it started), then SIGKILL to whatever
+        of its process group is left."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the head leads its own group
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout_s)
+        if not _group_gone(pgid, 1.0):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            _group_gone(pgid, 5.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self.proc = None
+
+    def _log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def _group_gone(pgid: int, wait_s: float) -> bool:
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _head_main() -> None:
+    """`python -m pdserve.worker.local_ray start --head ...`: Ray's own CLI, made to receive
+    SIGTERM when the process that started it dies (Linux), so a crashed pdserve leaves no
+    Ray head behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    from ray.scripts.scripts import main
+
+    sys.argv = ["ray", *sys.argv[1:]]
+    main()
+
+
+if __name__ == "__main__":
+    _head_main()

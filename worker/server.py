@@ -17,7 +17,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
-from pdserve.proto.rpc import make_server
+from pdserve.proto.rpc import cluster_interceptor, make_server
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.metrics import serve_metrics
 from pdserve.worker.runtime import WorkerRuntime
@@ -54,8 +54,10 @@ class Worker:
         cfg = self.rt.cfg
         self.rt.loop.start()
         # one thread per open Prefill/Decode stream, plus room for Health/Release/Abort
+        # every RPC, Health included, needs the cluster secret: only the router and peers call
         self.server, port = make_server(cfg.host, cfg.grpc_port,
-                                        max_workers=max(64, cfg.engine.max_num_seqs + 16))
+                                        max_workers=max(64, cfg.engine.max_num_seqs + 16),
+                                        auth=cluster_interceptor(cfg.cluster_secret))
         pbg.add_WorkerServicer_to_server(WorkerServicer(self), self.server)
         self.server.start()
         self.rt.address = f"{cfg.host}:{port}"

@@ -28,7 +28,7 @@ import torch
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
-from pdserve.proto.rpc import make_channel
+from pdserve.proto.rpc import make_channel, new_cluster_secret
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
 
@@ -51,7 +51,8 @@ def client_main(address: str, n: int, prompt_len: int, vocab: int, max_tokens: i
                 out_path: str) -> None:
     """The clients, in their own process (as in a deployment: the router is another process),
     so their threads do not compete for the worker's GIL."""
-    stub = pbg.WorkerStub(make_channel(address))
+    # the worker process hands its cluster secret to this client through the environment
+    stub = pbg.WorkerStub(make_channel(address, cluster_secret=os.environ["PDSERVE_DIAG_SECRET"]))
     results: dict = {}
     threads = [threading.Thread(target=stream_times, args=(stub, f"s{n}-{i}", p, max_tokens,
                                                            results))
@@ -71,7 +72,8 @@ def one_run(rt: Worker, n: int, prompt_len: int, max_tokens: int,
     client = subprocess.Popen([sys.executable, "-m", "bench.lab.diag_serving", "--client",
                                rt.address, "--n", str(n), "--prompt-len", str(prompt_len),
                                "--max-tokens", str(max_tokens), "--vocab", str(vocab),
-                               "--out", path])
+                               "--out", path],
+                              env={**os.environ, "PDSERVE_DIAG_SECRET": rt.cfg.cluster_secret})
     ahead = rt.engine.runner.ahead
     hits0 = (ahead.hits, ahead.discards) if ahead is not None else (0, 0)
     steps: list[tuple[float, int, dict]] = []
@@ -135,7 +137,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     streams = [int(s) for s in args.streams.split(",")]
     need = max(streams) * (args.prompt_len + args.max_tokens + 32)
-    cfg = WorkerConfig.of("colocated", "diag", model=args.model or
+    cfg = WorkerConfig.of("colocated", "diag", new_cluster_secret(), model=args.model or
                        ("qwen3-8b" if cuda else "tiny-qwen3"), device="cuda" if cuda else "cpu",
                        dtype="bfloat16" if cuda else None, num_blocks=need // 16 + 64,
                        max_num_seqs=max(64, max(streams)), max_num_batched_tokens=8192,

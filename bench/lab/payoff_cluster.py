@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -33,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
 READY, STOPPED, ERROR = "PAYOFF_READY", "PAYOFF_STOPPED", "PAYOFF_ERROR"
+SECRET = secrets.token_urlsafe(32)  # this run's cluster secret (workers and router)
 
 
 def say(tag: str, payload: object = "") -> None:
@@ -59,7 +61,7 @@ def worker_configs(cfg: dict, setup: str) -> list:
         opts = {**cfg.get("worker_opts", {}).get("all", {}),
                 **cfg.get("worker_opts", {}).get(role, {})}
         for i in range(count):
-            out.append(WorkerConfig.of(role, f"{role}-{i}", **{**base, **opts}))
+            out.append(WorkerConfig.of(role, f"{role}-{i}", SECRET, **{**base, **opts}))
     return out
 
 
@@ -93,7 +95,7 @@ async def start(cfg: dict, setup: str, frontend):
         print(f"payoff_cluster: {setup}: {ready}/{total} workers ready "
               f"({time.monotonic() - t0:.0f} s)", flush=True)
     starting = asyncio.ensure_future(start_stack(
-        refs, frontend, rcfg, host="127.0.0.1", port=0, grpc_port=0,
+        refs, frontend, rcfg, cluster_secret=SECRET, host="127.0.0.1", port=0, grpc_port=0,
         capacity=max(1, min(cfg["max_num_seqs"], WORKER_STREAMS)),
         startup_timeout_s=cfg["startup_timeout_s"], progress=progress))
     # an actor whose constructor raised (no restarts) fails its ping at once: stop waiting

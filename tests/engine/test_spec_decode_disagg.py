@@ -21,6 +21,8 @@ from pdserve.proto.rpc import make_channel
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
 
+from tests.cluster_secret import SECRET
+
 TINY = dict(device="cpu", block_size=4, num_blocks=256)
 PROMPTS = [[5 + i, 17, 99, 3 * i + 1, 42] * (i + 2) for i in range(3)]
 
@@ -42,12 +44,12 @@ def plain_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -
 @contextlib.contextmanager
 def workers(p_engine: LLMEngine, d_engine: LLMEngine) -> Iterator[tuple]:
     p_engine.keep_hidden = True  # what build_worker_engine does for the prefill role
-    P = Worker(WorkerConfig(role="prefill", worker_id="p0", metrics_port=-1),
-               engine=p_engine).start()
-    D = Worker(WorkerConfig(role="decode", worker_id="d0", metrics_port=-1),
-               engine=d_engine).start()
+    P = Worker(WorkerConfig(role="prefill", worker_id="p0", cluster_secret=SECRET,
+                            metrics_port=-1), engine=p_engine).start()
+    D = Worker(WorkerConfig(role="decode", worker_id="d0", cluster_secret=SECRET,
+                            metrics_port=-1), engine=d_engine).start()
     try:
-        ps, ds = pbg.WorkerStub(make_channel(P.address)), pbg.WorkerStub(make_channel(D.address))
+        ps, ds = (pbg.WorkerStub(make_channel(w.address, cluster_secret=SECRET)) for w in (P, D))
         reply = ds.AddPeer(ps.GetPeerInfo(pb.GetPeerInfoRequest(), timeout=10), timeout=30)
         yield P, D, ps, ds, reply
     finally:

@@ -16,7 +16,9 @@ import grpc
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
-from pdserve.proto.rpc import make_server
+from pdserve.proto.rpc import cluster_interceptor, make_server
+
+from tests.cluster_secret import SECRET
 
 BLOCKS = 256
 BLOCK_SIZE = 16
@@ -47,7 +49,9 @@ class FakeWorker(pbg.WorkerServicer):
         FakeWorker.registry[worker_id] = self
 
     def start(self) -> FakeWorker:
-        self.server, port = make_server("127.0.0.1", 0, max_workers=128)
+        # it checks the cluster secret as a real worker does (the router must always send it)
+        self.server, port = make_server("127.0.0.1", 0, max_workers=128,
+                                        auth=cluster_interceptor(SECRET))
         pbg.add_WorkerServicer_to_server(self, self.server)
         self.server.start()
         self.address = f"127.0.0.1:{port}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -24,10 +25,13 @@ class RouterThread:
                  max_body_bytes: int = 1 << 20) -> None:
         from pdserve.router.launch import start_stack
 
+        from tests.cluster_secret import SECRET
+
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.stack = self.call(start_stack(refs, frontend, cfg, port=0, grpc_port=0,
+        self.stack = self.call(start_stack(refs, frontend, cfg, cluster_secret=SECRET,
+                                           port=0, grpc_port=0,
                                            api_key=api_key, capacity=32, startup_timeout_s=30,
                                            max_body_bytes=max_body_bytes))
         self.url = f"http://127.0.0.1:{self.stack.http_port}"
@@ -69,13 +73,19 @@ class ServeProcess:
     """`pdserve serve` as a subprocess (its own Ray instance), stopped with SIGTERM."""
 
     def __init__(self, args: Sequence[str], api_key: str | None = None,
-                 startup_timeout: float = 900) -> None:
+                 startup_timeout: float = 900, cluster_secret: str | None = None) -> None:
         self.port, self.grpc_port = free_port(), free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", "--port", str(self.port),
                "--grpc-port", str(self.grpc_port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
+        if cluster_secret:  # else serve makes its own, which the test never learns
+            path = REPO / ".pytest_cache" / f"secret-{self.port}"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(cluster_secret + "\n")
+            path.chmod(0o600)
+            cmd += ["--cluster-secret-file", str(path)]
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         self.log_path = REPO / ".pytest_cache" / f"serve-{self.port}.log"
         self.log_path.parent.mkdir(exist_ok=True)
@@ -114,3 +124,58 @@ class ServeProcess:
                 self.proc.wait(10)
         self.log.close()
         return self.proc.returncode
+
+
+def pid_listening_on(address: str) -> int:
+    """The process that listens on host:port (a worker's gRPC address, say)."""
+    import psutil
+
+    port = int(address.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    raise AssertionError(f"no process listens on {address}")
+
+
+def listeners_of(pid: int) -> list[str]:
+    """Local addresses (host:port) of the TCP/UDP sockets `pid` listens on, as `ss` shows them."""
+    out = subprocess.run(["ss", "-H", "-l", "-n", "-t", "-u", "-p"], capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    addrs = [line.split()[4] for line in out.splitlines() if f"pid={pid}," in line]
+    # an IPv4 address on a dual-stack socket shows as [::ffff:a.b.c.d]:port
+    return [re.sub(r"^\[::ffff:([\d.]+)\]", r"\1", a) for a in addrs]
+
+
+def worker_rpcs_refused(address: str, metadata: tuple = ()) -> dict[str, str]:
+    """Call every Worker RPC at `address` with `metadata` (no cluster secret); the status
+    code name each one got."""
+    import grpc
+
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pbg
+    from pdserve.proto.rpc import make_channel
+
+    prompt = [1, 2, 3, 4]
+    calls = {
+        "Prefill": lambda s: s.Prefill(pb.PrefillRequest(request_id="x", prompt_token_ids=prompt),
+                                       metadata=metadata, timeout=10),
+        "Decode": lambda s: list(s.Decode(pb.DecodeRequest(request_id="x", prompt_token_ids=prompt),
+                                          metadata=metadata, timeout=10)),
+        "GetPeerInfo": lambda s: s.GetPeerInfo(pb.GetPeerInfoRequest(), metadata=metadata,
+                                               timeout=10),
+        "AddPeer": lambda s: s.AddPeer(pb.PeerInfo(worker_id="evil"), metadata=metadata, timeout=10),
+        "Release": lambda s: s.Release(pb.ReleaseRequest(request_id="x"), metadata=metadata,
+                                       timeout=10),
+        "Abort": lambda s: s.Abort(pb.AbortRequest(request_id="x"), metadata=metadata, timeout=10),
+        "Health": lambda s: s.Health(pb.HealthRequest(), metadata=metadata, timeout=10),
+    }
+    codes = {}
+    with make_channel(address) as ch:
+        stub = pbg.WorkerStub(ch)
+        for name, call in calls.items():
+            try:
+                call(stub)
+                codes[name] = "OK"
+            except grpc.RpcError as e:
+                codes[name] = e.code().name
+    return codes

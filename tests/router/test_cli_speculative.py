@@ -15,6 +15,7 @@ from pdserve.engine.spec.mtp_head import HEADS_DIR
 from pdserve.router.cli import main
 from pdserve.worker.config import WorkerConfig
 
+from tests.cluster_secret import SECRET
 from tests.router.harness import REPO
 
 HEAD = HEADS_DIR / "smollm2-135m-instruct.safetensors"
@@ -67,11 +68,12 @@ def test_engine_args_name_the_bad_field(kw, field) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         EngineArgs(**kw)
     with pytest.raises(ValueError, match=f"^{field}:"):
-        WorkerConfig.of("decode", "d0", **kw)
-    cfg = WorkerConfig(role="decode", worker_id="d0", engine=EngineArgs(
+        WorkerConfig.of("decode", "d0", SECRET, **kw)
+    cfg = WorkerConfig(role="decode", worker_id="d0", cluster_secret=SECRET, engine=EngineArgs(
         speculative="mtp", num_speculative_tokens=3, mtp_head=str(HEAD)))
     assert (cfg.engine.speculative, cfg.engine.num_speculative_tokens) == ("mtp", 3)
-    assert WorkerConfig(role="prefill", worker_id="p0").engine.speculative is None  # default off
+    # default off
+    assert WorkerConfig(role="prefill", worker_id="p0", cluster_secret=SECRET).engine.speculative is None
 
 
 def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
@@ -90,15 +92,17 @@ def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
                                       "mtp", "--num-speculative-tokens", "3", "--mtp-head",
                                       os.path.relpath(HEAD), "--draft-vocab", "16384"])
     assert _check(args) is None
-    _launch_workers(args)
+    _launch_workers(args, SECRET)
     assert sorted(c.role for c in launched) == ["decode", "prefill", "prefill"]
+    assert {c.cluster_secret for c in launched} == {SECRET}  # one credential for the cluster
+    assert SECRET not in repr(launched[0])  # and it never shows in a log line
     assert {(c.engine.speculative, c.engine.num_speculative_tokens, c.engine.mtp_head,
              c.engine.draft_vocab) for c in launched} == {("mtp", 3, str(HEAD), 16384)}
     # (an absolute head path: Ray workers may run elsewhere)
     launched.clear()
     args = build_parser().parse_args(["serve"])
     assert _check(args) is None
-    _launch_workers(args)
+    _launch_workers(args, SECRET)
     assert {(c.engine.speculative, c.engine.num_speculative_tokens, c.engine.mtp_head)
             for c in launched} == {(None, None, None)}
 

@@ -8,21 +8,24 @@ import os
 import re
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
 import pytest
 
-from tests.router.harness import ServeProcess, wait_until
+from tests.router.harness import ServeProcess, pid_listening_on, wait_until, worker_rpcs_refused
 
 pytestmark = pytest.mark.slow
+DRAIN_S = 4.0
 
 
 @pytest.fixture(scope="module")
 def server():
+    # no --api-key, no secret file: serve makes a cluster secret that this test never learns
     srv = ServeProcess(["--prefill", "2", "--decode", "1", "--lease-ttl", "10",
-                        "--request-timeout", "120"])
+                        "--request-timeout", "120", "--drain-timeout", str(DRAIN_S)])
     yield srv
     srv.stop()
 
@@ -35,14 +38,6 @@ def metric_sum(address: str, name: str) -> float:
     text = httpx.get(f"http://{address}/metrics", timeout=10).text
     return sum(float(m.group(1)) for m in
                re.finditer(rf"^pdserve:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-
-
-def pid_listening_on(address: str) -> int:
-    port = int(address.rsplit(":", 1)[1])
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return conn.pid
-    raise AssertionError(f"no process listens on {address}")
 
 
 def one_request(server, i: int) -> str:
@@ -110,3 +105,49 @@ def test_killed_prefill_worker_retry_no_leak_and_rejoin(server):
                 if (v := metric_sum(w["metrics_address"], g))}
     wait_until(lambda: not leftovers(), 30,
                lambda: f"no pinned, held or used blocks on any worker; left: {leftovers()}")
+
+
+def test_workers_refuse_callers_without_the_secret(server):
+    """No client API key configured: the workers still require the cluster credential."""
+    for m in re.finditer(r"worker (\S+)\s+\w+\s+grpc (\S+)", server.output()):
+        codes = worker_rpcs_refused(m.group(2))
+        assert len(codes) == 7 and set(codes.values()) == {"UNAUTHENTICATED"}, (m.group(1), codes)
+    assert one_request(server, 7) == "ok"
+
+
+def stream_until_end(server, i: int, started: threading.Event) -> list[dict | str]:
+    body = {"prompt": f"Story {i}:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    events: list[dict | str] = []
+    with httpx.Client(timeout=120) as c, c.stream("POST", server.url + "/v1/completions",
+                                                  json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                started.set()
+    return events
+
+
+def test_sigterm_to_the_process_group_drains(server):
+    """Last test: SIGTERM to the whole process group (systemd's default) while 10 streams
+    run. Every stream ends with [DONE] (finished, or an error chunk at the drain deadline),
+    and every process, Ray's included, exits within the drain timeout plus 10 s."""
+    family = [server.proc.pid] + [p.pid for p in psutil.Process(server.proc.pid).children(True)]
+    starts = [threading.Event() for _ in range(10)]
+    with ThreadPoolExecutor(10) as pool:
+        futures = [pool.submit(stream_until_end, server, i, starts[i]) for i in range(10)]
+        for e in starts:
+            assert e.wait(120), "a stream did not start"
+        os.killpg(os.getpgid(server.proc.pid), signal.SIGTERM)
+        t0 = time.monotonic()
+        outcomes = [f.result(timeout=DRAIN_S + 60) for f in futures]
+    for events in outcomes:
+        assert events[-1] == "[DONE]", events[-2:]
+        last = events[-2]
+        finished = "choices" in last and last["choices"] and last["choices"][0]["finish_reason"]
+        assert finished or ("error" in last and "drain" in last["error"]["message"]), last
+    assert any("error" in ev[-2] for ev in outcomes)  # 400 tokens outlast a 4 s drain on CPU
+    wait_until(lambda: not [p for p in family if psutil.pid_exists(p) and
+                            psutil.Process(p).status() != psutil.STATUS_ZOMBIE],
+               DRAIN_S + 10 - (time.monotonic() - t0), "every process to exit")
+    assert server.proc.wait(5) == 0

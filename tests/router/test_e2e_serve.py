@@ -14,12 +14,20 @@ import grpc
 import httpx
 import openai
 import pytest
+import torch
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import auth_metadata, make_channel
 
-from tests.router.harness import ServeProcess, wait_until
+from tests.cluster_secret import SECRET
+from tests.router.harness import (
+    ServeProcess,
+    listeners_of,
+    pid_listening_on,
+    wait_until,
+    worker_rpcs_refused,
+)
 from tests.router.test_http_fake import BAD
 
 pytestmark = pytest.mark.slow
@@ -43,7 +51,8 @@ ROUTER_NAMES = ("time_to_first_token_seconds", "inter_token_latency_seconds",
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServeProcess(["--prefill", "1", "--decode", "1", "--max-num-seqs", "64"], api_key=KEY)
+    srv = ServeProcess(["--prefill", "1", "--decode", "1", "--max-num-seqs", "64"], api_key=KEY,
+                       cluster_secret=SECRET)
     yield srv
     srv.stop()
 
@@ -63,7 +72,7 @@ def workers(server) -> dict[str, dict]:
 
 
 def worker_health(address: str) -> pb.HealthResponse:
-    with make_channel(address) as ch:
+    with make_channel(address, cluster_secret=SECRET) as ch:
         return pbg.WorkerStub(ch).Health(pb.HealthRequest(), timeout=10)
 
 
@@ -137,6 +146,34 @@ def test_grpc_streams_the_same_greedy_tokens(server, client):
     ids = [t for m in msgs for t in m.token_ids]
     assert ids == [t for m in again for t in m.token_ids]
     assert len(ids) == msgs[-1].usage.completion_tokens == http.usage.completion_tokens
+
+
+def test_logit_bias_forces_and_bans_tokens_on_both_sides_of_the_split(server, client, frontend):
+    """The prefill worker samples token 0 and the decode worker the rest: +100 makes every
+    token the biased id, -100 bans the plain run's token 0 (P) and a later token (D). HTTP
+    (the openai client's string keys) and gRPC (uint32 keys) give the same tokens."""
+    model, prompt = client.models.list().data[0].id, "The capital of France is"
+    forced = frontend.tokenizer.encode(" banana")[0]
+    text = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                                     logit_bias={str(forced): 100}).choices[0].text
+    assert text == frontend.tokenizer.decode([forced] * 5)
+    with make_channel(server.grpc_address) as ch:
+        stub = pbg.PdserveStub(ch)
+
+        def generate(bias: dict[int, float]) -> tuple[list[int], str]:
+            req = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(
+                max_tokens=8, temperature=0, ignore_eos=True, logit_bias=bias))
+            msgs = list(stub.Generate(req, metadata=auth_metadata(KEY), timeout=120))
+            return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
+
+        plain, _ = generate({})
+        banned = {plain[0]: -100.0, plain[3]: -100.0}
+        biased, biased_text = generate(banned)
+    assert len(biased) == 8 and biased[0] != plain[0] and not set(biased) & set(banned)
+    http = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True},
+                                     logit_bias={str(t): b for t, b in banned.items()})
+    assert http.choices[0].text == biased_text
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD)
@@ -226,6 +263,73 @@ def test_metrics_expose_every_design_name(server):
         assert not need - got, f"{wid} lacks {need - got}"
     missing = set(DESIGN_NAMES) - seen
     assert not missing, f"no process exports {sorted(missing)}"
+
+
+def test_worker_rpcs_need_the_cluster_secret(server, client):
+    """Every worker RPC, Health included, refuses a caller without the cluster credential
+    (none, a wrong one, the client API key); the router, which has it, still serves."""
+    ws = workers(server)
+    assert {w["role"] for w in ws.values()} == {"prefill", "decode"}
+    wrong = ("x-pdserve-cluster-secret", "not-the-secret-but-long-enough")
+    for w in ws.values():
+        for metadata in ((), (wrong,), auth_metadata(KEY)):
+            codes = worker_rpcs_refused(w["grpc"], metadata)
+            assert set(codes) == {"Prefill", "Decode", "GetPeerInfo", "AddPeer", "Release",
+                                  "Abort", "Health"}
+            assert set(codes.values()) == {"UNAUTHENTICATED"}, (w["role"], metadata, codes)
+    assert worker_health(ws["prefill-0"]["grpc"]).status == "ok"  # with the secret: answered
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="The capital of France is",
+                                    max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_kv_memory_needs_the_metadata_only_peers_get(server):
+    """A NIXL agent built from scratch cannot get the prefill worker's NIXL metadata without
+    the cluster secret; with it (as a peer the router introduced), the same agent can READ
+    the worker's KV memory -- which is what the secret keeps from everyone else."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from pdserve.kv_transfer.handshake import PeerInfo
+
+    address = workers(server)["prefill-0"]["grpc"]
+    agent = nixl_agent("intruder", nixl_agent_config(backends=["UCX"]))
+    with make_channel(address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pbg.WorkerStub(ch).GetPeerInfo(pb.GetPeerInfoRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # the positive control: the metadata is all the agent needs
+    with make_channel(address, cluster_secret=SECRET) as ch:
+        msg = pbg.WorkerStub(ch).GetPeerInfo(pb.GetPeerInfoRequest(), timeout=10)
+    info = PeerInfo.from_bytes(msg.transport_info)
+    name = agent.add_remote_agent(info.agent_metadata)
+    local = torch.zeros(info.layout.block_bytes, dtype=torch.uint8)
+    reg = agent.register_memory(local)
+    src = agent.get_xfer_descs(local)
+    dst = agent.get_xfer_descs([(info.kv_base_addr, local.numel(), 0)], "DRAM")
+    handle = agent.initialize_xfer("READ", src, dst, name)
+    assert agent.transfer(handle) in ("PROC", "DONE")
+    wait_until(lambda: agent.check_xfer_state(handle) == "DONE", 30, "the READ to finish")
+    agent.release_xfer_handle(handle)
+    agent.remove_remote_agent(name)
+    agent.deregister_memory(reg)
+
+
+def test_ucx_listens_only_on_the_worker_interface(server):
+    """Each worker process listens on 127.0.0.1 (its gRPC, metrics and UCX/NIXL sockets);
+    the only other listener is Ray's core-worker port on the wildcard address, guarded by
+    Ray's token. Before, UCX also listened on the machine's external address."""
+    for wid, w in workers(server).items():
+        pid = pid_listening_on(w["grpc"])
+        addrs = listeners_of(pid)
+        ours = {w["grpc"], w["metrics"]}
+        ucx = [a for a in addrs if a.startswith("127.0.0.1:") and a not in ours]
+        assert ucx, f"{wid}: no UCX listener on 127.0.0.1 among {addrs}"
+        outside = [a for a in addrs if not a.startswith("127.0.0.1:")
+                   and not a.startswith(("*:", "0.0.0.0:", "[::]:"))]
+        assert not outside, f"{wid} listens outside 127.0.0.1: {outside} (all: {addrs})"
+        wildcard = [a for a in addrs if a.startswith(("*:", "0.0.0.0:", "[::]:"))]
+        assert len(wildcard) <= 1, f"{wid}: more than Ray's own port on the wildcard: {addrs}"
 
 
 def test_sigterm_drains_then_exits(server):

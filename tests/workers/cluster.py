@@ -15,6 +15,8 @@ from pdserve.worker.actor import launch_worker
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.local_ray import start_local_ray
 
+from tests.cluster_secret import SECRET
+
 
 @dataclass
 class Worker:
@@ -32,7 +34,7 @@ class Worker:
         ep = ray.get(self.actor.endpoints.remote(), timeout=timeout_s)
         self.channel.close()
         self.address = ep["grpc_address"]
-        self.channel = make_channel(self.address)
+        self.channel = make_channel(self.address, cluster_secret=SECRET)
         self.stub = pbg.WorkerStub(self.channel)
 
 
@@ -47,10 +49,10 @@ def start_ray() -> None:
 
 
 def start_worker(role: str, worker_id: str, timeout_s: float = 300, **kw: object) -> Worker:
-    cfg = WorkerConfig.of(role, worker_id, metrics_port=0, **kw)
+    cfg = WorkerConfig.of(role, worker_id, SECRET, metrics_port=0, **kw)
     actor = launch_worker(cfg, num_cpus=0)
     ep = ray.get(actor.endpoints.remote(), timeout=timeout_s)
-    ch = make_channel(ep["grpc_address"])
+    ch = make_channel(ep["grpc_address"], cluster_secret=SECRET)
     return Worker(actor, cfg, ep["grpc_address"], pbg.WorkerStub(ch), ch)
 
 

@@ -17,6 +17,7 @@ from pdserve.proto.rpc import make_channel
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
 
+from tests.cluster_secret import SECRET
 from tests.engine.test_spec_decode_disagg import plain_greedy
 
 TINY = dict(device="cpu", block_size=4, num_blocks=256)
@@ -28,11 +29,11 @@ def inproc_pair(model: str, **engine: object) -> Iterator[tuple[Worker, Worker, 
                                                                  pbg.WorkerStub]]:
     p_engine = build_engine(model, **TINY, **engine)
     p_engine.keep_hidden = True  # as build_worker_engine does for the prefill role
-    workers = [Worker(WorkerConfig(role=role, worker_id=wid, metrics_port=-1,
-                                   kv_transport="inproc"), engine=e).start()
+    workers = [Worker(WorkerConfig(role=role, worker_id=wid, cluster_secret=SECRET,
+                                   metrics_port=-1, kv_transport="inproc"), engine=e).start()
                for role, wid, e in (("prefill", "ip-p", p_engine),
                                     ("decode", "ip-d", build_engine(model, **TINY, **engine)))]
-    channels = [make_channel(w.address) for w in workers]
+    channels = [make_channel(w.address, cluster_secret=SECRET) for w in workers]
     try:
         ps, ds = (pbg.WorkerStub(ch) for ch in channels)
         reply = ds.AddPeer(ps.GetPeerInfo(pb.GetPeerInfoRequest(), timeout=10), timeout=30)
