@@ -178,6 +178,14 @@ def test_helm_chart_renders_and_validates_with_defaults():
     kinds = by_kind(docs)
     assert sorted(kinds) == ["PodDisruptionBudget", "RayCluster", "Secret", "Service",
                              "ServiceMonitor"]
+    # the API key and the cluster secret; the router reads the latter as a mounted file
+    assert sorted(len(next(iter(s["data"].values()))) > 40 for s in kinds["Secret"]) == [True] * 2
+    [rc] = kinds["RayCluster"]
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    [mount] = [m for m in head["containers"][0]["volumeMounts"] if m["name"] == "cluster-secret"]
+    [vol] = [v for v in head["volumes"] if v["name"] == "cluster-secret"]
+    assert vol["secret"]["secretName"] in {s["metadata"]["name"] for s in kinds["Secret"]}
+    assert f"--cluster-secret-file {mount['mountPath']}/secret" in head["containers"][0]["args"][0]
     for doc in docs:
         validate_manifest(doc)
     check_wiring(docs)
@@ -200,6 +208,7 @@ def test_helm_values_drive_the_cluster():
     docs = _render({"model": "/models/qwen3-8b", "prefill": {"replicas": 3, "gpusPerWorker": 8},
                     "decode": {"replicas": 2, "gpusPerWorker": 4},
                     "apiKey": {"enabled": True, "existingSecret": "my-key", "secretKey": "token"},
+                    "clusterSecret": {"existingSecret": "my-cluster-secret"},
                     "metrics": {"serviceMonitor": {"enabled": False}},
                     "extraServeArgs": ["--speculative", "mtp"]})
     kinds = by_kind(docs)

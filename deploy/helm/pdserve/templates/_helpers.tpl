@@ -34,6 +34,10 @@ ray.io/node-type: head
 {{- .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "pdserve.fullname" .)) -}}
 {{- end -}}
 
+{{- define "pdserve.clusterSecret" -}}
+{{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
 {{/* The router command: start Ray from KubeRay's generated command minus --block, then
      run `pdserve serve` in the foreground so the container lives and dies with it. */}}
 {{- define "pdserve.serveCommand" -}}
@@ -41,7 +45,7 @@ ray.io/node-type: head
 {{- $decode := mul .Values.decode.replicas .Values.decode.gpusPerWorker -}}
 ulimit -n 65536; ${KUBERAY_GEN_RAY_START_CMD//--block/} && exec pdserve serve --address auto --host 0.0.0.0 --port {{ .Values.router.httpPort }} --grpc-port {{ .Values.router.grpcPort }} --prefill {{ $prefill }} --decode {{ $decode }}
 {{- with .Values.model }} --model {{ . | quote }}{{ end }}
-{{- if .Values.apiKey.enabled }} --api-key "$PDSERVE_API_KEY"{{ end }}
+{{- if .Values.apiKey.enabled }} --api-key "$PDSERVE_API_KEY"{{ end }} --cluster-secret-file /etc/pdserve/cluster/secret
 {{- range .Values.extraServeArgs }} {{ . | quote }}{{ end }}
 {{- end -}}
 
