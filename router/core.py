@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.router.admission import FairGate, completions_problem, timeout_problem
 from pdserve.router.dispatch import ChoiceRun, Delta
-from pdserve.router.errors import Draining, Overloaded, RouterError
+from pdserve.router.errors import BadRequest, Draining, Overloaded, RouterError
 from pdserve.router.frontend import Frontend
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import DecodePolicy, PrefillPolicy
@@ -34,7 +35,7 @@ class RouterConfig:
     block_size: int = 16
     routing: str = "prefix_aware"  # round_robin | least_loaded | prefix_aware
     disagg_threshold: int = 0  # prompts with fewer uncached tokens prefill on D; 0 = never
-    max_inflight: int = 1024  # admitted requests; beyond -> 429
+    max_inflight: int = 1024  # admitted completions (prompts x n per request); beyond -> 429
     retry_budget: int = 2  # re-dispatches per completion after worker failures
     request_timeout_s: float = 600.0  # default deadline of a request
     prefill_timeout_s: float = 60.0  # one prefill attempt, before retrying elsewhere
@@ -75,20 +76,33 @@ class RouterCore:
         self._idle.set()
         self._background: set[asyncio.Task] = set()
         self._outs: set[asyncio.Queue] = set()  # each request's delta queue (cut_all)
+        # completions take turns for the decode workers' stream slots, request by request
+        self.gate = FairGate(lambda: sum(w.capacity for w in pool.by_role("decode", "colocated")))
 
     # -- admission -----------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self, job: Job) -> int:
+        """Admit `job` or raise (400 too many completions or a bad deadline, 503 draining,
+        429 full). Returns its cost: one unit per completion (router/admission.py)."""
+        cost = len(job.prompts) * job.params.n
+        too_many = completions_problem(len(job.prompts), job.params.n)
+        if too_many:
+            raise BadRequest(too_many[1], param=too_many[0])
+        bad_deadline = timeout_problem(job.timeout_s)
+        if bad_deadline:
+            raise BadRequest(bad_deadline, param="timeout_s")
         if self.draining:
             raise Draining("server is draining; retry on another instance",
                            retry_after_s=self.cfg.retry_after_s)
-        if self.inflight >= self.cfg.max_inflight:
-            raise Overloaded(f"server is at its limit of {self.cfg.max_inflight} requests in "
-                             "flight; retry later", retry_after_s=self.cfg.retry_after_s)
-        self.inflight += 1
+        if self.inflight + cost > self.cfg.max_inflight:
+            raise Overloaded(f"server is at its limit of {self.cfg.max_inflight} completions in "
+                             f"flight ({self.inflight} now, this request asks for {cost}); "
+                             "retry later", retry_after_s=self.cfg.retry_after_s)
+        self.inflight += cost
         self._idle.clear()
+        return cost
 
-    def _leave(self) -> None:
-        self.inflight -= 1
+    def _leave(self, cost: int) -> None:
+        self.inflight -= cost
         if self.inflight == 0:
             self._idle.set()
 
@@ -130,7 +144,7 @@ class RouterCore:
     # -- the pipeline --------------------------------------------------------------------
     async def generate(self, job: Job) -> AsyncIterator[Delta]:
         """Deltas of all n completions, interleaved; raises RouterError on failure."""
-        self._admit()
+        cost = self._admit(job)
         tasks: list[asyncio.Task] = []
         out: asyncio.Queue = asyncio.Queue()
         self._outs.add(out)
@@ -140,7 +154,7 @@ class RouterCore:
             deadline = job.arrival + (job.timeout_s or self.cfg.request_timeout_s)
             for i, (rid, ids, params) in enumerate(self._fan_out(job)):
                 run = ChoiceRun(self, rid, i, ids, params, job.arrival, deadline, out.put_nowait)
-                tasks.append(asyncio.create_task(self._run(run, out)))
+                tasks.append(asyncio.create_task(self._run(run, out, job.request_id)))
             async for delta in self._merge(out, len(tasks), job):
                 yield delta
         except RouterError as e:
@@ -152,7 +166,7 @@ class RouterCore:
             for t in tasks:
                 t.cancel()
             self._outs.discard(out)
-            self._leave()
+            self._leave(cost)
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -169,18 +183,20 @@ class RouterCore:
                             dataclasses.replace(p, n=1, seed=seed)))
         return out
 
-    async def _run(self, run: ChoiceRun, out: asyncio.Queue) -> None:
+    async def _run(self, run: ChoiceRun, out: asyncio.Queue, key: str) -> None:
         try:
-            await run.run()
+            async with self.gate.slot(key):
+                await run.run()
             out.put_nowait(_DONE)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
             out.put_nowait(e)
 
-    async def _merge(self, out: asyncio.Queue, n: int, job: Job) -> AsyncIterator[Delta]:
+    async def _merge(self, out: asyncio.Queue, total: int, job: Job) -> AsyncIterator[Delta]:
+        """Deltas as the completions produce them, until all `total` have ended."""
         done = 0
-        while done < n:
+        while done < total:
             item = await out.get()
             if item is _DONE:
                 done += 1

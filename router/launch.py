@@ -75,7 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--disagg-threshold", type=int, default=0,
       help="prompts with fewer uncached tokens prefill on the decode worker (0 = never)")
     a("--routing", choices=ROUTING_POLICIES, default="prefix_aware")
-    a("--max-inflight", type=int, default=1024, help="requests in flight before 429")
+    a("--max-inflight", type=int, default=1024,
+      help="completions in flight (prompts x n of each request) before 429; a request may "
+           "ask for at most 256, and requests take turns at the workers (router/admission.py)")
     a("--retry-budget", type=int, default=2, help="re-dispatches per request after worker failures")
     a("--request-timeout", type=float, default=600.0, help="default deadline of a request (s)")
     a("--max-restarts", type=int, default=3, help="Ray restarts of a worker that dies")

@@ -11,9 +11,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import psutil
 import pytest
+
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import make_channel
 
 from tests.router.harness import ServeProcess, pid_listening_on, wait_until, worker_rpcs_refused
 
@@ -25,7 +30,8 @@ DRAIN_S = 4.0
 def server():
     # no --api-key, no secret file: serve makes a cluster secret that this test never learns
     srv = ServeProcess(["--prefill", "2", "--decode", "1", "--lease-ttl", "10",
-                        "--request-timeout", "120", "--drain-timeout", str(DRAIN_S)])
+                        "--request-timeout", "120", "--drain-timeout", str(DRAIN_S),
+                        "--max-inflight", "300"])
     yield srv
     srv.stop()
 
@@ -113,6 +119,58 @@ def test_workers_refuse_callers_without_the_secret(server):
         codes = worker_rpcs_refused(m.group(2))
         assert len(codes) == 7 and set(codes.values()) == {"UNAUTHENTICATED"}, (m.group(1), codes)
     assert one_request(server, 7) == "ok"
+
+
+def test_admission_counts_completions_and_takes_turns(server):
+    """64 concurrent requests of 200 prompts each: --max-inflight 300 counts completions, so
+    one is admitted and the rest get 429 at once. A 4-token request sent while the admitted
+    one's 200 completions queue for the single decode worker's 56 slots takes turns with
+    them (router/admission.py's bound: within R slot releases, R = requests waiting ahead),
+    so it finishes while most of them are still to come. Too many completions or a deadline
+    out of range get 400 / INVALID_ARGUMENT naming the field."""
+    with make_channel(server.grpc_address) as ch:
+        stub = pbg.PdserveStub(ch)
+        for params, timeout_s, field in ((pb.SamplingParams(n=1000), 0, "n"),
+                                         (pb.SamplingParams(max_tokens=2), 1e10, "timeout_s"),
+                                         (pb.SamplingParams(max_tokens=2), -1, "timeout_s")):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(pb.GenerateRequest(prompt="hi", params=params,
+                                                      timeout_s=timeout_s), timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith(f"{field}:"), e.value.details()
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": ["hi"] * 300, "max_tokens": 1},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+    big_done, statuses, small_at = [], [], []
+    first_big = threading.Event()
+
+    def big(i: int) -> None:
+        body = {"prompt": [f"Count to {i}:"] * 200, "max_tokens": 8, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=300) as c, c.stream("POST", server.url + "/v1/completions",
+                                                      json=body) as r:
+            statuses.append(r.status_code)
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first_big.set()
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    big_done.extend(c for c in event["choices"] if c["finish_reason"])
+
+    with ThreadPoolExecutor(64) as pool:
+        futures = [pool.submit(big, i) for i in range(64)]
+        assert first_big.wait(120)
+        small = httpx.post(server.url + "/v1/completions",
+                           json={"prompt": "Say hi", "max_tokens": 4, "ignore_eos": True},
+                           timeout=300)
+        small_at.append(len(big_done))
+        for f in futures:
+            f.result(timeout=300)
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 4
+    assert sorted(set(statuses)) == [200, 429] and statuses.count(200) == 1, statuses
+    assert len(big_done) == 200
+    assert small_at[0] < 100, f"the small request waited for {small_at[0]} of 200 completions"
 
 
 def stream_until_end(server, i: int, started: threading.Event) -> list[dict | str]:
