@@ -15,6 +15,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         value = getattr(p, name)
         if value is not None:
             setattr(msg, name, value)
+    if p.logit_bias:  # both halves of the split sample (P token 0, D the rest): both need it
+        msg.logit_bias.update(p.logit_bias)
     return msg
 
 
@@ -27,6 +29,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
                  "frequency_penalty"):
         if name in kwargs:
             kwargs[name] = float(f"{kwargs[name]:.6g}")
+    if msg.logit_bias:  # float32 on the wire too; NaN / range / count checks are SamplingParams'
+        kwargs["logit_bias"] = {int(t): float(f"{b:.6g}") for t, b in msg.logit_bias.items()}
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos,
                           transfer_failure_policy=msg.transfer_failure_policy or "retry",

@@ -96,6 +96,7 @@ class PdserveServicer(pbg.PdserveServicer):
             ids = fe.encode_chat(_messages(request.messages))
         try:
             params = params_from_proto(request.params)
+            params.check_vocab(fe.config.vocab_size)  # logit_bias ids, as HTTP checks them
             if not request.params.HasField("max_tokens") and kind == "messages":
                 params = dataclasses.replace(params, max_tokens=core.max_tokens_default(len(ids)))
         except InvalidRequestError as e:
@@ -104,7 +105,8 @@ class PdserveServicer(pbg.PdserveServicer):
             raise BadRequest("request_id: must be at most 128 characters", param="request_id")
         rid = request.request_id or uuid.uuid4().hex
         job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", [ids], params,
-                  timeout_s=request.timeout_s if request.timeout_s > 0 else None)
+                  # 0 = the server's default; anything else is checked at admission
+                  timeout_s=request.timeout_s if request.timeout_s != 0 else None)
         return job, params.n, rid
 
     # -- the rest ------------------------------------------------------------------------

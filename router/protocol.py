@@ -6,11 +6,18 @@ engine.core.sampling_params.SamplingParams, whose errors name the field too.
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.core.sampling_params import (
+    LOGIT_BIAS_MAX,
+    LOGIT_BIAS_MAX_ENTRIES,
+    InvalidRequestError,
+    SamplingParams,
+)
 from pdserve.router.dispatch import Delta
 from pdserve.router.errors import BadRequest
 from pdserve.router.frontend import CHAT_ROLES, Frontend
@@ -18,6 +25,9 @@ from pdserve.router.frontend import CHAT_ROLES, Frontend
 MAX_N = 64
 MAX_LOGPROBS = 20
 _INT, _NUM, _STR, _BOOL = "an integer", "a number", "a string", "a boolean"
+# a logit_bias key: a decimal token id, ASCII digits only ("-1", "1.5", " 1", "١" are not);
+# ten digits bound int()'s work before the vocabulary check
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 
 
 @dataclass
@@ -45,7 +55,33 @@ def _get(body: dict, name: str, what: str, default: object = None) -> object:
     return v
 
 
-def _sampling_kwargs(body: dict) -> dict:
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: a JSON object whose keys are token ids as strings ("123") and
+    whose values are biases in [-100, 100]. Each bad entry is a 400 naming logit_bias."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise BadRequest("logit_bias: must be an object mapping token ids to biases, got "
+                         f"{type(bias).__name__}", param="logit_bias")
+    if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
+        raise BadRequest(f"logit_bias: at most {LOGIT_BIAS_MAX_ENTRIES} entries, got {len(bias)}",
+                         param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        where = f"logit_bias[{json.dumps(key[:40])}]"  # the key as the client sent it, cut short
+        if not _TOKEN_KEY.fullmatch(key) or int(key) >= vocab_size:
+            raise BadRequest(f"{where}: keys must be token ids, integers in [0, {vocab_size})",
+                             param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:  # NaN fails this too
+            raise BadRequest(f"{where}: must be a number in [-100, 100], got {value!r}"[:300],
+                             param="logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
     kw: dict[str, object] = {}
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
@@ -69,6 +105,9 @@ def _sampling_kwargs(body: dict) -> dict:
             raise BadRequest("stop_token_ids: must be a list of integers", param="stop_token_ids")
         kw["stop_token_ids"] = tuple(ids)
     kw["ignore_eos"] = _get(body, "ignore_eos", _BOOL, False)
+    bias = _logit_bias(body, vocab_size)
+    if bias:
+        kw["logit_bias"] = bias
     policy = _get(body, "transfer_failure_policy", _STR)
     if policy is not None:
         kw["transfer_failure_policy"] = policy
@@ -137,7 +176,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     model = _model(body, fe)
     _check_unsupported(body)
     prompts = _prompts(body, fe)
-    kw = _sampling_kwargs(body)
+    kw = _sampling_kwargs(body, fe.config.vocab_size)
     lp = _get(body, "logprobs", _INT)
     if lp is not None:
         if not 0 <= lp <= MAX_LOGPROBS:
@@ -191,7 +230,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     model = _model(body, fe)
     _check_unsupported(body)
     ids = fe.encode_chat(_messages(body))
-    kw = _sampling_kwargs(body)
+    kw = _sampling_kwargs(body, fe.config.vocab_size)
     want = _get(body, "logprobs", _BOOL, False)
     top = _get(body, "top_logprobs", _INT)
     if top is not None and not want:

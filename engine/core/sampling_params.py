@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -17,6 +18,9 @@ class InvalidRequestError(ValueError):
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# OpenAI's logit_bias bounds: |bias| <= 100, at most 300 entries
+LOGIT_BIAS_MAX = 100.0
+LOGIT_BIAS_MAX_ENTRIES = 300
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N = chosen token + top-N alternatives
     transfer_failure_policy: str = "retry"  # disaggregated: "retry" | "recompute" | "fail"
+    # token id -> bias added to that token's logit before sampling (None = off; {} becomes
+    # None). hash=False: a dict is unhashable, and equal params hash equal without it
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +51,7 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -87,6 +95,14 @@ class SamplingParams:
         need(self.transfer_failure_policy in ("retry", "recompute", "fail"),
              "transfer_failure_policy", "must be one of retry, recompute, fail")
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids that only the model can bound: logit_bias keys must index its logits
+        (an id past the row would fail the sampler's indexing, on CUDA with a device assert)."""
+        bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if bad:
+            raise InvalidRequestError(
+                "logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -95,3 +111,32 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float] | None:
+    """logit_bias validated (errors name the field) and copied to {int: float}; None if empty.
+    The copy keeps a caller's later edits from bypassing validation of a frozen object."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise InvalidRequestError("logit_bias", "must be a map from token id to bias, got "
+                                  f"{type(bias).__name__}")
+    if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
+        raise InvalidRequestError("logit_bias", f"at most {LOGIT_BIAS_MAX_ENTRIES} entries, "
+                                  f"got {len(bias)}")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        # the wire key is a uint32 (proto/pdserve.proto); the vocabulary bound is check_vocab's
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= UINT32_MAX:
+            raise InvalidRequestError("logit_bias", "keys must be token ids (integers in "
+                                      f"[0, {UINT32_MAX}]), got {token!r}"[:200])
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:  # NaN fails the comparison
+            raise InvalidRequestError("logit_bias", f"bias for token {token} must be a number in "
+                                      f"[-100, 100], got {value!r}"[:200])
+        out[token] = float(value)
+    return out or None

@@ -2,8 +2,14 @@
 
 Pipeline, per row, in this order (each row uses its own request's settings, vectorised over
 the batch with per-row parameter tensors):
-    repetition penalty -> frequency / presence penalties -> temperature
-    -> top-k -> top-p -> min-p -> draw (greedy rows: argmax of the penalised logits)
+    repetition penalty -> frequency / presence penalties -> logit_bias -> temperature
+    -> top-k -> top-p -> min-p -> draw (greedy rows: argmax of the penalised, biased logits)
+
+logit_bias (OpenAI) is added after the penalties so that it is exactly the shift the client
+asked for: before them, the repetition penalty would divide a +100 bias of a token already
+seen by r (and frequency / presence are additive, so their order with the bias is moot). It
+comes before temperature like the logits it shifts, so +100 / -100 force / ban a token in
+greedy and random rows alike.
 
 Randomness. Every request owns a torch.Generator. The noise for output token i is drawn from
 that generator re-seeded with mix(base_seed, i), where base_seed is the request's seed (or,
@@ -55,6 +61,8 @@ class SamplerState:
     vocab_size: int
     output_counts: torch.Tensor | None = None  # [V] int32: count of each token in the output
     prompt_mask: torch.Tensor | None = None  # [V] bool: token occurs in the prompt
+    bias_ids: torch.Tensor | None = None  # [E] int64: the request's logit_bias token ids
+    bias_values: torch.Tensor | None = None  # [E] float32: their biases, in the same order
     num_observed: int = 0  # output tokens seen by observe(); must track the request
 
     def observe(self, token_id: int) -> None:
@@ -201,6 +209,11 @@ class Sampler:
             if request.output_token_ids:
                 out = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
                 state.output_counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        if params.has_logit_bias:  # on the device once: a step only concatenates them
+            params.check_vocab(vocab_size)  # an id past the row would index out of bounds
+            ids, values = zip(*params.logit_bias.items())
+            state.bias_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+            state.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
         return state
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
@@ -249,17 +262,21 @@ class Sampler:
     # -- pipeline --------------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, requests: Sequence[Request],
                  states: Sequence[SamplerState]) -> torch.Tensor:
-        """Penalties, temperature, top-k, top-p, min-p on a float32 copy of logits [B, V]
-        (the logits themselves when every row is greedy without penalties)."""
+        """Penalties, logit_bias, temperature, top-k, top-p, min-p on a float32 copy of
+        logits [B, V] (the logits themselves when every row is greedy with neither penalties
+        nor a logit_bias)."""
         self._check(logits, requests, states)
         params = [r.sampling_params for r in requests]
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        bias_rows = [i for i, p in enumerate(params) if p.has_logit_bias]
         greedy = [p.temperature < SAMPLING_EPS for p in params]
-        if not pen_rows and all(greedy):  # argmax alone: no float copy of [B, V] (bf16 is fine)
-            return logits
+        if not pen_rows and not bias_rows and all(greedy):
+            return logits  # argmax alone: no float copy of [B, V] (bf16 is fine)
         out = logits.float()
         if pen_rows:
             out = self._penalise(out, params, states, pen_rows)
+        if bias_rows:  # after the penalties, before temperature (module docstring)
+            out = self._add_bias(out, states, bias_rows)
         dev, vocab = logits.device, logits.shape[-1]
 
         def per_row(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -298,6 +315,28 @@ class Sampler:
         out[idx] = sub
         return out
 
+    @staticmethod
+    def _add_bias(logits: torch.Tensor, states: Sequence[SamplerState],
+                  rows: list[int]) -> torch.Tensor:
+        """logits [B, V] float32 plus each listed row's logit_bias, as one indexed add over
+        all E (row, token) entries of the batch. Out of place: `logits` may be the caller's
+        tensor (float32 logits come through .float() uncopied), and the raw logprobs and the
+        other rows must not see the bias."""
+        for i in rows:
+            if states[i].bias_ids is None:
+                raise ValueError(f"states[{i}]: request has a logit_bias but its state was made "
+                                 "without it (create it with Sampler.new_state)")
+        dev = logits.device
+        ids = torch.cat([states[i].bias_ids for i in rows])  # [E] token ids
+        values = torch.cat([states[i].bias_values for i in rows])  # [E] biases
+        counts = [states[i].bias_ids.numel() for i in rows]
+        # [E] row of each entry; output_size spares CUDA a sync to size the result
+        row_of = torch.repeat_interleave(to_device(rows, torch.int64, dev),
+                                         to_device(counts, torch.int64, dev),
+                                         output_size=sum(counts))
+        # a request's ids are distinct (dict keys): gather + add + put, no accumulation order
+        return logits.index_put((row_of, ids), logits[row_of, ids] + values)
+
     def _noise(self, requests: Sequence[Request], states: Sequence[SamplerState],
                rows: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Exp(1) noise [R, V], row i from request i's generator at its output position."""
@@ -310,7 +349,8 @@ class Sampler:
 
     def _logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
                   token_ids: list[int]) -> list[Logprobs | None]:
-        """Raw (pre-penalty, pre-temperature) logprobs of the chosen token and the top-N."""
+        """Raw (pre-penalty, pre-bias, pre-temperature) logprobs of the chosen token and the
+        top-N."""
         out: list[Logprobs | None] = [None] * len(params)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:

@@ -26,9 +26,10 @@ rejection the token is drawn from norm(max(0, p - q)); after k acceptances a bon
 drawn from p. The emitted tokens are distributed exactly as the target's sampling (p is the
 sampler's own processed distribution: temperature, top-k/p, min-p).
 
-Known limits: requests with penalties or logprobs are not drafted for (their MTP KV is kept
-current, they decode one token per step); the MTP KV at the last position of a prefix-cache
-hit was computed with the original request's next token (affects acceptance, never output).
+Known limits: requests with penalties, a logit_bias or logprobs are not drafted for (their
+MTP KV is kept current, they decode one token per step); the MTP KV at the last position of a
+prefix-cache hit was computed with the original request's next token (affects acceptance,
+never output).
 """
 from __future__ import annotations
 
@@ -136,8 +137,12 @@ class DraftJob:
 
 
 def _speculable(req: Request) -> bool:
+    """Whether a request may be drafted for. A logit_bias request may not: greedy verify (and
+    the device-side verify of verify_ahead.py, and the draft graphs) take the argmax of the
+    unbiased target logits, so its tokens would differ from non-speculative decoding. It
+    decodes one token per step through the sampler, which applies the bias."""
     p = req.sampling_params
-    return not p.has_penalties and p.logprobs is None
+    return not p.has_penalties and not p.has_logit_bias and p.logprobs is None
 
 
 class SpecDecoder:

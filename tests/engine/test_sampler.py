@@ -317,3 +317,90 @@ def test_cuda_seeded_reproducibility_and_support() -> None:
     draws = s(base.expand(n, V), reqs, [s.new_state(r, V, dev) for r in reqs]).token_ids
     target = analytic_support(base.cpu(), 1.0, -1, 0.6, 0.1)
     assert set(draws) <= set(torch.nonzero(target).flatten().tolist())
+
+
+# -- logit_bias -------------------------------------------------------------------------------
+def test_logit_bias_plus_100_makes_greedy_pick_the_token() -> None:
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(2)) * 3
+    s = Sampler()
+    targets = [int(logits[i].argmin()) for i in range(4)]  # each row's least likely token
+    reqs = [make_request(f"g{i}", temperature=0.0, logit_bias={t: 100}) for i, t in enumerate(targets)]
+    out = s(logits, reqs, [s.new_state(r, V, "cpu") for r in reqs])
+    assert out.token_ids == targets
+    # the same in bfloat16 (the runner hands the sampler the weights' dtype): the bias is
+    # added in float32, so the pick does not depend on bf16 rounding
+    out16 = s(logits.bfloat16(), reqs, [s.new_state(r, V, "cpu") for r in reqs])
+    assert out16.token_ids == targets
+
+
+def test_logit_bias_minus_100_bans_the_argmax_greedy_takes_the_runner_up() -> None:
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(3)) * 2
+    top2 = logits.topk(2, dim=-1).indices  # [5, 2]: best and second best per row
+    s = Sampler()
+    reqs = [make_request(f"b{i}", temperature=0.0, logit_bias={int(top2[i, 0]): -100})
+            for i in range(5)]
+    states = [s.new_state(r, V, "cpu") for r in reqs]
+    assert s(logits, reqs, states).token_ids == top2[:, 1].tolist()
+    probs = s.probs_after_processing(logits, reqs, states)  # what speculation would verify with
+    assert probs.argmax(-1).tolist() == top2[:, 1].tolist()
+
+
+def test_logit_bias_rows_leave_the_other_rows_and_the_logits_untouched() -> None:
+    """A mixed batch (greedy, seeded random, penalised, truncated) where one row has a bias:
+    every other row's token and logprobs equal an unbiased run; the caller's float32 logits
+    are not modified and the biased row's logprobs stay raw (pre-bias, as documented)."""
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(4)) * 2
+    before = logits.clone()
+    common = [dict(temperature=0.0, logprobs=3), dict(seed=5, temperature=0.8, logprobs=2),
+              dict(seed=6, top_k=5, repetition_penalty=1.3), dict(seed=7, top_p=0.6)]
+    runs = []
+    for bias in (None, {int(logits[4].argmax()): -100, 3: 7.5}):
+        s = Sampler()
+        reqs = [make_request(f"r{i}", **kw) for i, kw in enumerate(common)]
+        reqs.append(make_request("biased", seed=8, temperature=0.7, logprobs=2, logit_bias=bias))
+        runs.append(s(logits, reqs, [s.new_state(r, V, "cpu") for r in reqs]))
+    plain, biased = runs
+    assert biased.token_ids[:4] == plain.token_ids[:4]
+    assert biased.logprobs[:4] == plain.logprobs[:4]
+    assert biased.logprobs[4][1] == plain.logprobs[4][1]  # raw top-N of the biased row
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
+def test_random_sampling_never_draws_a_token_banned_by_minus_100(temperature: float) -> None:
+    n = 4000
+    base = fixed_logits()
+    banned = int(base.argmax())  # the likeliest token: unbanned it is drawn very often
+    s = Sampler(seed=21)
+    reqs = [make_request(f"r{i}", temperature=temperature, logit_bias={banned: -100.0})
+            for i in range(n)]
+    free = [make_request(f"f{i}", temperature=temperature) for i in range(n)]
+    logits = base.expand(n, V).contiguous()
+    draws = s(logits, reqs, [s.new_state(r, V, "cpu") for r in reqs]).token_ids
+    free_draws = s(logits, free, [s.new_state(r, V, "cpu") for r in free]).token_ids
+    assert banned not in draws
+    assert free_draws.count(banned) > n // 20  # the ban, not chance, keeps it out
+    assert len(set(draws)) > 5  # the rest of the distribution is still sampled
+
+
+def test_logit_bias_applies_after_penalties() -> None:
+    """Token 3 (in the prompt, logit 4) under repetition 2 becomes 2; +3 makes it 5 > 4.5 of
+    token 9. Biasing first would give (4 + 3) / 2 = 3.5 < 4.5: the bias is the exact shift
+    the client asked for, whatever the penalties (sampler.py docstring)."""
+    logits = torch.zeros(V)
+    logits[3], logits[9] = 4.0, 4.5
+    s = Sampler()
+    req = make_request(prompt=[3], temperature=0.0, repetition_penalty=2.0, logit_bias={3: 3.0})
+    assert s(logits[None], [req], [s.new_state(req, V, "cpu")]).token_ids == [3]
+
+
+def test_logit_bias_state_and_vocab_checks_name_the_field() -> None:
+    s = Sampler()
+    state = s.new_state(make_request(logit_bias={7: 1.5, 2: -3}), V, "cpu")
+    assert dict(zip(state.bias_ids.tolist(), state.bias_values.tolist())) == {7: 1.5, 2: -3.0}
+    assert s.new_state(make_request(logit_bias={}), V, "cpu").bias_ids is None
+    with pytest.raises(ValueError, match="logit_bias"):  # past the logits row
+        s.new_state(make_request(logit_bias={V: 1.0}), V, "cpu")
+    req = make_request(logit_bias={1: 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):  # a state made without the bias
+        s(torch.zeros(1, V), [req], [s.new_state(make_request(), V, "cpu")])

@@ -7,10 +7,16 @@ import json
 import re
 import threading
 
+import grpc
 import httpx
 import pytest
 
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.convert import params_to_proto
+from pdserve.proto.rpc import auth_metadata, make_channel
 from pdserve.router.core import RouterConfig
+from pdserve.router.protocol import parse_chat, parse_completion
 
 from tests.router.fake_worker import FakeRef, FakeWorker
 from tests.router.harness import RouterThread, wait_until
@@ -160,6 +166,19 @@ BAD = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
      "messages[0].content"),
     ("/v1/completions", b'{"prompt": "hi", "stop": ["ok", "\\ud83d"]}', 400, "stop[1]"),
+    # logit_bias: keys are token ids as decimal strings, values biases in [-100, 100]
+    *[("/v1/completions", {"prompt": "hi", "logit_bias": bias}, 400, "logit_bias") for bias in (
+        {"abc": 1}, {"-1": 1}, {"1.5": 1}, {"": 1}, {" 5": 1}, {"\u0661": 1},  # Arabic-Indic 1
+        {str(2**20): 1}, {"4294967296": 1}, {"123456789012345": 1},  # past the vocabulary
+        {"5": "x"}, {"5": None}, {"5": True}, {"5": [1]}, {"5": 100.5}, {"5": -101},
+        [5], "5", 5, {str(i): 1 for i in range(301)})],
+    # Python's JSON decoder reads these non-standard literals as floats
+    *[("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": %s}}' % v, 400, "logit_bias")
+      for v in (b"NaN", b"Infinity", b"-Infinity")],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {"7": -100.01}}, 400, "logit_bias"),
 ]
 
 
@@ -176,6 +195,57 @@ def test_bad_input_gets_4xx_naming_the_field(cluster, path, body, status, param)
     assert err["param"] == param
     ok = client.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_logit_bias_parsed_served_and_errors_name_the_key(cluster, frontend):
+    """Good logit_bias bodies parse to {int: float} and are served on both endpoints; a bad
+    one's message names the offending key. (The fake model ignores the bias: that it changes
+    tokens is shown on the real engine, tests/engine/test_logit_bias.py and
+    tests/workers/test_logit_bias_disagg.py.)"""
+    _, _, client = cluster
+    bias = {"5": 10, "0017": -100, str(frontend.config.vocab_size - 1): 0.5}
+    want = {5: 10.0, 17: -100.0, frontend.config.vocab_size - 1: 0.5}
+    parsed = parse_completion({"prompt": "hi", "logit_bias": bias}, frontend)
+    assert parsed.params.logit_bias == want
+    assert dict(params_to_proto(parsed.params).logit_bias) == want  # what the workers get
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "logit_bias": bias},
+                      frontend, lambda n: 8)
+    assert chat.params.logit_bias == want
+    assert parse_completion({"prompt": "hi", "logit_bias": {}}, frontend).params.logit_bias is None
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logit_bias": bias})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 3, "logit_bias": bias})
+    assert r.status_code == 200, r.text
+    for bad, says in (({"abc": 1}, 'logit_bias["abc"]: keys must be token ids'),
+                      ({"99999999": 1}, f'logit_bias["99999999"]: keys must be token ids, '
+                                        f'integers in [0, {frontend.config.vocab_size})'),
+                      ({"3": 250}, 'logit_bias["3"]: must be a number in [-100, 100], got 250'),
+                      ({str(i): 1 for i in range(301)}, "logit_bias: at most 300 entries")):
+        r = client.post("/v1/completions", json={"prompt": "hi", "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
+
+
+def test_grpc_face_validates_logit_bias_like_http(cluster, frontend):
+    """INVALID_ARGUMENT naming logit_bias, decided by the router: the fake workers check no
+    vocabulary, and no prefill is even sent."""
+    rt, ws, _ = cluster
+    vocab = frontend.config.vocab_size
+    with make_channel(rt.grpc_address) as ch:
+        stub = pbg.PdserveStub(ch)
+        prefills = sum(len(w.prefills) for w in ws.values())
+        for bias in ({vocab: 1.0}, {5: float("nan")}, {5: 101.0},
+                     {i: 1.0 for i in range(301)}):
+            req = pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(logit_bias=bias))
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, metadata=auth_metadata(KEY), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("logit_bias: "), e.value.details()
+        assert sum(len(w.prefills) for w in ws.values()) == prefills
+        ok = pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(
+            max_tokens=2, logit_bias={5: 100.0, vocab - 1: -100.0}))
+        msgs = list(stub.Generate(ok, metadata=auth_metadata(KEY), timeout=30))
+        assert msgs[-1].finish_reason == "length"
 
 
 def test_oversized_bodies_get_413_by_header_and_by_stream(cluster):
@@ -251,3 +321,22 @@ def test_stage_histograms_add_up_to_end_to_end(cluster):
     assert total("stage_kv_transfer_seconds") > 0 and total("stage_prefill_seconds") > 0
     assert stages == pytest.approx(total("e2e_request_latency_seconds"), rel=1e-6)
     assert re.search(r'^pdserve:num_requests_running\{[^}]*\} 0\.0$', text, re.M)
+
+
+def test_batched_prompts_return_every_completion(cluster):
+    """prompts x n completions, each with its index, streamed or not (the merge once stopped
+    after the first finished completion when n=1)."""
+    _, _, client = cluster
+    body = {"prompt": ["one", "two", "three"], "max_tokens": 3, "n": 2, "seed": 5}
+    out = client.post("/v1/completions", json=body)
+    assert out.status_code == 200, out.text
+    assert sorted(c["index"] for c in out.json()["choices"]) == list(range(6))
+    one = client.post("/v1/completions", json={**body, "n": 1})
+    assert sorted(c["index"] for c in one.json()["choices"]) == [0, 1, 2]
+    with client.stream("POST", "/v1/completions", json={**body, "n": 1, "stream": True}) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines()
+                  if x.startswith("data: {")]
+    finished = sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"])
+    assert finished == [0, 1, 2]
+    too_many = client.post("/v1/completions", json={"prompt": ["hi"] * 200, "n": 2})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
