@@ -114,9 +114,12 @@ def create_app(core: RouterCore, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        # lifecycle: restarts so far, seconds to the next one, whether the pool gave up
         workers = [{"worker_id": w.worker_id, "role": w.role, "up": w.up,
                     "incarnation": w.incarnation,
-                    "metrics_address": w.endpoints.get("metrics_address", "")}
+                    "grpc_address": w.endpoints.get("grpc_address", ""),
+                    "metrics_address": w.endpoints.get("metrics_address", ""),
+                    **w.ref.lifecycle()}
                    for w in core.pool.workers.values()]
         serving = any(w["up"] for w in workers if w["role"] in ("decode", "colocated"))
         status = "draining" if core.draining else "ok" if all(w["up"] for w in workers) \

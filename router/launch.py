@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -80,7 +81,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
            "ask for at most 256, and requests take turns at the workers (router/admission.py)")
     a("--retry-budget", type=int, default=2, help="re-dispatches per request after worker failures")
     a("--request-timeout", type=float, default=600.0, help="default deadline of a request (s)")
-    a("--max-restarts", type=int, default=3, help="Ray restarts of a worker that dies")
+    a("--max-restarts", type=int, default=-1,
+      help="restarts of a worker that dies, after a backoff doubling from 0.5 s to 30 s "
+           "(-1, the default: no limit)")
+    a("--exit-after-unavailable", type=float, default=0.0, metavar="SECONDS",
+      help="exit with status 3 once no decode-capable worker has served for this long, so a "
+           "supervisor restarts the whole server (default 0: never; the pool keeps restarting)")
     a("--startup-timeout", type=float, default=900.0, help="wait this long for workers (s)")
     a("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for requests (s)")
     a("--log-level", default="warning")
@@ -108,6 +114,10 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"{flag}: must be >= 1, got {v}"
     if args.retry_budget < 0 or args.disagg_threshold < 0:
         return "--retry-budget/--disagg-threshold: must be >= 0"
+    if args.max_restarts < -1:
+        return f"--max-restarts: must be >= -1 (-1 = no limit), got {args.max_restarts}"
+    if not args.exit_after_unavailable >= 0:
+        return f"--exit-after-unavailable: must be >= 0 seconds, got {args.exit_after_unavailable}"
     if args.cluster_secret_file:
         from pdserve.proto.rpc import read_secret_file
 
@@ -215,9 +225,10 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
         for i in range(count):
             cfg = WorkerConfig(role=role, worker_id=f"{role}-{i}", cluster_secret=cluster_secret,
                                engine=engine, host=args.worker_host, lease_ttl_s=args.lease_ttl)
-            actor = launch_worker(cfg, num_gpus=num_gpus, num_cpus=num_cpus,
-                                  max_restarts=args.max_restarts)
-            refs.append(RayWorkerRef(actor, cfg.worker_id, role))
+            # restarts are the pool's (RayWorkerRef), with backoff and no limit by default
+            launch = functools.partial(launch_worker, cfg, num_gpus=num_gpus, num_cpus=num_cpus)
+            refs.append(RayWorkerRef(launch(generation=0), cfg.worker_id, role, launch=launch,
+                                     max_restarts=args.max_restarts))
     spec = "" if not args.speculative else \
         f", speculative {args.speculative} k={args.num_speculative_tokens or 1}"
     _say(f"pdserve: launched {len(refs)} workers on {device} "
@@ -342,9 +353,9 @@ async def _serve(args: argparse.Namespace) -> int:
                                   progress=_progress(), log_level=args.log_level)
         refs = []  # the stack owns them now
         _print_ready(args, frontend.model_id, stack, tls is not None)
-        await _until_signal(stack.http_task)
+        lost = await _until_signal(stack, args.exit_after_unavailable)
         await stop_stack(stack, args.drain_timeout, shutdown_workers=True)
-        return 0
+        return 3 if lost else 0
     finally:
         for ref in refs:  # startup failed: do not leave actors behind
             with contextlib.suppress(Exception):
@@ -374,11 +385,32 @@ def _print_ready(args, model_id: str, stack: Stack, tls: bool) -> None:
     _say("pdserve: ready")
 
 
-async def _until_signal(http_task: asyncio.Task) -> None:
+async def _until_signal(stack: Stack, exit_after_unavailable_s: float) -> bool:
+    """Wait for SIGTERM/SIGINT (or the HTTP server's end). With exit_after_unavailable_s > 0,
+    also end (returning True) once no decode-capable worker has been up for that long."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.create_task(stop.wait())
-    await asyncio.wait({waiter, http_task}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
+    waiters = {asyncio.create_task(stop.wait()), stack.http_task}
+    watchdog = None
+    if exit_after_unavailable_s > 0:
+        watchdog = asyncio.create_task(_unavailable_for(stack.pool, exit_after_unavailable_s))
+        waiters.add(watchdog)
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for t in waiters - {stack.http_task}:
+        t.cancel()
+    return watchdog is not None and watchdog.done() and not watchdog.cancelled()
+
+
+async def _unavailable_for(pool, grace_s: float) -> None:
+    """Return once no decode or colocated worker has been up for `grace_s` seconds."""
+    since: float | None = None
+    while True:
+        serving = any(w.up for w in pool.by_role("decode", "colocated"))
+        since = None if serving else since or time.monotonic()
+        if since is not None and time.monotonic() - since >= grace_s:
+            _say(f"pdserve: no decode worker for {grace_s:.0f} s (--exit-after-unavailable): "
+                 "exiting with status 3")
+            return
+        await asyncio.sleep(0.5)

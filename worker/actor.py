@@ -1,9 +1,10 @@
 """Ray actor that hosts one Worker (prefill, decode or colocated).
 
-Ray owns placement and lifetime (num_gpus=1 on GPU hosts, CPU actors otherwise; restarts
-with max_restarts). Only control-plane calls go through Ray (endpoints, ping); requests and
-KV move over gRPC and NIXL. A restarted actor builds a new runtime: new incarnation, new
-ports, so the router re-reads endpoints() and re-introduces peers.
+Ray owns placement (num_gpus=1 on GPU hosts, CPU actors otherwise); restarts are the
+router's (router/pool.py RayWorkerRef relaunches a dead worker with backoff). Only
+control-plane calls go through Ray (endpoints, ping); requests and KV move over gRPC and
+NIXL. A relaunched actor builds a new runtime: new incarnation, new ports, so the router
+re-reads endpoints() and re-introduces peers.
 """
 from __future__ import annotations
 
@@ -67,9 +68,11 @@ class WorkerActor:
 
 
 def launch_worker(cfg: WorkerConfig, num_gpus: float = 0, num_cpus: float = 1,
-                  max_restarts: int = 3) -> ray.actor.ActorHandle:
-    """Start a named, restartable worker actor (name = worker_id)."""
+                  max_restarts: int = 0, generation: int = 0) -> ray.actor.ActorHandle:
+    """Start a named worker actor: worker_id, then worker_id.rN for the pool's Nth relaunch
+    (Ray keeps a dead actor's name for a while)."""
     actor_cls = ray.remote(WorkerActor)
-    return actor_cls.options(name=cfg.worker_id, num_gpus=num_gpus, num_cpus=num_cpus,
+    name = cfg.worker_id if generation == 0 else f"{cfg.worker_id}.r{generation}"
+    return actor_cls.options(name=name, num_gpus=num_gpus, num_cpus=num_cpus,
                              max_restarts=max_restarts, max_task_retries=0,
                              max_concurrency=4).remote(cfg)

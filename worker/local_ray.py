@@ -14,10 +14,12 @@ import glob
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 log = logging.getLogger(__name__)
@@ -95,12 +97,17 @@ class RayHead:
         self.node_ip, self.log_path, self.num_cpus = node_ip, log_path, num_cpus
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.temp_dir = ""
 
     def start(self, env: dict[str, str], timeout_s: float = 120.0) -> str:
         """Start the head; its GCS address once it says it runs (else raise with its log)."""
         port = _free_port(self.node_ip)
+        # its own temp dir: `ray start` records its address in <temp dir>/ray_current_cluster,
+        # which a later plain ray.init() on this machine would otherwise try to join
+        self.temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-")
         cmd = [sys.executable, "-m", "pdserve.worker.local_ray", "start", "--head", "--block",
-               f"--port={port}", "--include-dashboard=false", "--disable-usage-stats"]
+               f"--port={port}", f"--temp-dir={self.temp_dir}", "--include-dashboard=false",
+               "--disable-usage-stats"]
         if self.num_cpus is not None:
             cmd.append(f"--num-cpus={self.num_cpus}")
         # pdserve has drained before it stops the head: Ray's own drain on SIGTERM (30 s by
@@ -136,6 +143,7 @@ class RayHead:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
         self.proc = None
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _log(self) -> str:
         with open(self.log_path, errors="replace") as f:

@@ -202,3 +202,6 @@ class FakeRef:
 
     async def shutdown(self) -> None:
         self.w.stop()
+
+    def lifecycle(self) -> dict:
+        return {}

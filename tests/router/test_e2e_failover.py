@@ -113,11 +113,44 @@ def test_killed_prefill_worker_retry_no_leak_and_rejoin(server):
                lambda: f"no pinned, held or used blocks on any worker; left: {leftovers()}")
 
 
+def test_decode_worker_killed_five_times_comes_back_each_time(server):
+    """The only decode worker is SIGKILLed five times in a row under load: each time the
+    pool launches a new one (backoff 0.5 s, 1 s, 2 s, ...; no restart limit by default),
+    /health counts the restarts, and requests after the last one succeed."""
+    results: list[str] = []
+    stop = threading.Event()
+
+    def load(k: int) -> None:
+        i = 500_000 + k * 10_000
+        while not stop.is_set():
+            results.append(one_request(server, i))
+            i += 1
+
+    def decode() -> dict:
+        return health_workers(server)["decode-0"]
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(load, k) for k in range(3)]
+        for n in range(1, 6):
+            wait_until(lambda: decode()["up"], 180, "decode-0 to be up")
+            before = decode()
+            os.kill(pid_listening_on(before["metrics_address"]), signal.SIGKILL)
+            wait_until(lambda b=before: decode()["up"] and
+                       decode()["incarnation"] != b["incarnation"], 180,
+                       lambda: f"decode-0 to come back after kill {n}: {decode()}")
+            assert decode()["restarts"] == n and not decode()["gave_up"]
+        stop.set()
+        for f in futures:
+            f.result(timeout=300)  # no request hangs
+    assert server.health()["status"] == "ok"
+    assert [one_request(server, 990_000 + i) for i in range(6)] == ["ok"] * 6
+
+
 def test_workers_refuse_callers_without_the_secret(server):
     """No client API key configured: the workers still require the cluster credential."""
-    for m in re.finditer(r"worker (\S+)\s+\w+\s+grpc (\S+)", server.output()):
-        codes = worker_rpcs_refused(m.group(2))
-        assert len(codes) == 7 and set(codes.values()) == {"UNAUTHENTICATED"}, (m.group(1), codes)
+    for wid, w in health_workers(server).items():  # addresses of the current incarnations
+        codes = worker_rpcs_refused(w["grpc_address"])
+        assert len(codes) == 7 and set(codes.values()) == {"UNAUTHENTICATED"}, (wid, codes)
     assert one_request(server, 7) == "ok"
 
 
