@@ -40,3 +40,48 @@ def test_a_second_grpc_server_cannot_share_a_port() -> None:
             make_server("127.0.0.1", port)
     finally:
         first.stop(0)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--max-restarts", "-2"], "--max-restarts"),
+    (["--exit-after-unavailable", "-1"], "--exit-after-unavailable"),
+    (["--exit-after-unavailable", "nan"], "--exit-after-unavailable"),
+    (["--cluster-secret-file", "/nonexistent/secret"], "--cluster-secret-file"),
+])
+def test_bad_lifecycle_and_secret_flags_are_named(argv, flag) -> None:
+    from pdserve.router.cli import build_parser
+    from pdserve.router.launch import _check
+
+    assert _check(build_parser().parse_args(["serve", *argv])).startswith(f"{flag}:")
+
+
+def test_a_short_secret_file_is_refused(tmp_path) -> None:
+    from pdserve.proto.rpc import read_secret_file
+
+    (tmp_path / "s").write_text("short\n")
+    with pytest.raises(ValueError, match="^--cluster-secret-file: must be a string of at least"):
+        read_secret_file(str(tmp_path / "s"))
+    (tmp_path / "s").write_text("x" * 40 + "\n")  # a trailing newline is not part of it
+    assert read_secret_file(str(tmp_path / "s")) == "x" * 40
+
+
+def test_exit_after_unavailable_waits_out_the_grace_period() -> None:
+    """The --exit-after-unavailable watchdog returns once no decode worker has been up for
+    the grace period, and not while one is up."""
+    import asyncio
+    import types
+
+    from pdserve.router.launch import _unavailable_for
+
+    worker = types.SimpleNamespace(up=True)
+    pool = types.SimpleNamespace(by_role=lambda *roles: [worker])
+
+    async def main() -> tuple[bool, bool]:
+        watch = asyncio.create_task(_unavailable_for(pool, grace_s=0.6))
+        await asyncio.sleep(1.2)
+        while_up = watch.done()
+        worker.up = False
+        await asyncio.wait_for(watch, 5)
+        return while_up, watch.done()
+
+    assert asyncio.run(main()) == (False, True)
