@@ -129,3 +129,58 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores = scores.masked_fill(hidden[None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals).to(q.dtype)
     return out
+
+
+# -- mixture of experts ------------------------------------------------------------------
+# E experts, each a SiLU-gated MLP: w13 [E, 2I, H] stacks gate (rows 0..I-1) over up
+# (rows I..2I-1), w2 [E, H, I] is down. The router picks top_k experts per token.
+
+def moe_route_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+                  scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
+                  n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+                  routed_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router GEMV + scoring + (grouped) top-k, in fp32. x [T, H], router_weight [E, H].
+    Returns (topk_weights [T, top_k] float32, topk_ids [T, top_k] int32).
+
+    "softmax" (Qwen3-MoE): probabilities, top-k of them, renormalised if asked.
+    "sigmoid" (GLM-4.5, DeepSeek-V3): s = sigmoid(logits) chooses through s + correction_bias
+    within the topk_group best of n_group expert groups (a group scores the sum of its best
+    two), weights are s itself (no bias), renormalised if asked, times routed_scaling.
+    Masked groups score 0.0, as transformers' implementation does."""
+    logits = x.float() @ router_weight.float().t()  # [T, E]
+    if scoring == "softmax":
+        probs = logits.softmax(dim=-1)
+        weights, ids = probs.topk(top_k, dim=-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if n_group > 1:
+            T, E = choice.shape
+            group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_scores)
+            keep.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1.0)
+            mask = keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+            choice = choice.masked_fill(mask == 0, 0.0)
+        ids = choice.topk(top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+    else:
+        raise ValueError(f"scoring: expected 'softmax' or 'sigmoid', got {scoring!r}")
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    return weights * routed_scaling, ids.to(torch.int32)
+
+
+def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
+    in fp32 -> x.dtype. x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, top_k]."""
+    T, H = x.shape
+    inter = w2.shape[-1]
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for e in topk_ids.unique().tolist():  # experts with no tokens cost nothing
+        rows, slots = (topk_ids == e).nonzero(as_tuple=True)
+        gate_up = xf[rows] @ w13[e].float().t()  # [n, 2I]
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, rows, (h @ w2[e].float().t()) * topk_weights[rows, slots, None].float())
+    return out.to(x.dtype)
