@@ -15,7 +15,9 @@
      elsewhere or report the error.
   5. Client cancels (stream closed) -> abort on the loop; if the read had not happened yet,
      the prefill worker is told to release. Every wait has the request's deadline.
-Without a PrefillResult (colocated / selective disaggregation) it prefills locally.
+Without a PrefillResult (colocated / selective disaggregation) it prefills locally; with
+resume_output_ids as well, it continues a stream whose decode worker died (the router's
+mid-stream continuation): those tokens count as output and only what follows is streamed.
 """
 from __future__ import annotations
 
@@ -110,6 +112,9 @@ class DecodeService:
             params = params_from_proto(req.params)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req.resume_output_ids and req.HasField("prefill"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "resume_output_ids: a continued stream runs locally, without prefill")
         q = loop.subscribe(rid)
         state = _StreamState(remote=req.HasField("prefill"))
         with self._lock:
@@ -159,8 +164,11 @@ class DecodeService:
         if params.n > 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n: the router fans n > 1 out")
         try:
+            # resume_output_ids: a stream continued after its decode worker died (the router
+            # sends the tokens the client already has; the engine treats them as output)
             self.rt.loop.call(lambda e: self.rt.metrics.track(e, arrival, e.add_request(
-                list(req.prompt_token_ids), params, request_id=req.request_id)))
+                list(req.prompt_token_ids), params, request_id=req.request_id,
+                resume_output_ids=list(req.resume_output_ids))))
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

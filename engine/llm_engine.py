@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.core.config import EngineConfig, SpecConfig, compat_payload
@@ -118,20 +119,55 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, hold_blocks: bool = False) -> list[str]:
-        """Queue a request; n > 1 becomes n sibling requests sharing the prompt's blocks."""
+                    request_id: str | None = None, hold_blocks: bool = False,
+                    resume_output_ids: Sequence[int] = ()) -> list[str]:
+        """Queue a request; n > 1 becomes n sibling requests sharing the prompt's blocks.
+
+        resume_output_ids: output tokens this completion already produced elsewhere (a
+        stream continued after its decode worker died). They become the request's first
+        output tokens, so it prefills prompt + them like a preempted request, max_tokens and
+        the penalties count them, a seeded sampler draws at their position on, and only the
+        tokens after them are reported, their text continuing the already-sent text."""
         ids = self.tokenize(prompt)
+        resume = self._check_resume(list(resume_output_ids), params)
+        params.check_vocab(self.config.model.vocab_size)  # logit_bias ids index the logits
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         reqs = [Request(r, ids, _sibling_params(params, i), parent_id=None if i == 0 else rids[0],
                         hold_blocks_on_finish=hold_blocks) for i, r in enumerate(rids)]
         for req in reqs:
-            self.scheduler.add_request(req)
+            for token in resume:  # before admission, so the scheduler's checks see them
+                req.append_token(token)
+            detok = None
             if self.tokenizer is not None:
-                self._detok[req.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, ids, params.stop)
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+                # their text was sent; keep held back what the stream held back
+                if detok.prime(resume):
+                    raise InvalidRequestError("resume_output_ids",
+                                              "their text already contains a stop string")
+            self.scheduler.add_request(req)
+            if detok is not None:
+                self._detok[req.request_id] = detok
+            if resume:
+                self._reported[req.request_id] = len(resume)
         self.stats.prompt_tokens += len(ids)
         return rids
+
+    def _check_resume(self, resume: list[int], params: SamplingParams) -> list[int]:
+        """Validate the already-generated tokens of a continued stream (names the field)."""
+        if not resume:
+            return resume
+        vocab = self.config.model.vocab_size
+        if params.n != 1:
+            raise InvalidRequestError("resume_output_ids", "a continued stream has n = 1")
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in resume):
+            raise InvalidRequestError("resume_output_ids",
+                                      f"token ids must be integers in [0, {vocab})")
+        if len(resume) >= params.max_tokens:
+            raise InvalidRequestError(
+                "resume_output_ids", f"{len(resume)} tokens already reach max_tokens "
+                                     f"({params.max_tokens}): nothing is left to generate")
+        return resume
 
     # -- disaggregation (decode role): a request whose prompt KV comes from a remote read --
     def add_remote_request(self, request_id: str, prompt_ids: list[int], first_token: int,
@@ -142,6 +178,7 @@ class LLMEngine:
         hidden: the prefill worker's last pre-norm hidden state (torch [H]); with MTP the
         first drafts come from it once the KV has arrived."""
         ids = self.tokenize(prompt_ids)
+        params.check_vocab(self.config.model.vocab_size)
         req = Request(request_id, ids, params)
         req.append_token(first_token)
         blocks = self.scheduler.add_remote_request(req)

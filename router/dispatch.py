@@ -9,6 +9,9 @@
               the pull succeeded, so a transfer failure can be retried on another P without
               the client ever seeing a token twice. `kv_transfer:` failures follow the
               request's policy: retry -> re-prefill elsewhere, fail -> a clear error.
+    continue  D fails on its side after output started: another D (never that incarnation)
+              runs the request locally from the tokens already sent (resume_output_ids), so
+              nothing is lost or repeated; same retry budget; no other D up -> an error.
 Every exit path frees what the request holds: a cancelled or failed attempt aborts the
 request on P (its held blocks) and cancels the Decode stream (D aborts on stream close).
 """
@@ -57,9 +60,9 @@ class Delta:
 class Retry(Exception):
     """This attempt failed on a worker's side; another worker may succeed."""
 
-    def __init__(self, reason: str, worker_id: str, detail: str) -> None:
+    def __init__(self, reason: str, worker_id: str, detail: str, incarnation: str = "") -> None:
         super().__init__(f"{reason} on {worker_id}: {detail}")
-        self.reason, self.worker_id = reason, worker_id
+        self.reason, self.worker_id, self.incarnation = reason, worker_id, incarnation
 
 
 class ChoiceRun:
@@ -76,7 +79,9 @@ class ChoiceRun:
         self.dispatched = 0.0
         self.first_msg_at: float | None = None  # the decode stream's first message
         self.last_emit: float | None = None
-        self.emitted_tokens = 0
+        self.sent_ids: list[int] = []  # tokens of this completion already sent to the client
+        self.continued = False  # a decode worker failed after output started
+        self.last_failure = ""
         self.waiting = False
 
     def remaining(self) -> float:
@@ -84,24 +89,44 @@ class ChoiceRun:
 
     # -- the retry loop ------------------------------------------------------------------
     async def run(self) -> None:
+        try:
+            await self._run_attempts()
+        except Exception:
+            if self.continued:
+                self.core.metrics.continuation("failed")
+            raise
+        if self.continued:
+            self.core.metrics.continuation("ok")
+
+    async def _run_attempts(self) -> None:
+        """Attempts until one finishes the completion: before output, a retry (another P
+        and D); after, a continuation on another D. Both spend the one retry budget."""
         budget, excluded = self.cfg.retry_budget, set()
+        dead: set[tuple[str, str]] = set()  # decode workers (id, incarnation) that failed it
         while True:
             try:
-                await self._attempt(excluded)
+                await self._attempt(excluded, dead)
                 return
             except Retry as e:
-                if self.emitted_tokens:
-                    raise WorkerUnavailable(f"{e}; output had started, cannot retry") from e
+                if e.reason == "decode" and self.sent_ids:  # never continue on it again
+                    dead.add((e.worker_id, e.incarnation))
+                self.continued |= bool(self.sent_ids)
+                self.last_failure = str(e)
                 if budget <= 0:
-                    raise WorkerUnavailable(
-                        f"request {self.rid} failed after {self.cfg.retry_budget} retries: {e}") from e
+                    started = "; output had started" if self.sent_ids else ""
+                    raise WorkerUnavailable(f"request {self.rid} failed after "
+                                            f"{self.cfg.retry_budget} retries: {e}{started}") from e
                 budget -= 1
                 excluded.add(e.worker_id)
                 self.core.metrics.retry(e.reason)
-                log.warning("retrying %s: %s", self.rid, e)
+                log.warning("%s %s after %d tokens: %s", "continuing" if self.sent_ids
+                            else "retrying", self.rid, len(self.sent_ids), e)
 
-    async def _attempt(self, excluded: set[str]) -> None:
-        p, d = await self._plan(excluded)
+    async def _attempt(self, excluded: set[str], dead: set[tuple[str, str]]) -> None:
+        if self.sent_ids:  # output started: only a D, which goes on from the sent tokens
+            p, d = None, await self._plan_continuation(dead)
+        else:
+            p, d = await self._plan(excluded)
         m = self.core.metrics
         m.running.labels(**m.labels).inc()
         try:
@@ -148,6 +173,29 @@ class ChoiceRun:
                     pass
         finally:
             self._set_waiting(False)
+
+    async def _plan_continuation(self, dead: set[tuple[str, str]]) -> WorkerState:
+        """Reserve a decode worker other than those that failed this stream; wait while the
+        others are up but full; fail at once when no other one is up."""
+        need = blocks_needed(len(self.prompt_ids) + len(self.sent_ids) + 1, self.cfg.block_size)
+        while True:
+            changed = self.pool.changed_event()
+            alive = [w for w in self.pool.by_role("decode", "colocated")
+                     if w.up and (w.worker_id, w.incarnation) not in dead]
+            if not alive:
+                raise WorkerUnavailable(f"{self.last_failure}; output had started and no other "
+                                        "decode worker is left to continue it")
+            d = self.core.decode_policy.choose([w for w in alive if w.usable], need)
+            if d is not None:
+                d.reserve(need)
+                return d
+            if self.remaining() <= 0:
+                raise RequestTimeout(f"request {self.rid}: no decode worker had room to "
+                                     "continue it before the deadline")
+            try:
+                await asyncio.wait_for(changed.wait(), min(0.5, max(0.01, self.remaining())))
+            except TimeoutError:
+                pass
 
     def _any_busy(self) -> bool:
         """Some decode worker is healthy but full: waiting will help."""
@@ -224,8 +272,10 @@ class ChoiceRun:
     # -- decode ------------------------------------------------------------------------------
     async def _decode(self, d: WorkerState, p: WorkerState | None,
                       prefill: pb.PrefillResult | None) -> None:
+        # resume_output_ids: set only when continuing a stream (then prefill is None)
         req = pb.DecodeRequest(request_id=self.rid, prompt_token_ids=self.prompt_ids,
-                               params=self.proto_params, timeout_s=max(0.001, self.remaining()))
+                               params=self.proto_params, timeout_s=max(0.001, self.remaining()),
+                               resume_output_ids=self.sent_ids)
         if prefill is not None:
             if not await self.pool.ensure_peer(p, d):
                 await self._abort(p)
@@ -259,7 +309,8 @@ class ChoiceRun:
             raise
         except grpc.aio.AioRpcError as e:
             await self._decode_failed(e, d, p, confirmed)
-        raise WorkerUnavailable(f"decode worker {d.worker_id} ended {self.rid} without a finish")
+        # a worker-side failure too: retried, or continued when output had started
+        raise Retry("decode", d.worker_id, f"ended {self.rid} without a finish", d.incarnation)
 
     def _decode_stages(self, st: pb.StageTimes, t0: float) -> None:
         """Fold D's report into router-observed intervals (so stages sum to e2e):
@@ -291,7 +342,7 @@ class ChoiceRun:
             d.peers.discard((p.worker_id, p.incarnation))  # re-introduce before the next try
             raise Retry("peer", p.worker_id, details) from e
         self.pool.report_failure(d, code)
-        raise Retry("decode", d.worker_id, f"{code.name}: {details}") from e
+        raise Retry("decode", d.worker_id, f"{code.name}: {details}", d.incarnation) from e
 
     async def _abort(self, w: WorkerState) -> None:
         """Best effort: free whatever `w` holds for this request (held blocks, a running prefill)."""
@@ -308,8 +359,9 @@ class ChoiceRun:
                for lp in msg.logprobs]
         delta = Delta(self.index, msg.text, list(msg.token_ids), lps, msg.finish_reason or None)
         if msg.finish_reason:
-            delta.completion_tokens = msg.usage.completion_tokens or self.emitted_tokens + len(msg.token_ids)
-            delta.cached_tokens = msg.usage.cached_tokens
+            delta.completion_tokens = msg.usage.completion_tokens or len(self.sent_ids) + len(msg.token_ids)
+            # a continuation's prefix-cache hits may cover sent tokens: count prompt ones only
+            delta.cached_tokens = min(msg.usage.cached_tokens, len(self.prompt_ids))
         self._emit(delta)
 
     def _emit(self, delta: Delta) -> None:
@@ -323,7 +375,7 @@ class ChoiceRun:
                 for _ in range(n):  # a multi-token (speculative) step: spread the gap
                     m.itl.labels(**m.labels).observe((now - self.last_emit) / n)
             self.last_emit = now
-            self.emitted_tokens += n
+            self.sent_ids += delta.token_ids
             m.generation_tokens.labels(**m.labels).inc(n)
         if delta.finish_reason:
             self._observe_finish(now)

@@ -22,6 +22,7 @@ RETRY_REASONS = ("prefill", "peer", "kv_transfer", "decode")
 FAILURE_CODES = ("internal", "overloaded", "draining", "worker_unavailable", "kv_transfer_failed",
                  "request_timeout", "invalid_request")
 FINISH_REASONS = ("stop", "length")
+CONTINUATION_RESULTS = ("ok", "failed")  # of streams continued after their decode worker failed
 
 
 @dataclass
@@ -59,6 +60,11 @@ class RouterMetrics:
                        for s in STAGES}
         self.retries = c("router_retries", "requests re-dispatched after a worker failure",
                          ("reason",))
+        self.continuations = c(
+            "stream_continuations", "streams whose decode worker failed after output started, "
+            "continued on another decode worker: ok = finished there, failed = ended with an "
+            "error (no other decode worker, retry budget spent, or that one failed too)",
+            ("result",))
         self.fallbacks = c("router_prefill_fallbacks",
                            "requests prefilled on the decode worker because no prefill worker was usable")
         self.success = c("request_success", "finished requests", ("finished_reason",))
@@ -90,6 +96,8 @@ class RouterMetrics:
             self.failures.labels(**lb, code=code)
         for reason in FINISH_REASONS:
             self.success.labels(**lb, finished_reason=reason)
+        for result in CONTINUATION_RESULTS:
+            self.continuations.labels(**lb, result=result)
 
     def observe_stages(self, st: StageTimes) -> None:
         for name in STAGES:
@@ -97,6 +105,9 @@ class RouterMetrics:
 
     def retry(self, reason: str) -> None:
         self.retries.labels(**self.labels, reason=reason).inc()
+
+    def continuation(self, result: str) -> None:
+        self.continuations.labels(**self.labels, result=result).inc()
 
     def finished(self, reason: str, prompt_tokens: int) -> None:
         self.success.labels(**self.labels, finished_reason=reason).inc()

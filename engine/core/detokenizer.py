@@ -66,6 +66,18 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         return self._release(self._held + self._decode_new(final=False), final=False)
 
+    def prime(self, token_ids: Sequence[int]) -> bool:
+        """Feed output tokens whose text was already emitted elsewhere (a stream continued
+        on another worker), discarding their text. One token at a time, as the engine feeds
+        a stream, so the state left behind (text held back as an incomplete character or a
+        possible stop-string start) is the uninterrupted run's: the next delta is exactly
+        what it would have emitted (`text` then includes the primed part). Returns True if
+        a stop string already matched."""
+        for token in token_ids:
+            if self.add([token]).stopped:
+                break
+        return self.stopped
+
     def flush(self) -> str:
         """At the end of generation: release held-back text (incomplete bytes included)."""
         if self.stopped:

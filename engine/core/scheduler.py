@@ -10,6 +10,10 @@ Plain Python, no torch. Each step:
 A scheduled request computes tokens all_token_ids[start : start + num_new_tokens] and
 samples iff that reaches its last token.
 
+A request admitted with output tokens already (a stream continued after its decode worker
+died) is scheduled like a preempted one: prompt + those outputs are prefilled (prefix cache
+permitting), then it samples its next token.
+
 n > 1: siblings (parent_id = leader's id) wait until the leader's prompt KV is computed and
 in the prefix cache, then hit its full blocks, so those are allocated once.
 
