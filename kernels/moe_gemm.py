@@ -1,0 +1,262 @@
+"""Grouped GEMMs of the MoE experts over kernels.moe_align's blocks (one expert per block).
+
+Program (b, n) reads block b of sorted_ids (block_m pair ids p = t * top_k + j, all routed
+to expert expert_ids[b]; padding rows hold N = T * top_k and are masked) and one BLOCK_N
+tile of output columns; blocks past the last expert (expert id -1) return at once, so experts
+that receive no tokens cost one early-exiting program per empty block slot, nothing per expert.
+
+gate_up: act[p, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, I + n]), two fp32 accumulators,
+         SiLU-and-mul in the epilogue, act [N, I] stored in x.dtype in pair order.
+down:    y[p, h] = topk_weights[p] * (act[p] . w2[e, h]) in fp32, then the top-k sum
+         out[t, h] = sum_j y[t * top_k + j, h], stored in x.dtype.
+
+The top-k sum is deterministic, not fp32 atomics: each program stores its weighted rows to an
+fp32 scratch [N, H] and bumps, per row, the arrival counter of (token, column tile); the
+program whose row is the token's top_k-th arrival adds the token's top_k rows in slot order
+j = 0..top_k-1 and stores out[t] once. atomic_add into an fp32 [T, H] buffer would add in
+arrival order, so the same batch could round differently from run to run (greedy outputs that
+change between identical requests, P/D replays that do not reproduce), and it needs a zero-fill
+and a final cast to x.dtype: two more launches than this. The cost is the scratch: N * H * 4
+bytes (kernels.fused_moe bounds it by running large batches in token chunks). The counters
+are zeroed by the alignment launch before (kernels.moe_align's `zero`), not reset here, so a
+token whose pairs never all arrive (an id outside [0, E), a caller error) cannot leave a
+counter that breaks a later launch. top_k = 1 stores out directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    check_launchable,
+    check_tensor,
+    dot_dtype,
+    dot_precision,
+    interpreting,
+    jit,
+    next_pow2,
+)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int  # rows per block (kernels.moe_align's block_m)
+    block_n_up: int  # columns of I per gate_up program (gate and up tiles each)
+    block_k_up: int  # steps over H
+    block_n_down: int  # columns of H per down program
+    block_k_down: int  # steps over I
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self) -> None:
+        sizes = (self.block_m, self.block_n_up, self.block_k_up, self.block_n_down,
+                 self.block_k_down)
+        if any(s < 16 or s & (s - 1) for s in sizes):
+            raise ValueError(f"config: tile sizes must be powers of 2 >= 16 (tl.dot), got {self}")
+
+
+def pick_moe_config(num_pairs: int, num_experts: int, H: int, I: int,
+                    elem_size: int = 2) -> MoeConfig:
+    """Decode (a few pairs per expert): 16-row blocks, the least padding tl.dot allows; prefill:
+    64-row blocks. GPU tiles after vLLM's fused_moe defaults (M <= E: 16 x 32/64 x 64-128), not
+    yet swept on the H200; fp32 halves the K step. The interpreter takes the biggest tiles that
+    the shapes use, so that it runs few programs."""
+    per_expert = num_pairs / max(1, num_experts)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    if interpreting():
+        up, down = min(64, max(16, next_pow2(I))), min(64, max(16, next_pow2(H)))
+        return MoeConfig(block_m, up, min(128, max(16, next_pow2(H))), down,
+                         min(128, max(16, next_pow2(I))))
+    k_step = 128 if elem_size <= 2 else 64
+    if block_m == 16:
+        return MoeConfig(16, 32, k_step, 64, k_step, num_warps=4, num_stages=4)
+    return MoeConfig(block_m, 64, k_step // 2, 128, k_step // 2, num_warps=8 if block_m == 64
+                     else 4, num_stages=3)
+
+
+@jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, N, H, I, stride_x,
+                    stride_we, stride_wn, stride_act, TOP_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.load(expert_ptr + b)
+    if e < 0:  # past the last expert's blocks
+        return
+    pairs = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < N
+    x_rows = x_ptr + (pairs // TOP_K)[:, None].to(tl.int64) * stride_x
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    w_gate = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    w_up = w_gate + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        a = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w_gate + offs_k[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(w_up + offs_k[None, :], mask=w_mask, other=0.0)
+        a = a.to(DOT_DTYPE)
+        acc_g += tl.dot(a, tl.trans(wg.to(DOT_DTYPE)), input_precision=PREC)
+        acc_u += tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), input_precision=PREC)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(act_ptr + pairs[:, None].to(tl.int64) * stride_act + offs_n[None, :], act,
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@jit
+def _down_kernel(act_ptr, w_ptr, wts_ptr, out_ptr, part_ptr, count_ptr, sorted_ptr, expert_ptr,
+                 N, H, I, stride_act, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.load(expert_ptr + b)
+    if e < 0:
+        return
+    n = tl.program_id(1)
+    pairs = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < N
+    a_rows = act_ptr + pairs[:, None].to(tl.int64) * stride_act
+    offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        a = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PREC)
+    acc = acc * tl.load(wts_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tok = (pairs // TOP_K).to(tl.int64)
+    if TOP_K == 1:
+        tl.store(out_ptr + tok[:, None] * stride_out + offs_n[None, :], acc,
+                 mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        _sum_top_k(acc, part_ptr, count_ptr, out_ptr, pairs, row_ok, tok, offs_n, n_ok, n, H,
+                   stride_out, TOP_K)
+
+
+@jit
+def _sum_top_k(acc, part_ptr, count_ptr, out_ptr, pairs, row_ok, tok, offs_n, n_ok, n, H,
+               stride_out, TOP_K: tl.constexpr):
+    """Store this block's weighted rows to the fp32 scratch [N, H]; for each token whose last
+    pair this was, out[t] = the sum of its TOP_K rows in slot order (see the module docstring)."""
+    tl.store(part_ptr + pairs[:, None].to(tl.int64) * H + offs_n[None, :], acc,
+             mask=row_ok[:, None] & n_ok[None, :])
+    tl.debug_barrier()  # every thread's rows stored before the releases below
+    # counters [T, column tiles]; each row's old count (rows of one token add one each)
+    tiles = tl.num_programs(1)
+    seen = tl.atomic_add(count_ptr + tok * tiles + n, 1, mask=row_ok, sem="acq_rel")
+    last = row_ok & (seen == TOP_K - 1)
+    tl.debug_barrier()  # the acquiring threads' view before any thread reads the rows
+    mask = last[:, None] & n_ok[None, :]
+    total = tl.zeros_like(acc)
+    for j in tl.static_range(TOP_K):
+        rows = (tok * TOP_K + j)[:, None] * H + offs_n[None, :]
+        total += tl.load(part_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + tok[:, None] * stride_out + offs_n[None, :], total, mask=mask)
+
+
+def _check_blocks(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, cfg: MoeConfig,
+                  device: torch.device) -> None:
+    check_tensor("expert_ids", expert_ids, ndim=1, dtypes=(torch.int32,), device=device)
+    check_tensor("sorted_ids", sorted_ids, shape=(expert_ids.numel() * cfg.block_m,),
+                 dtypes=(torch.int32,), device=device)
+    for name, t in (("sorted_ids", sorted_ids), ("expert_ids", expert_ids)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous, strides {t.stride()}")
+
+
+def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
+                expert_ids: torch.Tensor, top_k: int, config: MoeConfig) -> torch.Tensor:
+    """act [T * top_k, I] (x.dtype, pair order) = silu(x[t] @ gate_e.T) * (x[t] @ up_e.T) for
+    x [T, H] (rows may be strided) and w13 [E, 2I, H] (gate rows over up rows), over the
+    blocks of kernels.moe_align(topk_ids, E, config.block_m). One kernel launch."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_launchable("x", x)
+    check_tensor("w13", w13, shape=(None, None, x.shape[1]), dtypes=(x.dtype,), device=x.device,
+                 last_contiguous=True)
+    if w13.shape[1] % 2:
+        raise ValueError(f"w13: {w13.shape[1]} rows per expert; expected [gate | up], 2 * I")
+    if top_k < 1:
+        raise ValueError(f"top_k: must be >= 1, got {top_k}")
+    config.check()
+    _check_blocks(sorted_ids, expert_ids, config, x.device)
+    T, H = x.shape
+    inter = w13.shape[1] // 2
+    act = torch.empty((T * top_k, inter), dtype=x.dtype, device=x.device)
+    if T == 0 or expert_ids.numel() == 0:
+        return act
+    grid = (expert_ids.numel(), triton.cdiv(inter, config.block_n_up))
+    _gate_up_kernel[grid](
+        x, w13, act, sorted_ids, expert_ids, T * top_k, H, inter, x.stride(0), w13.stride(0),
+        w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n_up, BLOCK_K=config.block_k_up, PREC=dot_precision(x.dtype),
+        DOT_DTYPE=dot_dtype(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+    return act
+
+
+def down_counters(num_tokens: int, H: int, config: MoeConfig) -> int:
+    """int32 arrival counters moe_down needs zeroed: one per (token, column tile)."""
+    return num_tokens * triton.cdiv(H, config.block_n_down)
+
+
+def _check_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                out: torch.Tensor | None, counters: torch.Tensor | None, cfg: MoeConfig) -> None:
+    check_tensor("act", act, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_launchable("act", act)
+    check_tensor("w2", w2, shape=(None, None, act.shape[1]), dtypes=(act.dtype,),
+                 device=act.device, last_contiguous=True)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=act.device)
+    T, top_k = topk_weights.shape
+    if not topk_weights.is_contiguous() or top_k < 1 or T * top_k != act.shape[0]:
+        raise ValueError(f"topk_weights: expected a contiguous [T, top_k] with T * top_k = "
+                         f"{act.shape[0]} (act's rows), got {tuple(topk_weights.shape)}")
+    if out is not None:
+        check_tensor("out", out, shape=(T, w2.shape[1]), dtypes=(act.dtype,), device=act.device,
+                     last_contiguous=True)
+    if counters is not None:
+        check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,), device=act.device)
+        if counters.numel() < down_counters(T, w2.shape[1], cfg) or not counters.is_contiguous():
+            raise ValueError(f"counters: {counters.numel()} elements; need a contiguous "
+                             f"{down_counters(T, w2.shape[1], cfg)}")
+
+
+def moe_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             sorted_ids: torch.Tensor, expert_ids: torch.Tensor, config: MoeConfig,
+             out: torch.Tensor | None = None, counters: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """out [T, H] = sum_j topk_weights[t, j] * (act[t * top_k + j] @ w2[e].T) in fp32, stored
+    in act.dtype, for act [T * top_k, I] (moe_gate_up's), w2 [E, H, I], topk_weights
+    [T, top_k] (contiguous, any float dtype). out: where to write (rows contiguous), default
+    new. counters: down_counters(T, H, config) zeroed int32s (kernels.moe_align zeroes them
+    in its launch); default a torch.zeros (one more launch). One kernel launch."""
+    _check_down(act, w2, topk_weights, out, counters, config)
+    config.check()
+    _check_blocks(sorted_ids, expert_ids, config, act.device)
+    (T, top_k), (_, H, inter) = topk_weights.shape, w2.shape
+    if out is None:
+        out = torch.empty((T, H), dtype=act.dtype, device=act.device)
+    if T == 0 or expert_ids.numel() == 0:
+        return out
+    part = count = out  # unused with top_k = 1
+    if top_k > 1:
+        part = torch.empty((T * top_k, H), dtype=torch.float32, device=act.device)
+        count = counters if counters is not None else torch.zeros(
+            down_counters(T, H, config), dtype=torch.int32, device=act.device)
+    grid = (expert_ids.numel(), triton.cdiv(H, config.block_n_down))
+    _down_kernel[grid](
+        act, w2, topk_weights, out, part, count, sorted_ids, expert_ids, T * top_k, H, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down,
+        PREC=dot_precision(act.dtype), DOT_DTYPE=dot_dtype(act.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out

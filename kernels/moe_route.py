@@ -1,0 +1,313 @@
+"""MoE router in one kernel: router GEMV, scoring, correction bias, group-limited top-k,
+renormalisation and scaling (kernels.reference.moe_route_ref is the contract).
+
+Unfused, the router of a decode step is ~10 small torch kernels (GEMV, softmax or sigmoid,
+add, view/topk per group, scatter, masked_fill, topk, gather, sum, div, mul). Here program
+(b, s) computes logits [BLOCK_T, BLOCK_E] = x[b-th block of BLOCK_T rows] @ router_weight[s-th
+slice of BLOCK_E experts].T in fp32, on the CUDA cores (the default: fp32 products summed
+once after the K loop, as kernels.gemv's batch-1 kernel) or the tensor cores (tl.dot, rows
+padded to 16). With one slice (the interpreter's default) it then scores and selects in
+registers. With SPLITS > 1 slices (on a GPU: 2-8 experts per program, so that even a batch-1
+router reads its weight from dozens of SMs) each program stores its slice to fp32 scratch
+and the last program of the row block to arrive (arrival counter, as kernels.gemv's split-K)
+selects over all E experts. Every program arrives unconditionally, so the shared counters
+return to zero after each launch.
+
+Selection, per row, on [BLOCK_T, E_P] tiles (E_P = E rounded up to a power of two; padding
+lanes never win):
+  softmax: p = softmax(logits); weights and choice are p.
+  sigmoid: s = sigmoid(logits); choice = s + correction_bias; with n_group > 1 a group scores
+           the sum of its best two choices, the topk_group best groups are kept and every
+           other expert's choice is 0.0 (as transformers' GLM-4.5 / DeepSeek-V3 routers and
+           the reference do: a kept expert whose biased score is negative can lose to it);
+           weights are s (no bias).
+  top-k by iterative max; weights / (sum + 1e-20 for sigmoid) if renormalize; * routed_scaling.
+Ties: the lowest index wins, among experts and among groups alike (torch.topk leaves tie order
+unspecified; the tests use random data without ties). NaN choices count as -inf, so the ids
+are always valid experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    arrival_counters,
+    check_launchable,
+    check_tensor,
+    dot_dtype,
+    interpreting,
+    jit,
+    next_pow2,
+    scratch_fp32,
+)
+
+MAX_EXPERTS = 512  # selection holds [16, E_P] fp32 tiles in registers
+MAX_TOP_K = 16
+SCORINGS = ("softmax", "sigmoid")
+_BIG = tl.constexpr(2147483647)  # "no index": above every expert id
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    block_t: int  # token rows per program (a power of 2; >= 16 with tensor cores)
+    block_e: int  # experts per program (a power of 2 dividing E_P; >= 16 with tensor cores)
+    block_k: int  # hidden columns per step of the router GEMV (a power of 2 >= 16)
+    num_warps: int = 4
+    # the GEMV on the tensor cores (tl.dot; fp32 operands as "tf32x3" on a GPU, ~fp32
+    # accuracy) or on the CUDA cores ([block_t, block_e, block_k] fp32 products summed once
+    # after the loop, as kernels.gemv's batch-1 kernel)
+    tensor_cores: bool = False
+
+
+def pick_route_config(T: int, E: int, H: int) -> RouteConfig:
+    """The GEMV on the CUDA cores, 2-8 experts per program so that even a batch-1 router reads
+    its weight from 32-128 SMs. From an H200 sweep over Qwen3-30B-A3B, GLM-4.5-Air and
+    DeepSeek-V3 router shapes (E 128-256, H 2048-7168, fp32 weight, bf16 x; CUDA-graph
+    replays): batch 1 6.6 / 7.3 / 13.5 us, batch 64 9.2 / 12.4 / 31 us, batch 256 20 / 30 /
+    87 us. The tensor-core tiles (16 x 16, fp32 operands as tf32x3) took 28-45 us at every
+    batch up to 256 (too few programs, each reading a 16-expert slice for 16 rows).
+    The interpreter takes 16 rows and all experts per program (it runs programs one by one)."""
+    e_p = max(16, next_pow2(E))
+    if interpreting():
+        return RouteConfig(16, e_p, min(32, max(16, next_pow2(H))))
+    block_k = min(512, max(16, next_pow2(H)))
+    if T <= 4:
+        return RouteConfig(next_pow2(T), min(2, e_p), block_k)
+    if T <= 64:
+        return RouteConfig(8, min(4, e_p), block_k)
+    return RouteConfig(8, min(8, e_p), min(256, block_k))
+
+
+@jit
+def _logits_dot(x_rows, w_rows, row_ok, e_ok, H, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """Router logits [BLOCK_T, BLOCK_E] on the tensor cores. fp32 router: the products of
+    bf16 inputs are exact in fp32; DOT_DTYPE is fp32 whenever x and the weight differ in
+    dtype or either is fp32 (then PREC "tf32x3" on a GPU, "ieee" in the interpreter)."""
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PREC)
+    return acc
+
+
+@jit
+def _logits_fma(x_rows, w_rows, row_ok, e_ok, H, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The same on the CUDA cores: fp32 products [BLOCK_T, BLOCK_E, BLOCK_K] accumulated per
+    lane and reduced once after the loop (no cross-lane sums inside it), as kernels.gemv."""
+    acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return tl.sum(acc, axis=2)
+
+
+@jit
+def _group_keep(choice, e, E, group_size, n_group, topk_group, BLOCK_T: tl.constexpr,
+                E_P: tl.constexpr, NG_P: tl.constexpr):
+    """[BLOCK_T, E_P] bool: the experts of each row's topk_group best groups, a group scoring
+    the sum of its best two choices (lowest index first on ties)."""
+    grp = e // group_size
+    gidx = tl.arange(0, NG_P)
+    in_e = (e < E)[None, :]
+    gscore = tl.full([BLOCK_T, NG_P], float("-inf"), tl.float32)
+    for g in range(n_group):
+        member = in_e & (grp == g)[None, :]
+        m1 = tl.max(tl.where(member, choice, float("-inf")), axis=1)
+        i1 = tl.min(tl.where(member & (choice == m1[:, None]), e[None, :], _BIG), axis=1)
+        m2 = tl.max(tl.where(member & (e[None, :] != i1[:, None]), choice, float("-inf")), axis=1)
+        gscore = tl.where(gidx[None, :] == g, (m1 + m2)[:, None], gscore)
+    avail = tl.broadcast_to((gidx < n_group)[None, :], [BLOCK_T, NG_P])
+    keep = tl.zeros([BLOCK_T, E_P], tl.int1)
+    for _ in range(topk_group):
+        gm = tl.max(tl.where(avail, gscore, float("-inf")), axis=1)
+        gi = tl.min(tl.where(avail & (gscore == gm[:, None]), gidx[None, :], _BIG), axis=1)
+        keep = keep | (grp[None, :] == gi[:, None])
+        avail = avail & (gidx[None, :] != gi[:, None])
+    return keep
+
+
+@jit
+def _topk(choice, weight_src, e, E, BLOCK_T: tl.constexpr, E_P: tl.constexpr,
+          TOP_K: tl.constexpr, K_P: tl.constexpr):
+    """Iterative max over choice [BLOCK_T, E_P] (lowest index on ties): ids [BLOCK_T, K_P]
+    int32 and the weight_src values at them, fp32; columns >= TOP_K are 0."""
+    avail = tl.broadcast_to((e < E)[None, :], [BLOCK_T, E_P])
+    kk = tl.arange(0, K_P)[None, :]
+    wts = tl.zeros([BLOCK_T, K_P], tl.float32)
+    ids = tl.zeros([BLOCK_T, K_P], tl.int32)
+    for i in tl.static_range(TOP_K):
+        m = tl.max(tl.where(avail, choice, float("-inf")), axis=1)
+        idx = tl.min(tl.where(avail & (choice == m[:, None]), e[None, :], _BIG), axis=1)
+        hit = e[None, :] == idx[:, None]
+        w = tl.sum(tl.where(hit, weight_src, 0.0), axis=1)
+        wts = tl.where(kk == i, w[:, None], wts)
+        ids = tl.where(kk == i, idx[:, None], ids)
+        avail = avail & ~hit
+    return wts, ids
+
+
+@jit
+def _select_store(logits, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size, n_group,
+                  topk_group, scaling, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  GROUPED: tl.constexpr, RENORM: tl.constexpr, TOP_K: tl.constexpr,
+                  K_P: tl.constexpr, NG_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                  E_P: tl.constexpr):
+    """Score logits [BLOCK_T, E_P], select top-k, store weights fp32 / ids int32 [T, TOP_K]."""
+    e = tl.arange(0, E_P)
+    e_ok = (e < E)[None, :]
+    if SIGMOID:
+        weight_src = tl.where(e_ok, tl.sigmoid(tl.where(e_ok, logits, 0.0)), 0.0)
+        choice = weight_src
+        if HAS_BIAS:
+            choice += tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
+        choice = tl.where(choice != choice, float("-inf"), choice)  # NaN: never chosen first
+        if GROUPED:
+            choice = tl.where(_group_keep(choice, e, E, group_size, n_group, topk_group,
+                                          BLOCK_T, E_P, NG_P), choice, 0.0)
+    else:
+        z = tl.where(e_ok, logits, float("-inf"))
+        p = tl.exp(z - tl.max(z, axis=1)[:, None])
+        weight_src = p / tl.sum(p, axis=1)[:, None]
+        choice = tl.where(weight_src != weight_src, float("-inf"), weight_src)
+    wts, ids = _topk(choice, weight_src, e, E, BLOCK_T, E_P, TOP_K, K_P)
+    if RENORM:
+        denom = tl.sum(wts, axis=1)[:, None]
+        if SIGMOID:  # as the reference (and transformers' sigmoid routers)
+            denom += 1e-20
+        wts = wts / denom
+    wts = wts * scaling
+    kk = tl.arange(0, K_P)
+    out = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
+    mask = row_ok[:, None] & (kk < TOP_K)[None, :]
+    tl.store(wts_ptr + out, wts, mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
+
+
+@jit
+def _route_kernel(x_ptr, w_ptr, bias_ptr, wts_ptr, ids_ptr, part_ptr, count_ptr, T, E, H,
+                  stride_x, stride_w, group_size, n_group, topk_group, scaling,
+                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+                  RENORM: tl.constexpr, TOP_K: tl.constexpr, K_P: tl.constexpr,
+                  NG_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  E_P: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr):
+    tb = tl.program_id(0)
+    s = tl.program_id(1)
+    rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    es = s * BLOCK_E + tl.arange(0, BLOCK_E)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
+    w_rows = w_ptr + es[:, None].to(tl.int64) * stride_w
+    if USE_DOT:
+        logits = _logits_dot(x_rows, w_rows, row_ok, es < E, H, BLOCK_T, BLOCK_E, BLOCK_K,
+                             DOT_DTYPE, PREC)
+    else:
+        logits = _logits_fma(x_rows, w_rows, row_ok, es < E, H, BLOCK_T, BLOCK_E, BLOCK_K)
+    if SPLITS == 1:
+        _select_store(logits, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size, n_group,
+                      topk_group, scaling, SIGMOID, HAS_BIAS, GROUPED, RENORM, TOP_K, K_P, NG_P,
+                      BLOCK_T, E_P)
+    else:
+        # scratch [row blocks * BLOCK_T, E_P] fp32: this slice's columns of this row block
+        base = part_ptr + rows[:, None].to(tl.int64) * E_P
+        tl.store(base + es[None, :], logits)
+        tl.debug_barrier()  # every thread's logits stored before the release below
+        if tl.atomic_add(count_ptr + tb, 1, sem="acq_rel") == SPLITS - 1:
+            tl.store(count_ptr + tb, 0)  # all slices arrived: reset for the next launch
+            full = tl.load(base + tl.arange(0, E_P)[None, :], cache_modifier=".cg")
+            _select_store(full, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size,
+                          n_group, topk_group, scaling, SIGMOID, HAS_BIAS, GROUPED, RENORM,
+                          TOP_K, K_P, NG_P, BLOCK_T, E_P)
+
+
+def _check_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring: str,
+                 correction_bias: torch.Tensor | None, n_group: int, topk_group: int) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_launchable("x", x)
+    check_tensor("router_weight", router_weight, shape=(None, x.shape[1]), dtypes=FLOAT_DTYPES,
+                 device=x.device, last_contiguous=True)
+    E = router_weight.shape[0]
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"router_weight: {E} experts; moe_route takes 1..{MAX_EXPERTS}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring: expected 'softmax' or 'sigmoid', got {scoring!r}")
+    if not 1 <= top_k <= min(E, MAX_TOP_K):
+        raise ValueError(f"top_k: {top_k} not in 1..{min(E, MAX_TOP_K)} ({E} experts)")
+    if correction_bias is not None:
+        if scoring != "sigmoid":
+            raise ValueError("correction_bias: only used with scoring 'sigmoid'")
+        check_tensor("correction_bias", correction_bias, shape=(E,), dtypes=FLOAT_DTYPES,
+                     device=x.device, last_contiguous=True)
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"n_group: {n_group} does not divide the {E} experts into groups")
+    if n_group > 1:
+        if scoring != "sigmoid":
+            raise ValueError("n_group: group-limited routing is only used with scoring 'sigmoid'")
+        if E // n_group < 2:
+            raise ValueError(f"n_group: groups of {E // n_group} expert; a group scores its best two")
+        if not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+            raise ValueError(f"topk_group: {topk_group} groups of {E // n_group} experts cannot "
+                             f"hold top_k = {top_k} (1..n_group = {n_group} groups)")
+
+
+def _check_route_config(cfg: RouteConfig, e_p: int) -> None:
+    low = 16 if cfg.tensor_cores else 1
+    sizes_ok = all(v >= lo and v & (v - 1) == 0 for v, lo in
+                   ((cfg.block_t, low), (cfg.block_e, low), (cfg.block_k, 16)))
+    if not sizes_ok or cfg.block_e > e_p or cfg.block_t > 64:
+        raise ValueError(f"config: block_t (<= 64), block_e (<= {e_p}) and block_k must be "
+                         f"powers of 2, >= 16 with tensor cores (block_k always), got {cfg}")
+
+
+def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring: str = "softmax",
+              correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+              renormalize: bool = True, routed_scaling: float = 1.0,
+              config: RouteConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (rows may be strided), router_weight [E, H] (any float dtype; fp32 math) ->
+    (topk_weights [T, top_k] float32, topk_ids [T, top_k] int32), both new contiguous tensors,
+    each row in descending order of choice, as kernels.reference.moe_route_ref computes them.
+    correction_bias [E] and n_group > 1 (then topk_group) are for scoring "sigmoid" only.
+    One kernel launch; no host synchronisation (CUDA-graph safe once warmed up: the split
+    path's scratch and counters are allocated on the first launch)."""
+    _check_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group)
+    T, H = x.shape
+    E = router_weight.shape[0]
+    wts = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    if T == 0:
+        return wts, ids
+    cfg = config or pick_route_config(T, E, H)
+    e_p = max(16, next_pow2(E))
+    _check_route_config(cfg, e_p)
+    splits, row_blocks = e_p // cfg.block_e, triton.cdiv(T, cfg.block_t)
+    part, count = wts, wts  # unused with one slice
+    if splits > 1:
+        part = scratch_fp32(x.device, row_blocks * cfg.block_t * e_p)
+        count = arrival_counters(x.device, row_blocks)
+    same = x.dtype == router_weight.dtype and x.dtype != torch.float32
+    dot = dot_dtype(x.dtype) if same else tl.float32
+    bias = correction_bias if correction_bias is not None else wts
+    _route_kernel[(row_blocks, splits)](
+        x, router_weight, bias, wts, ids, part, count, T, E, H, x.stride(0),
+        router_weight.stride(0), E // n_group, n_group, topk_group, float(routed_scaling),
+        SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+        GROUPED=n_group > 1, RENORM=bool(renormalize), TOP_K=top_k,
+        K_P=max(2, next_pow2(top_k)), NG_P=max(2, next_pow2(n_group)), BLOCK_T=cfg.block_t,
+        BLOCK_E=cfg.block_e, E_P=e_p, BLOCK_K=cfg.block_k, SPLITS=splits,
+        DOT_DTYPE=dot, PREC="tf32x3" if dot == tl.float32 and not interpreting() else "ieee",
+        USE_DOT=cfg.tensor_cores,
+        num_warps=cfg.num_warps)
+    return wts, ids
