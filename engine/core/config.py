@@ -30,41 +30,103 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+ARCHS = ("llama", "qwen3", "qwen2", "mimo", "qwen3_moe", "glm4_moe")
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts MLP of Qwen3-MoE (softmax routing) and GLM-4.5 (sigmoid routing,
+    correction bias, expert groups, a shared expert, dense first layers). Routing follows
+    kernels/reference.py moe_route_ref, whose arguments these fields are."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert (HF moe_intermediate_size)
+    scoring: str = "softmax"  # "softmax" (Qwen3-MoE) | "sigmoid" (GLM-4.5, DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    correction_bias: bool = False  # e_score_correction_bias [E]: added for the choice only
+    n_group: int = 1  # experts fall into n_group groups; only the topk_group best are eligible
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0  # one SwiGLU MLP of intermediate_size * num_shared_experts
+    dense_layers: tuple[int, ...] = ()  # decoder layers with the dense MLP instead (GLM's
+    # first_k_dense_replace, Qwen3-MoE's mlp_only_layers / decoder_sparse_step)
+
+    def __post_init__(self) -> None:
+        _require(self.num_experts > 0, "num_experts", "must be > 0")
+        _require(0 < self.top_k <= self.num_experts, "num_experts_per_tok",
+                 f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        _require(self.intermediate_size > 0, "moe_intermediate_size", "must be > 0")
+        _require(self.scoring in SCORINGS, "scoring_func",
+                 f"{self.scoring!r} is not supported {SCORINGS}")
+        _require(self.n_group > 0 and self.num_experts % self.n_group == 0, "n_group",
+                 f"{self.n_group} does not divide num_experts={self.num_experts}")
+        _require(0 < self.topk_group <= self.n_group, "topk_group",
+                 f"must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        eligible = self.topk_group * (self.num_experts // self.n_group)
+        _require(self.top_k <= eligible, "topk_group",
+                 f"{self.topk_group} groups hold {eligible} experts, fewer than top_k={self.top_k}")
+        _require(self.n_group == 1 or self.scoring == "sigmoid", "n_group",
+                 "expert groups need sigmoid scoring")
+        _require(self.n_group == 1 or self.num_experts // self.n_group >= 2, "n_group",
+                 "a group scores its best two experts, so it needs at least two")
+        _require(self.num_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (or MTP layer num_layers + i) routes to experts."""
+        return layer not in self.dense_layers
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family / Qwen3 dense decoder (+ optional MTP layers)."""
+    """Shape of a decoder (+ optional MTP layers): Llama / Qwen3 / Qwen2 / MiMo dense, Qwen3-MoE
+    and GLM-4.5 mixture of experts. The decoder picks its per-layer parts from these fields
+    (engine/model/decoder.py); engine/model/families.py fills them from config.json."""
 
-    arch: str  # "llama" | "qwen3"
+    arch: str  # one of ARCHS
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's (MoE models: their dense layers')
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm: bool = False  # Qwen3, GLM-4.5 (use_qk_norm): RMSNorm over head_dim on q and k
     max_position_embeddings: int = 4096
     num_mtp_layers: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False  # Qwen2, MiMo, GLM-4.5: biases on q, k and v (not o)
+    partial_rotary_factor: float = 1.0  # GLM-4.5: RoPE on the first half of each head only
+    moe: MoEConfig | None = None  # None: every layer has the dense SwiGLU MLP
 
     def __post_init__(self) -> None:
-        _require(self.arch in ("llama", "qwen3"), "arch", f"unknown architecture {self.arch!r}")
+        _require(self.arch in ARCHS, "arch", f"unknown architecture {self.arch!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "intermediate_size", "max_position_embeddings"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
                  f"num_heads {self.num_heads} is not a multiple of {self.num_kv_heads}")
         _require(self.num_mtp_layers >= 0, "num_mtp_layers", "must be >= 0")
+        rot = self.head_dim * self.partial_rotary_factor
+        _require(0 < self.partial_rotary_factor <= 1 and rot == int(rot) and int(rot) % 2 == 0,
+                 "partial_rotary_factor", f"{self.partial_rotary_factor} of head_dim "
+                 f"{self.head_dim} is not an even number of dimensions")
 
     @property
     def num_kv_layers(self) -> int:
         """Layers that own a KV cache: the decoder's plus the MTP layers' (one block holds all)."""
         return self.num_layers + self.num_mtp_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dimensions of each q/k head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,11 @@
-"""The decoder: Llama family (SmolLM2, Llama 3) and Qwen3 in one file, read top to bottom.
+"""The decoder: Llama (SmolLM2, Llama 3), Qwen3, Qwen2 / MiMo, Qwen3-MoE and GLM-4.5 in one
+file, read top to bottom.
+
+The families differ only in per-layer parts, picked once at build time from the ModelConfig
+(engine/model/families.py reads those fields from config.json): the attention's q/k/v biases
+(Qwen2, MiMo, GLM), QK-norm (Qwen3, GLM's use_qk_norm) and partial rotary (GLM: RoPE on the
+first half of each head), and the MLP: dense SwiGLU or a mixture of experts, with GLM's shared
+expert and dense first layers (engine/model/moe.py make_mlp).
 
 Tokens arrive as one flat varlen batch [T] (no padding, see engine/model/attention.py); every layer
 writes its new K/V into the paged cache and attends over each sequence's blocks. The only
@@ -14,9 +21,9 @@ attention kernel: 5 kernels.
 Nothing in that path reads device values on the host, so it can be captured in a CUDA graph
 (engine/exec/cuda_graphs.py).
 
-Parameter names follow Hugging Face's Llama/Qwen3 modules (minus the `model.` prefix), except
-that q/k/v and gate/up are merged into qkv_proj and gate_up_proj (one matmul each);
-engine/model/weights.py maps checkpoints onto them.
+Parameter names follow Hugging Face's modules (minus the `model.` prefix), except that q/k/v
+and gate/up are merged into qkv_proj and gate_up_proj (one matmul each) and the experts are
+stacked (moe.py); engine/model/weights.py maps checkpoints onto them.
 """
 from __future__ import annotations
 
@@ -36,10 +43,13 @@ from pdserve.engine.model.layers import (
     fused_attention,
     fused_kernels,
 )
+from pdserve.engine.model.moe import make_mlp
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV cache; Qwen3 adds RMSNorm on q and k per head."""
+    """GQA self-attention over the paged KV cache. Variants, from the config: biases on q/k/v
+    (attention_bias), RMSNorm on q and k per head (qk_norm), RoPE on the first rotary_dim
+    dims of each head only (partial_rotary_factor < 1)."""
 
     def __init__(self, cfg: ModelConfig, kv_layer: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -48,12 +58,16 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.fused = False  # one Triton kernel for QK-norm + RoPE + KV write
+        # the prologue kernels rotate whole heads; partial rotary keeps the torch RoPE (the
+        # backend's kernels still write the cache and attend)
+        self.prologue_kernel = cfg.rotary_dim == cfg.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -71,7 +85,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         # this layer's views [num_blocks, block_size, Hkv, D] of the all-layers cache
         k_cache, v_cache = kv_cache[:, self.kv_layer, 0], kv_cache[:, self.kv_layer, 1]
-        if self.fused:  # q/k/v stay strided views of the qkv output; rotated k goes to the cache
+        if self.fused and self.prologue_kernel:  # q/k/v: strided views of qkv; rotated k -> cache
             kern = fused_kernels()
             prologue = kern.Prologue(
                 k, v, cos, sin, meta.slot_mapping,
@@ -100,7 +114,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, kv_layer, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = make_mlp(cfg, kv_layer)  # dense SwiGLU or MoE (moe.py)
         self.fused = False  # decode-sized batches: 4 prologue-fused GEMV kernels (kernels.gemv)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
@@ -118,22 +132,27 @@ class DecoderLayer(nn.Module):
 
     def _forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, meta: AttentionMetadata,
-                      kv_cache: torch.Tensor) -> tuple[torch.Tensor, None]:
+                      kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same layer through kernels.gemv for 1..GEMV_ROWS rows (batch-1 decode, MTP
         verify of a few drafts). 5 kernels at batch 1: each norm rides in the next projection's
         prologue, SiLU-and-mul in down_proj's, both residual adds in the epilogues of o_proj
         and down_proj, and QK-norm + RoPE + the KV write in the attention kernel. Returns (the
         residual stream after the layer, None): the adds are done, so the next layer (or final
-        norm) takes x alone."""
+        norm) takes x alone. A MoE layer returns (its MLP output, residual) instead: its
+        experts run after their own norm, as in forward."""
         gemv = fused_kernels().gemv
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv, h = gemv(x, attn.qkv_proj.weight, "norm", residual, ln1.weight, ln1.eps)
+        if attn.qkv_proj.bias is not None:  # Qwen2 / GLM: one add kernel more
+            qkv = qkv + attn.qkv_proj.bias
         o = attn.attend_qkv(qkv, cos, sin, meta, kv_cache)
         # o_proj's programs ask L2 for its weight while the (latency-bound) attention runs:
         # batch-1 step 5.66-5.70 -> 5.49-5.57 ms on an H100; the attention kernel asking for
         # it instead was slower (bench/results/diag_decode_h100_2026-11-24_prefetch*.json)
         h = gemv(o, attn.o_proj.weight, add=h, prefetch=True)
+        if not isinstance(mlp, SwiGLUMLP):
+            return mlp(ln2(h)), h
         gate_up, _ = gemv(h, mlp.gate_up_proj.weight, "norm", None, ln2.weight, ln2.eps)
         return gemv(gate_up, mlp.down_proj.weight, "silu", add=h), None
 
@@ -144,7 +163,7 @@ class Model(nn.Module):
         self.config = config
         self.backend = backend if backend is not None else TorchAttentionBackend()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -159,7 +159,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D/2]: pairs are (i, i + D/2), not adjacent lanes."""
+    """x [T, H, D] rotated by cos/sin [T, R/2] over its first R dims: pairs are (i, i + R/2),
+    not adjacent lanes. R = D except with partial rotary (GLM-4.5: R = D/2), where dims R..D
+    pass through unchanged, as in transformers' Glm4Moe."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     dtype = x.dtype
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]

@@ -20,7 +20,9 @@ from tqdm import tqdm
 from pdserve.engine.core.config import ConfigError, ModelConfig, RopeScaling
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
-from pdserve.engine.model.mtp_names import hf_num_mtp_layers, mtp_checkpoint_name
+from pdserve.engine.model.families import hf_model_config
+from pdserve.engine.model.moe import cast_model
+from pdserve.engine.model.mtp_names import mtp_checkpoint_name
 from pdserve.engine.model.presets import param_count
 
 BIG_MODEL_PARAMS = 1_000_000_000  # show progress bars from this size on
@@ -44,7 +46,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
     """An uninitialised Model allocated once in `dtype` on `device` (built on meta first)."""
     with torch.device("meta"):
         model = Model(cfg, backend)
-    model = model.to(as_dtype(dtype)).to_empty(device=torch.device(device))
+    model = cast_model(model, as_dtype(dtype)).to_empty(device=torch.device(device))
     model.tie_weights()  # to_empty replaced the parameters, which unties them
     return model.requires_grad_(False).eval()
 
@@ -81,21 +83,54 @@ def _show_progress(cfg: ModelConfig, progress: bool | None) -> bool:
 # checkpoint projection -> (merged parameter, shard index)
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# a MoE block's per-expert tensors -> our stacked w13 [E, 2I, H] (gate rows over up) / w2
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PART = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+# transformers 5's in-memory stacking under its own names, should a checkpoint carry it
+_STACKED = {"experts.gate_up_proj": "experts.w13", "experts.down_proj": "experts.w2"}
+Slice = tuple[str, int | None, int, int]  # (label, expert or None, first row, rows)
 
 
 class _Sink:
-    """Receives (hf_style_name, tensor) pairs, copies them into place and tracks coverage."""
+    """Receives (hf_style_name, tensor) pairs, copies them into place and tracks coverage.
+    Every tensor lands in its slice of the preallocated parameters (merged projections,
+    stacked experts), so loading never holds more than the model and one tensor."""
 
-    def __init__(self, model: Model, source: str) -> None:
+    def __init__(self, model: torch.nn.Module, source: str) -> None:
         cfg = model.config
         self.model, self.source = model, source
         self.params = dict(model.named_parameters())  # a tied lm_head is not listed (shared)
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        self.shards = {"qkv_proj": [(0, q), (q, kv), (q + kv, kv)],
-                       "gate_up_proj": [(0, inter), (inter, inter)]}
-        self.loaded: set[tuple[str, int]] = set()
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = [(0, q), (q, kv), (q + kv, kv)]  # rows of q, k and v in qkv_proj
+        self.loaded: set[tuple[str, int]] = set()  # (parameter, slice index; -1: whole)
+
+    def _slices(self, pname: str) -> list[Slice]:
+        """The pieces that separate checkpoint tensors fill of parameter `pname`, in shard
+        order; [] when one tensor fills it whole."""
+        shape = self.params[pname].shape
+        module, leaf = pname.rsplit(".", 2)[-2:]
+        if module == "qkv_proj":
+            return [(str(i), None, s, n) for i, (s, n) in enumerate(self.qkv)]
+        if module == "gate_up_proj":
+            half = shape[0] // 2
+            return [("0", None, 0, half), ("1", None, half, half)]
+        if leaf == "w13":  # [E, 2I, H]
+            i = shape[1] // 2
+            return [(f"expert {e} {part}", e, h * i, i) for e in range(shape[0])
+                    for h, part in enumerate(("gate", "up"))]
+        if leaf == "w2":  # [E, H, I]
+            return [(f"expert {e} down", e, 0, shape[1]) for e in range(shape[0])]
+        return []
 
     def _target(self, name: str) -> tuple[str, int]:
+        m = _EXPERT.fullmatch(name)
+        if m is not None:
+            leaf, half = _EXPERT_PART[m.group(3)]
+            e = int(m.group(2))
+            return f"{m.group(1)}.{leaf}", 2 * e + half if leaf == "w13" else e
+        for theirs, ours in _STACKED.items():
+            if name.endswith("." + theirs):
+                return name.removesuffix(theirs) + ours, -1
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in _MERGED:
             merged, shard = _MERGED[parts[-2]]
@@ -108,12 +143,13 @@ class _Sink:
             return  # some tied checkpoints store the head too; the embedding is the same matrix
         pname, shard = self._target(name)
         param = self.params.get(pname)
-        if param is None:
+        slices = self._slices(pname) if param is not None else []
+        if param is None or shard >= len(slices):
             raise WeightsError(f"{self.source}: unexpected tensor {name!r} (not part of this model)")
         dest = param.data
         if shard >= 0:
-            start, size = self.shards[pname.rsplit(".", 2)[-2]][shard]
-            dest = dest.narrow(0, start, size)
+            _, expert, start, size = slices[shard]
+            dest = (dest if expert is None else dest[expert]).narrow(0, start, size)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightsError(f"{self.source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                f"expected {tuple(dest.shape)}")
@@ -123,10 +159,11 @@ class _Sink:
     def finish(self) -> None:
         missing = []
         for pname in self.params:
-            merged = pname.rsplit(".", 2)[-2]
-            shards = range(len(self.shards[merged])) if merged in self.shards else [-1]
-            missing += [f"{pname}[{s}]" if s >= 0 else pname
-                        for s in shards if (pname, s) not in self.loaded]
+            if (pname, -1) in self.loaded:
+                continue
+            slices = self._slices(pname)
+            missing += [f"{pname}[{label}]" for s, (label, *_) in enumerate(slices)
+                        if (pname, s) not in self.loaded] if slices else [pname]
         if missing:
             more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
             raise WeightsError(f"{self.source}: missing tensors {missing[:5]}{more}")
@@ -135,47 +172,12 @@ class _Sink:
 # -- Hugging Face folders -------------------------------------------------------------------------
 
 def config_from_hf(d: dict, source: str) -> ModelConfig:
-    """config.json (transformers 4.x or 5.x spelling of RoPE) -> ModelConfig."""
-    archs = {"llama": "llama", "qwen3": "qwen3"}
-    model_type = d.get("model_type")
-    if model_type not in archs:
-        raise WeightsError(f"{source}: model_type {model_type!r} is not supported ({sorted(archs)})")
-    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if d.get(flag):
-            raise WeightsError(f"{source}: {flag}=true is not supported")
+    """config.json -> ModelConfig through its family (engine/model/families.py)."""
     try:
-        heads, hidden = d["num_attention_heads"], d["hidden_size"]
-        rope = d.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
-        legacy = d.get("rope_scaling") or {}
-        kind = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-        scale_src = rope if rope.get("rope_type") not in (None, "default") else legacy
-        scaling = None
-        if kind == "llama3":
-            scaling = RopeScaling(
-                factor=float(scale_src["factor"]),
-                low_freq_factor=float(scale_src["low_freq_factor"]),
-                high_freq_factor=float(scale_src["high_freq_factor"]),
-                original_max_position_embeddings=int(scale_src["original_max_position_embeddings"]))
-        elif kind != "default":
-            raise WeightsError(f"{source}: rope_type {kind!r} is not supported (default, llama3)")
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return ModelConfig(
-            arch=archs[model_type], vocab_size=d["vocab_size"], hidden_size=hidden,
-            num_layers=d["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or hidden // heads,
-            intermediate_size=d["intermediate_size"],
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            rope_scaling=scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            num_mtp_layers=hf_num_mtp_layers(d),  # what the checkpoint has; the engine
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids)  # keeps 0 unless MTP is on
+        return hf_model_config(d)
     except KeyError as e:
         raise WeightsError(f"{source}: missing field {e.args[0]!r}") from e
-    except (ConfigError, TypeError) as e:
+    except (ConfigError, TypeError, ValueError) as e:
         raise WeightsError(f"{source}: {e}") from e
 
 

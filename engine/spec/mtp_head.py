@@ -15,9 +15,12 @@ Weights, three sources:
   * our own safetensors (train-mtp output): this module's parameter names, merged qkv/gate_up,
     metadata {"format": "pdserve-mtp", shapes}; save_mtp_head / load_mtp_head;
   * Hugging Face checkpoints: DeepSeek names `model.layers.{num_layers + i}.{enorm, hnorm,
-    eh_proj, shared_head.norm, <decoder layer>}` or MiMo names `model.mtp_layers.{i}.
-    {token_layernorm, hidden_layernorm, input_proj, final_layernorm, <decoder layer>}`;
-    MiMo's input_proj reads [hidden | token], so its two column halves are swapped on load;
+    eh_proj, shared_head.norm, <decoder layer>}` (DeepSeek-V3, GLM-4.5) or MiMo names
+    `model.mtp_layers.{i}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm,
+    <decoder layer>}`; MiMo's input_proj reads [hidden | token], so its two column halves are
+    swapped on load. The decoder layer is the target family's own (DecoderLayer with layer
+    index num_layers + i): q/k/v biases for MiMo, GLM's partial rotary and its MoE block
+    (routed + shared experts, since num_layers + i >= first_k_dense_replace);
   * seeded random weights (presets, benchmarks).
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pdserve.engine.core.config import ConfigError, ModelConfig
 from pdserve.engine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.model.decoder import DecoderLayer, Model
 from pdserve.engine.model.layers import RMSNorm, fused_kernels
+from pdserve.engine.model.moe import cast_model
 from pdserve.engine.model.mtp_names import mtp_checkpoint_name
 from pdserve.engine.model.weights import WeightsError, _iter_safetensors, _safetensors_files, _Sink
 
@@ -163,7 +167,8 @@ def empty_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
     """An uninitialised head allocated once in dtype on device (built on meta first)."""
     with torch.device("meta"):
         head = MTPHead(cfg, backend)
-    return head.to(dtype).to_empty(device=torch.device(device)).requires_grad_(False).eval()
+    head = cast_model(head, dtype)  # a MoE block's router stays float32, as in the target
+    return head.to_empty(device=torch.device(device)).requires_grad_(False).eval()
 
 
 def random_head(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
