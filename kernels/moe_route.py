@@ -18,9 +18,8 @@ lanes never win):
   softmax: p = softmax(logits); weights and choice are p.
   sigmoid: s = sigmoid(logits); choice = s + correction_bias; with n_group > 1 a group scores
            the sum of its best two choices, the topk_group best groups are kept and every
-           other expert's choice is 0.0 (as transformers' GLM-4.5 / DeepSeek-V3 routers and
-           the reference do: a kept expert whose biased score is negative can lose to it);
-           weights are s (no bias).
+           other expert's choice is -inf (as transformers' GLM-4.5 / DeepSeek-V3 routers and
+           the reference do); weights are s (no bias).
   top-k by iterative max; weights / (sum + 1e-20 for sigmoid) if renormalize; * routed_scaling.
 Ties: the lowest index wins, among experts and among groups alike (torch.topk leaves tie order
 unspecified; the tests use random data without ties). NaN choices count as -inf, so the ids
@@ -176,7 +175,7 @@ def _select_store(logits, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_siz
         choice = tl.where(choice != choice, float("-inf"), choice)  # NaN: never chosen first
         if GROUPED:
             choice = tl.where(_group_keep(choice, e, E, group_size, n_group, topk_group,
-                                          BLOCK_T, E_P, NG_P), choice, 0.0)
+                                          BLOCK_T, E_P, NG_P), choice, float("-inf"))
     else:
         z = tl.where(e_ok, logits, float("-inf"))
         p = tl.exp(z - tl.max(z, axis=1)[:, None])

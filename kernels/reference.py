@@ -146,7 +146,8 @@ def moe_route_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
     "sigmoid" (GLM-4.5, DeepSeek-V3): s = sigmoid(logits) chooses through s + correction_bias
     within the topk_group best of n_group expert groups (a group scores the sum of its best
     two), weights are s itself (no bias), renormalised if asked, times routed_scaling.
-    Masked groups score 0.0, as transformers' implementation does."""
+    Experts of the other groups are never chosen (-inf, as transformers 5 and vLLM mask them:
+    with a negative correction bias a 0.0 mask could outrank a kept expert)."""
     logits = x.float() @ router_weight.float().t()  # [T, E]
     if scoring == "softmax":
         probs = logits.softmax(dim=-1)
@@ -160,7 +161,7 @@ def moe_route_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
             keep = torch.zeros_like(group_scores)
             keep.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1.0)
             mask = keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
-            choice = choice.masked_fill(mask == 0, 0.0)
+            choice = choice.masked_fill(mask == 0, float("-inf"))
         ids = choice.topk(top_k, dim=-1)[1]
         weights = scores.gather(1, ids)
     else:

@@ -73,9 +73,8 @@ CONFIGS: dict[str, Callable[..., transformers.PretrainedConfig]] = {
 def tiny_hf(family: str, layers: int | None = None, seed: int = 0):
     """A transformers model of `family` with O(1) random weights (so a wrong op shows in the
     logits), non-trivial norms and, for GLM, a random non-zero correction bias (transformers
-    initialises it to zeros). The bias is kept >= 0: pdserve's routing reference masks
-    groups with 0.0 where transformers 5 uses -inf, which only differ when a biased score is
-    negative."""
+    initialises it to zeros), of both signs: some biased scores are negative, where masking
+    the other groups with 0.0 instead of transformers' -inf would pick a wrong expert."""
     torch.manual_seed(seed)
     cfg = CONFIGS[family]() if layers is None else CONFIGS[family](layers)
     cfg._attn_implementation = "eager"
@@ -86,7 +85,7 @@ def tiny_hf(family: str, layers: int | None = None, seed: int = 0):
                     else torch.randn_like(p) / p.shape[-1] ** 0.5)
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(0.5 * torch.rand_like(b))
+                b.copy_(1.2 * torch.rand_like(b) - 0.8)
     return hf
 
 
