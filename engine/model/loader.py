@@ -17,7 +17,7 @@ import torch
 from pdserve.engine.core.config import ConfigError, ModelConfig
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
-from pdserve.engine.model.presets import get_preset, preset_names
+from pdserve.engine.model.presets import get_preset, is_preset, preset_names
 from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.engine.model.weights import (
     as_dtype,
@@ -96,7 +96,7 @@ def resolve_model(name_or_path: str | None) -> ModelSource:
                           f"{len(ggufs)} .gguf files (need exactly one)")
     if path.exists():
         raise ConfigError(f"model: {str(path)!r} is neither a .gguf file nor a model folder")
-    if name_or_path.lower() in preset_names():
+    if is_preset(name_or_path):
         return ModelSource("preset", name_or_path.lower(), preset=name_or_path.lower())
     raise ConfigError(
         f"model: {name_or_path!r} is not an existing .gguf file or Hugging Face folder, nor a "

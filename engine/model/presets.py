@@ -5,6 +5,8 @@ benchmarks the same matmuls and KV sizes as the real checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.engine.core.config import ConfigError, ModelConfig, MoEConfig, RopeScaling
 
 _QWEN_EOS = (151645, 151643)
@@ -124,12 +126,23 @@ def preset_names() -> list[str]:
     return sorted(_PRESETS)
 
 
+def is_preset(name: str) -> bool:
+    """A preset name, optionally cut to N decoder layers: "glm-4.5-air:8l"."""
+    base, _, cut = name.lower().partition(":")
+    return base in _PRESETS and (not cut or (cut.endswith("l") and cut[:-1].isdigit()
+                                             and int(cut[:-1]) >= 1))
+
+
 def get_preset(name: str) -> ModelConfig:
-    """The ModelConfig of a named shape; unknown names raise ConfigError naming `model`."""
-    cfg = _PRESETS.get(name.lower())
-    if cfg is None:
-        raise ConfigError(f"model: unknown preset {name!r}; known presets: {', '.join(preset_names())}")
-    return cfg
+    """The ModelConfig of a named shape; "NAME:Nl" keeps the first N decoder layers (MTP layers
+    stay), for benchmarking a model larger than the device at its real layer shapes. Unknown
+    names raise ConfigError naming `model`."""
+    if not is_preset(name):
+        raise ConfigError(f"model: unknown preset {name!r}; known presets: "
+                          f"{', '.join(preset_names())} (cut to N layers: NAME:Nl)")
+    base, _, cut = name.lower().partition(":")
+    cfg = _PRESETS[base]
+    return dataclasses.replace(cfg, num_layers=int(cut[:-1])) if cut else cfg
 
 
 def param_count(cfg: ModelConfig) -> int:

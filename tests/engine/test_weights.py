@@ -3,6 +3,7 @@
 random init, model resolution, and the errors for missing / corrupt inputs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -306,3 +307,14 @@ def test_hf_folder_missing_tensor_and_bad_config(tiny_hf_folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightsError, match="missing field 'hidden_size'"):
         load_hf(folder)
+
+
+def test_a_preset_cut_to_n_layers_keeps_its_layer_shapes() -> None:
+    """"NAME:Nl" (benchmarks of models larger than the device): the first N decoder layers at
+    the real shapes, MTP layers kept; a bad cut names `model`."""
+    full, cut = get_preset("glm-4.5-air"), get_preset("glm-4.5-air:3l")
+    assert cut.num_layers == 3 and cut.num_mtp_layers == full.num_mtp_layers == 1
+    assert dataclasses.replace(cut, num_layers=full.num_layers) == full
+    for bad in ("glm-4.5-air:0l", "glm-4.5-air:3", "glm-4.5-air:xl", "nope:3l"):
+        with pytest.raises(ConfigError, match="^model: unknown preset"):
+            get_preset(bad)
