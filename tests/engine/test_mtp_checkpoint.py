@@ -121,14 +121,17 @@ def test_checkpoint_without_its_mtp_tensors_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("checkpoint", ["glm4_moe"], indirect=True)
-def test_disaggregated_mtp_equals_colocated_greedy(checkpoint) -> None:
+@pytest.mark.parametrize("k", [1, 2])
+def test_disaggregated_mtp_equals_colocated_greedy(checkpoint, k: int) -> None:
     """P runs the MTP layer over the prompt (its KV travels in the same blocks) and D drafts
-    at k = 2 from its first step: in-process KV transport, greedy equal to plain colocated."""
+    at k from its first step: two workers, KV over real NIXL (UCX, host memory), greedy
+    equal to plain colocated."""
     _, folder, _, _ = checkpoint
     from tests.workers.test_disagg_inproc import disagg_greedy, inproc_pair
 
     want = _greedy(build_engine(str(folder), **TINY), PROMPTS, 10)
-    with inproc_pair(str(folder), speculative="mtp", num_speculative_tokens=2) as (P, D, ps, ds):
+    with inproc_pair(str(folder), kv_transport="nixl", speculative="mtp",
+                     num_speculative_tokens=k) as (P, D, ps, ds):
         got = [disagg_greedy(ps, ds, f"r{i}", p, 10) for i, p in enumerate(PROMPTS)]
         assert got == want
         assert D.engine.spec_stats.num_drafts > 0

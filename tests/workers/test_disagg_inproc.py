@@ -25,12 +25,14 @@ PROMPTS = [[7 + i, 3, 99, 2 * i + 1, 40, 11] * (i + 2) for i in range(3)]
 
 
 @contextlib.contextmanager
-def inproc_pair(model: str, **engine: object) -> Iterator[tuple[Worker, Worker, pbg.WorkerStub,
-                                                                 pbg.WorkerStub]]:
+def inproc_pair(model: str, kv_transport: str = "inproc", **engine: object
+                ) -> Iterator[tuple[Worker, Worker, pbg.WorkerStub, pbg.WorkerStub]]:
+    """A prefill and a decode worker in this process, introduced; kv_transport "nixl" moves
+    the KV over real NIXL (UCX, host memory) between their two agents."""
     p_engine = build_engine(model, **TINY, **engine)
     p_engine.keep_hidden = True  # as build_worker_engine does for the prefill role
     workers = [Worker(WorkerConfig(role=role, worker_id=wid, cluster_secret=SECRET,
-                                   metrics_port=-1, kv_transport="inproc"), engine=e).start()
+                                   metrics_port=-1, kv_transport=kv_transport), engine=e).start()
                for role, wid, e in (("prefill", "ip-p", p_engine),
                                     ("decode", "ip-d", build_engine(model, **TINY, **engine)))]
     channels = [make_channel(w.address, cluster_secret=SECRET) for w in workers]
