@@ -179,3 +179,10 @@ def worker_rpcs_refused(address: str, metadata: tuple = ()) -> dict[str, str]:
             except grpc.RpcError as e:
                 codes[name] = e.code().name
     return codes
+
+
+def metric_sum(address: str, name: str) -> float:
+    """Sum of pdserve:<name> over its label sets on a /metrics endpoint at host:port."""
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in
+               re.finditer(rf"^pdserve:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))

@@ -20,7 +20,13 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_channel
 
-from tests.router.harness import ServeProcess, pid_listening_on, wait_until, worker_rpcs_refused
+from tests.router.harness import (
+    ServeProcess,
+    metric_sum,
+    pid_listening_on,
+    wait_until,
+    worker_rpcs_refused,
+)
 
 pytestmark = pytest.mark.slow
 DRAIN_S = 4.0
@@ -38,12 +44,6 @@ def server():
 
 def health_workers(server) -> dict[str, dict]:
     return {w["worker_id"]: w for w in server.health()["workers"]}
-
-
-def metric_sum(address: str, name: str) -> float:
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in
-               re.finditer(rf"^pdserve:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
 def one_request(server, i: int) -> str:
