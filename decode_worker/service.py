@@ -5,7 +5,8 @@
      of a known worker replaces the old handle.
   2. Decode(request with a PrefillResult): blocks are allocated for the prompt, the request
      is parked WAITING_FOR_KV and its first token (sampled by the prefill worker) is
-     streamed at once.
+     streamed at once. A grammar (structured outputs) is compiled on the gRPC thread and its
+     matcher rebuilt by replaying that first token (or a continued stream's sent tokens).
   3. Pull: NIXL READ of the prefill worker's blocks into ours, with the request's deadline;
      then Release on the prefill worker, whose reply says whether the lease held for the
      whole read. A stale lease counts as a failed read: the data is never used.
@@ -110,6 +111,9 @@ class DecodeService:
         deadline = start + (req.timeout_s or 600.0)
         try:
             params = params_from_proto(req.params)
+            # the grammar is rebuilt here by replaying the tokens already accepted (the prefill
+            # worker's first token or resume_output_ids); compile it off the engine loop
+            self.rt.engine.precompile(params, req.timeout_s or 600.0)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if req.resume_output_ids and req.HasField("prefill"):

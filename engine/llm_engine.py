@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.exec.runner import ModelRunner, StepResult
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.spec.spec_decoder import SpecStats
+from pdserve.engine.structured.compiler import GrammarCompiler
+from pdserve.engine.structured.matcher import GrammarState
 
 
 @dataclass
@@ -87,6 +90,8 @@ class LLMEngine:
         self.idle = True
         self.keep_hidden = False  # prefill role: ship the last hidden state (MTP drafting)
         self._remote_hidden: dict = {}  # decode role: request -> prefill's last hidden [H]
+        self._grammars: GrammarCompiler | None = None  # made on the first grammar request
+        self._grammars_lock = threading.Lock()  # worker services compile on their threads
 
     @property
     def spec_stats(self) -> SpecStats | None:
@@ -102,6 +107,40 @@ class LLMEngine:
     def kv_compat_payload(self) -> dict:
         """What the KV handshake compares (engine.core.config.compat_payload)."""
         return compat_payload(self.config.model, self.config.cache, self.compat_extra())
+
+    # -- structured outputs --------------------------------------------------------------
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The engine's grammar compiler and cache (thread-safe: the worker services compile
+        a request's grammar on their gRPC thread, so the engine loop finds it cached)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured_outputs", "this model has no "
+                                              "tokenizer, which structured outputs need")
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size,
+                                                 self.config.model.eos_token_ids)
+            return self._grammars
+
+    def precompile(self, params: SamplingParams, timeout_s: float | None = None) -> None:
+        """Compile a request's grammar into the cache from the caller's thread (a worker
+        service's gRPC thread), so that admission on the engine loop finds it there and the
+        loop never waits for a compile; InvalidRequestError naming the field, also past
+        timeout_s."""
+        if params.structured is not None:
+            self.grammars.compile(params.structured, timeout_s)
+
+    def _attach_grammar(self, req: Request, compiled: object | None, param: str) -> None:
+        """The request's grammar state beside its sampler state, advanced over the output
+        tokens it already has; InvalidRequestError naming `param` if they do not match."""
+        if compiled is None:
+            return
+        grammar = GrammarState(compiled, self.config.model.eos_token_ids)
+        grammar.replay(req.output_token_ids, param)
+        self.runner.state_of(req).grammar = grammar
+
+    def _compiled(self, params: SamplingParams) -> object | None:
+        return None if params.structured is None else self.grammars.compile(params.structured)
 
     # -- admission -----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -131,6 +170,7 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         resume = self._check_resume(list(resume_output_ids), params)
         params.check_vocab(self.config.model.vocab_size)  # logit_bias ids index the logits
+        compiled = self._compiled(params)  # cached when a worker service compiled it first
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         reqs = [Request(r, ids, _sibling_params(params, i), parent_id=None if i == 0 else rids[0],
@@ -145,7 +185,12 @@ class LLMEngine:
                 if detok.prime(resume):
                     raise InvalidRequestError("resume_output_ids",
                                               "their text already contains a stop string")
-            self.scheduler.add_request(req)
+            try:
+                self._attach_grammar(req, compiled, "resume_output_ids")
+                self.scheduler.add_request(req)
+            except Exception:  # nothing of it stays behind (its sampler state)
+                self.runner.free_request(req.request_id)
+                raise
             if detok is not None:
                 self._detok[req.request_id] = detok
             if resume:
@@ -181,7 +226,13 @@ class LLMEngine:
         params.check_vocab(self.config.model.vocab_size)
         req = Request(request_id, ids, params)
         req.append_token(first_token)
-        blocks = self.scheduler.add_remote_request(req)
+        # the grammar replays the prefill worker's first token (it was drawn under it there)
+        self._attach_grammar(req, self._compiled(params), "prefill.first_token_id")
+        try:
+            blocks = self.scheduler.add_remote_request(req)
+        except Exception:
+            self.runner.free_request(request_id)
+            raise
         if hidden is not None and self.spec is not None:
             self._remote_hidden[request_id] = hidden
         text = ""
@@ -274,20 +325,21 @@ class LLMEngine:
         rid = req.request_id
         start = self._reported.get(rid, 0)
         new_ids = req.output_token_ids[start:]  # what the scheduler accepted this step
-        text = ""
         detok = self._detok.get(rid)
-        if detok is not None:
-            res = self._detokenize(req, detok, start, new_ids) if new_ids else None
-            new_ids = req.output_token_ids[start:]  # a stop string may have cut some
-            text = res.new_text if res else ""
-            if res is not None and res.stopped:
-                if not req.is_finished:
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED,
-                                                  res.stop_string)
-            elif req.is_finished:
+        res = (self._detokenize(req, detok, start, new_ids)
+               if detok is not None and new_ids else None)
+        new_ids = req.output_token_ids[start:]  # a stop string may have cut some
+        text = res.new_text if res else ""
+        self.runner.observe(req, new_ids)  # penalty counts, the grammar's matcher
+        if res is not None and res.stopped:
+            if not req.is_finished:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED,
+                                              res.stop_string)
+        else:
+            self._end_of_grammar(req)
+            if req.is_finished and detok is not None:
                 text += detok.flush()  # no stop string matched: release held-back text
         self._reported[rid] = len(req.output_token_ids)
-        self.runner.observe(req, new_ids)
         self.stats.generation_tokens += len(new_ids)
         lp = result.logprobs.get(rid)
         if lp is not None:
@@ -299,6 +351,16 @@ class LLMEngine:
         if req.is_finished:
             self._forget(rid)
         return output
+
+    def _end_of_grammar(self, req: Request) -> None:
+        """A grammar that accepted a stop token ends its request ("stop") even under
+        ignore_eos: nothing may follow it."""
+        if req.is_finished or not req.sampling_params.has_grammar:
+            return
+        grammar = self.runner.state_of(req).grammar
+        if grammar is not None and grammar.terminated:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
+                                          req.output_token_ids[-1])
 
     @staticmethod
     def _detokenize(req: Request, detok: IncrementalDetokenizer, start: int,

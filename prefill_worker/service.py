@@ -2,7 +2,8 @@
 
   1. Prefill(request): the prompt is queued in the engine with max_tokens=1 and
      hold_blocks_on_finish, so when the first token is sampled the prompt's blocks stay
-     allocated. The caller waits with the request's deadline.
+     allocated. The caller waits with the request's deadline. A structured-output request's
+     grammar is compiled first (on the gRPC thread) and token 0 is sampled under its mask.
   2. The first token (+ logprobs, + the last pre-norm hidden state for MTP) comes back with
      a KV handle: this worker's id and incarnation, the block ids, the compatibility hash and
      a lease (generation, deadline). The blocks are pinned under that lease.
@@ -39,6 +40,9 @@ class PrefillService:
         arrival = time.monotonic()
         try:
             params = params_from_proto(req.params)
+            # token 0 is sampled here under the grammar: compile it on this thread, not the
+            # engine loop's (cached by its hash; the router compiled it once already)
+            self.rt.engine.precompile(params, req.timeout_s or 60.0)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         wants_decode = params.max_tokens > 1

@@ -1,7 +1,7 @@
 """Conversions between wire messages (proto/pdserve.proto) and engine types."""
 from __future__ import annotations
 
-from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import SamplingParams, StructuredOutput
 from pdserve.proto import pdserve_pb2 as pb
 
 _OPTIONAL = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
@@ -17,7 +17,30 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
             setattr(msg, name, value)
     if p.logit_bias:  # both halves of the split sample (P token 0, D the rest): both need it
         msg.logit_bias.update(p.logit_bias)
+    if p.structured is not None:  # so does the grammar
+        msg.structured_output.CopyFrom(structured_to_proto(p.structured))
     return msg
+
+
+def structured_to_proto(s: StructuredOutput) -> pb.StructuredOutput:
+    kind = s.kind
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(s.choice)))
+    name = "json_schema" if kind == "json" else kind
+    return pb.StructuredOutput(**{name: getattr(s, kind)})
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput | None:
+    """None when no kind is set; raises InvalidRequestError naming the field when a set kind
+    is empty (StructuredOutput's own checks)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(msg.choice.choices))
+    if kind == "json_object" and not msg.json_object:
+        return None  # json_object = false: off
+    return StructuredOutput(**{"json" if kind == "json_schema" else kind: getattr(msg, kind)})
 
 
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -31,6 +54,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             kwargs[name] = float(f"{kwargs[name]:.6g}")
     if msg.logit_bias:  # float32 on the wire too; NaN / range / count checks are SamplingParams'
         kwargs["logit_bias"] = {int(t): float(f"{b:.6g}") for t, b in msg.logit_bias.items()}
+    if msg.HasField("structured_output"):
+        kwargs["structured"] = structured_from_proto(msg.structured_output)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos,
                           transfer_failure_policy=msg.transfer_failure_policy or "retry",

@@ -6,14 +6,19 @@ has no tokenizer, so it takes token-id prompts only.
 """
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.core.config import ModelConfig
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core.sampling_params import InvalidRequestError, StructuredOutput
 from pdserve.engine.model.loader import ModelSource, resolve_model
 from pdserve.engine.model.tokenizer import Tokenizer, TokenizerError
+from pdserve.engine.structured.compiler import GrammarCompiler
 from pdserve.router.errors import BadRequest, NotFound
+from pdserve.router.tools import ToolFormat, pick_format
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -25,6 +30,12 @@ class Frontend:
     tokenizer: Tokenizer | None
     max_model_len: int
     aliases: frozenset[str] = field(default_factory=frozenset)
+    tool_call_parser: str = ""  # hermes | llama3_json; "" / auto: from the chat template
+    grammar_timeout_s: float = 10.0  # a spec that takes longer to compile is a 400
+    _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False,
+                                              compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
+                                  compare=False)
 
     def check_model(self, name: object) -> None:
         if name is None:
@@ -52,13 +63,16 @@ class Frontend:
             raise BadRequest(f"{param}: must not be empty", param=param)
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Apply the model's chat template (with the generation prompt) and tokenize."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Apply the model's chat template (with the generation prompt, and the tools when
+        given: router/structured.py decides) and tokenize."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise BadRequest("messages: this model has no chat template; use /v1/completions",
                              param="messages")
+        extra = {"tools": tools} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      **extra)
         except Exception as e:  # jinja's TemplateError (the template's raise_exception) and kin
             raise BadRequest(f"messages: the chat template rejected them: {e}", param="messages") from e
         # the template already wrote any BOS/special tokens (transformers does the same)
@@ -79,6 +93,45 @@ class Frontend:
                     f"{param}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
                     f"{prompt_len + max_tokens} exceeds {what} of {limit} tokens", param=param)
 
+    # -- structured outputs and tools ----------------------------------------------------
+    def tool_format(self) -> ToolFormat:
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        return pick_format(self.tool_call_parser, template)
+
+    def grammars(self, param: str) -> GrammarCompiler:
+        """The router's grammar compiler (made on first use; BadRequest naming `param` for
+        a model without a tokenizer)."""
+        with self._lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise BadRequest(f"{param}: this model has no tokenizer, which structured "
+                                     "outputs need", param=param)
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size,
+                                                 self.config.eos_token_ids)
+            return self._grammars
+
+    async def check_grammars(self, checks: Sequence[tuple[StructuredOutput, str]]) -> None:
+        """Compile each spec (cached, on the compiler's threads, within grammar_timeout_s):
+        a bad or too slow one is a 400 naming its field. The workers compile the request's
+        spec again (their own cache); this refuses it before any worker sees it."""
+        if not checks:
+            return
+        # the first call builds xgrammar's view of the vocabulary: a thread's work too
+        compiler = await asyncio.to_thread(self.grammars, checks[0][1])
+        for spec, param in checks:
+            try:
+                await compiler.compile_async(spec, self.grammar_timeout_s, param)
+            except InvalidRequestError as e:
+                raise BadRequest.from_invalid(e) from e
+
+    def check_grammars_sync(self, checks: Sequence[tuple[StructuredOutput, str]]) -> None:
+        """check_grammars for a caller on its own thread (the gRPC face)."""
+        for spec, param in checks:
+            try:
+                self.grammars(param).compile(spec, self.grammar_timeout_s, param)
+            except InvalidRequestError as e:
+                raise BadRequest.from_invalid(e) from e
+
     # -- token ids -> text ---------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (special tokens kept visible)."""
@@ -93,7 +146,7 @@ class Frontend:
 
 
 def load_frontend(model: str | None, max_model_len: int | None = None,
-                  served_name: str | None = None) -> Frontend:
+                  served_name: str | None = None, tool_call_parser: str = "") -> Frontend:
     """Read the model's config and tokenizer only (no weights)."""
     from pdserve.engine.model.presets import get_preset
     from pdserve.engine.model.weights import config_from_gguf, open_gguf, read_hf_config
@@ -117,4 +170,5 @@ def load_frontend(model: str | None, max_model_len: int | None = None,
     if model:
         aliases.add(model)
     model_id = served_name or source.name
-    return Frontend(model_id, config, tokenizer, max_len, frozenset(aliases - {model_id}))
+    return Frontend(model_id, config, tokenizer, max_len, frozenset(aliases - {model_id}),
+                    tool_call_parser)

@@ -3,7 +3,8 @@
 Same validation and errors as HTTP, as gRPC statuses: INVALID_ARGUMENT naming the field,
 NOT_FOUND for an unknown model, UNAUTHENTICATED (API key in `authorization: Bearer` metadata,
 checked by proto.rpc's interceptor; Health stays open), RESOURCE_EXHAUSTED when full,
-UNAVAILABLE while draining. Optional TLS.
+UNAVAILABLE while draining. Optional TLS. A structured output (params.structured_output) is
+compiled here before dispatch, as HTTP does: a bad or too slow one names its field.
 
 The server is proto.rpc's thread-pool server; each call hands its request to the router's
 asyncio loop (where the core and the worker channels live) and reads results from a queue.
@@ -32,6 +33,9 @@ from pdserve.router.frontend import CHAT_ROLES
 from pdserve.router.protocol import content_text
 
 _END = object()
+# StructuredOutput kinds -> their proto field (errors name the field the client set)
+_STRUCTURED_FIELD = {"json": "json_schema", "json_object": "json_object", "regex": "regex",
+                     "choice": "choice", "grammar": "grammar", "structural_tag": "structural_tag"}
 
 
 class PdserveServicer(pbg.PdserveServicer):
@@ -97,6 +101,9 @@ class PdserveServicer(pbg.PdserveServicer):
         try:
             params = params_from_proto(request.params)
             params.check_vocab(fe.config.vocab_size)  # logit_bias ids, as HTTP checks them
+            if params.structured is not None:  # compiled here (this call's thread), as HTTP
+                where = f"params.structured_output.{_STRUCTURED_FIELD[params.structured.kind]}"
+                fe.check_grammars_sync([(params.structured, where)])
             if not request.params.HasField("max_tokens") and kind == "messages":
                 params = dataclasses.replace(params, max_tokens=core.max_tokens_default(len(ids)))
         except InvalidRequestError as e:

@@ -13,6 +13,7 @@ during the stream) cancels its request, which frees its blocks on the workers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
@@ -151,6 +152,10 @@ def create_app(core: RouterCore, api_key: str | None = None,
         return await _serve(request, parsed)
 
     async def _serve(request: Request, parsed: ParsedRequest) -> Response:
+        # grammars compile off the event loop, under a deadline: a bad one is a 400 naming
+        # its field before any worker sees the request
+        if parsed.checks:
+            await _unless_gone(fe.check_grammars(parsed.checks), request)
         rid = request.state.request_id
         job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", parsed.prompts, parsed.params)
         prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
@@ -242,7 +247,7 @@ async def _disconnected(request: Request) -> None:
 
 def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> dict:
     if parsed.kind == "chat":
-        choices = [chat_choice(d, fe, parsed.logprobs) for d in deltas]
+        choices = [chat_choice(d, fe, parsed.logprobs, parsed.tool_format) for d in deltas]
         obj = "chat.completion"
     else:
         choices = [completion_choice(d, fe, parsed.logprobs) for d in deltas]
@@ -258,6 +263,8 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
     seen: set[int] = set()
     offsets: dict[int, int] = {}
     finals: list[Delta] = []
+    tools = parsed.tool_format  # with tools offered: a call parser per choice
+    parsers = collections.defaultdict(tools.stream) if tools is not None else None
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {**head, "choices": choices}
@@ -274,7 +281,8 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                         seen.add(delta.index)
                         yield chunk([{"index": delta.index, "logprobs": None, "finish_reason": None,
                                       "delta": {"role": "assistant", "content": ""}}])
-                    yield chunk([chat_chunk_choice(delta, fe, parsed.logprobs)])
+                    stream = parsers[delta.index] if parsers is not None else None
+                    yield chunk([chat_chunk_choice(delta, fe, parsed.logprobs, stream)])
                 else:
                     off = offsets.get(delta.index, 0)
                     offsets[delta.index] = off + len(delta.text)

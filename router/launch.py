@@ -90,6 +90,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--startup-timeout", type=float, default=900.0, help="wait this long for workers (s)")
     a("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for requests (s)")
     a("--log-level", default="warning")
+    a("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
+      help="the model's tool-call format (default: from its chat template)")
     from pdserve.router.cli import add_speculative_args
 
     add_speculative_args(p)  # --speculative, --num-speculative-tokens, --mtp-head
@@ -322,7 +324,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from pdserve.router.core import RouterConfig
     from pdserve.router.frontend import load_frontend
 
-    frontend = load_frontend(args.model, args.max_model_len, args.served_model_name)
+    frontend = load_frontend(args.model, args.max_model_len, args.served_model_name,
+                             args.tool_call_parser)
     if args.speculative and not (args.address and args.mtp_head):
         # a head that cannot load fails here, not in every worker
         from pdserve.engine.core.config import ConfigError

@@ -2,7 +2,9 @@
 
 Validation is explicit: every field is type-checked by hand and a bad one raises BadRequest
 naming it (`param`), so wrong types give 400, never a 500. Sampling ranges are checked by
-engine.core.sampling_params.SamplingParams, whose errors name the field too.
+engine.core.sampling_params.SamplingParams, whose errors name the field too. Fields that
+constrain the output (response_format, structured_outputs, tools) are router/structured.py's;
+tool calls are parsed out of the text by router/tools.py.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.core.sampling_params import (
     LOGIT_BIAS_MAX,
@@ -21,6 +23,14 @@ from pdserve.engine.core.sampling_params import (
 from pdserve.router.dispatch import Delta
 from pdserve.router.errors import BadRequest
 from pdserve.router.frontend import CHAT_ROLES, Frontend
+from pdserve.router.structured import (
+    Check,
+    output_constraint,
+    parse_tools,
+    template_inputs,
+    tool_calls_of,
+)
+from pdserve.router.tools import ToolFormat, ToolStream, chunk_delta
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -39,6 +49,9 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    # grammars to compile before dispatch, each with the field it came from (400 naming it)
+    checks: list[Check] = field(default_factory=list)
+    tool_format: ToolFormat | None = None  # chat with tools offered: parse calls out of text
 
 
 def _get(body: dict, name: str, what: str, default: object = None) -> object:
@@ -140,12 +153,6 @@ def _check_unsupported(body: dict) -> None:
         raise BadRequest("best_of: not supported (use n)", param="best_of")
     if body.get("suffix"):
         raise BadRequest("suffix: not supported", param="suffix")
-    if body.get("tools"):
-        raise BadRequest("tools: tool calling is not supported", param="tools")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise BadRequest("response_format: only {\"type\": \"text\"} is supported",
-                         param="response_format")
 
 
 def _model(body: dict, fe: Frontend) -> str:
@@ -184,13 +191,19 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
         kw["logprobs"] = lp
     stream, usage = _stream_flags(body)
     max_tokens = _get(body, "max_tokens", _INT, 16)
+    if body.get("tools"):
+        raise BadRequest("tools: only /v1/chat/completions takes tools", param="tools")
+    kw["structured"], checks = output_constraint(body)  # response_format, structured_outputs
     params = _build_params(kw, max_tokens)
-    return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None)
+    return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
+                         checks)
 
 
 # -- chat -------------------------------------------------------------------------------------
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict) -> list[dict]:
+    """role + content (text), an assistant's past tool calls ("calls": (id, name, arguments))
+    and a tool result's tool_call_id / name (router/structured.py renders them)."""
     msgs = body.get("messages")
     if msgs is None:
         raise BadRequest("messages: is required", param="messages")
@@ -205,7 +218,14 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise BadRequest(f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                              param=f"{where}.role")
-        out.append({"role": role, "content": content_text(m.get("content"), f"{where}.content", role)})
+        msg: dict = {"role": role, "content": content_text(m.get("content"), f"{where}.content",
+                                                           role)}
+        if role == "assistant":
+            msg["calls"] = tool_calls_of(m, where)
+        for key in ("tool_call_id", "name") if role == "tool" else ():
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
 
@@ -229,8 +249,13 @@ def content_text(c: object, where: str, role: str) -> str:
 def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int]) -> ParsedRequest:
     model = _model(body, fe)
     _check_unsupported(body)
-    ids = fe.encode_chat(_messages(body))
+    tools = parse_tools(body)
+    fmt = fe.tool_format()
+    template = (fe.tokenizer.chat_template or "") if fe.tokenizer is not None else ""
+    messages, offered = template_inputs(_messages(body), tools, fmt, template)
+    ids = fe.encode_chat(messages, tools=offered)
     kw = _sampling_kwargs(body, fe.config.vocab_size)
+    kw["structured"], checks = output_constraint(body, tools, fmt)
     want = _get(body, "logprobs", _BOOL, False)
     top = _get(body, "top_logprobs", _INT)
     if top is not None and not want:
@@ -247,7 +272,8 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     if max_tokens is None:
         max_tokens = default_max_tokens(len(ids))
     params = _build_params(kw, max_tokens)
-    return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want))
+    parsing = fmt if tools is not None and tools.choice != "none" else None
+    return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing)
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -288,14 +314,33 @@ def completion_choice(d: Delta, fe: Frontend, want_lp: bool, offset: int = 0) ->
             "finish_reason": d.finish_reason}
 
 
-def chat_choice(d: Delta, fe: Frontend, want_lp: bool) -> dict:
-    return {"index": d.index, "message": {"role": "assistant", "content": d.text},
-            "logprobs": chat_logprobs(d, fe) if want_lp else None,
-            "finish_reason": d.finish_reason}
+def chat_choice(d: Delta, fe: Frontend, want_lp: bool, tools: ToolFormat | None = None) -> dict:
+    """The whole message; with tools offered, calls parsed out of the text (OpenAI's
+    finish_reason "tool_calls" when the model stopped after making one)."""
+    message: dict = {"role": "assistant", "content": d.text}
+    finish = d.finish_reason
+    if tools is not None:
+        parsed = tools.parse(d.text)
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+            finish = "tool_calls" if finish == "stop" else finish
+    return {"index": d.index, "message": message,
+            "logprobs": chat_logprobs(d, fe) if want_lp else None, "finish_reason": finish}
 
 
-def chat_chunk_choice(d: Delta, fe: Frontend, want_lp: bool) -> dict:
-    delta = {"content": d.text} if d.text or not d.finish_reason else {}
+def chat_chunk_choice(d: Delta, fe: Frontend, want_lp: bool,
+                      stream: ToolStream | None = None) -> dict:
+    """One chunk's choice; with tools offered, `stream` (this choice's parser) turns the text
+    into content and tool_calls deltas."""
+    finish = d.finish_reason
+    if stream is None:
+        delta = {"content": d.text} if d.text or not d.finish_reason else {}
+    else:
+        events = stream.feed(d.text) + (stream.finish() if finish else [])
+        delta = chunk_delta(events)
+        if finish == "stop" and stream.calls:
+            finish = "tool_calls"
     return {"index": d.index, "delta": delta,
             "logprobs": chat_logprobs(d, fe) if want_lp and d.logprobs else None,
-            "finish_reason": d.finish_reason}
+            "finish_reason": finish}

@@ -1,9 +1,11 @@
 """Per-request sampling parameters, validated when built so bad input names its field."""
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class InvalidRequestError(ValueError):
@@ -21,6 +23,51 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # OpenAI's logit_bias bounds: |bias| <= 100, at most 300 entries
 LOGIT_BIAS_MAX = 100.0
 LOGIT_BIAS_MAX_ENTRIES = 300
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a completion must match: exactly one field set (vLLM's StructuredOutputsParams).
+    Torch- and xgrammar-free: engine/structured/compiler.py compiles it. Hashable, so equal
+    specs share one compiled grammar (the compile cache keys on `key`)."""
+
+    json: str | None = None  # a JSON schema, as JSON text (property order is kept)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like)
+    structural_tag: str | None = None  # an xgrammar structural tag as JSON (tool calls)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_ = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequestError("structured_outputs", "exactly one of "
+                                      f"{', '.join(STRUCTURED_KINDS)} must be set, got "
+                                      f"{set_ or 'none'}")
+        kind = set_[0]
+        value = getattr(self, kind)
+        if kind == "choice":
+            if not value or len(value) > MAX_CHOICES or \
+                    not all(isinstance(c, str) and c for c in value):
+                raise InvalidRequestError("structured_outputs.choice", "must be a list of 1 to "
+                                          f"{MAX_CHOICES} non-empty strings")
+        elif kind != "json_object" and (not isinstance(value, str) or not value):
+            raise InvalidRequestError(f"structured_outputs.{kind}", "must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """A stable digest of the spec (the compile cache's key, the same in every process)."""
+        value = getattr(self, self.kind)
+        text = json.dumps([self.kind, list(value) if isinstance(value, tuple) else value])
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -43,6 +90,8 @@ class SamplingParams:
     # token id -> bias added to that token's logit before sampling (None = off; {} becomes
     # None). hash=False: a dict is unhashable, and equal params hash equal without it
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    # structured output (a grammar the tokens must match; None = off)
+    structured: StructuredOutput | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +143,8 @@ class SamplingParams:
              "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         need(self.transfer_failure_policy in ("retry", "recompute", "fail"),
              "transfer_failure_policy", "must be one of retry, recompute, fail")
+        need(self.structured is None or isinstance(self.structured, StructuredOutput),
+             "structured_outputs", "must be a StructuredOutput")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids that only the model can bound: logit_bias keys must index its logits
@@ -115,6 +166,10 @@ class SamplingParams:
     @property
     def has_logit_bias(self) -> bool:
         return bool(self.logit_bias)
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.structured is not None
 
 
 def _checked_logit_bias(bias: object) -> dict[int, float] | None:

@@ -101,6 +101,10 @@ class ModelRunner:
             self._states[req.request_id] = state
         return state
 
+    def state_of(self, req: Request) -> SamplerState:
+        """The request's sampler state, made on first use (the engine attaches grammars)."""
+        return self._state(req)
+
     def free_request(self, request_id: str) -> None:
         self._states.pop(request_id, None)
         if self.spec is not None:

@@ -2,8 +2,9 @@
 
 Pipeline, per row, in this order (each row uses its own request's settings, vectorised over
 the batch with per-row parameter tensors):
-    repetition penalty -> frequency / presence penalties -> logit_bias -> temperature
-    -> top-k -> top-p -> min-p -> draw (greedy rows: argmax of the penalised, biased logits)
+    repetition penalty -> frequency / presence penalties -> logit_bias -> grammar mask
+    -> temperature -> top-k -> top-p -> min-p -> draw (greedy rows: argmax of the penalised,
+    biased, masked logits)
 
 logit_bias (OpenAI) is added after the penalties so that it is exactly the shift the client
 asked for: before them, the repetition penalty would divide a +100 bias of a token already
@@ -20,6 +21,11 @@ decode split (P draws token 0, D continues at token 1 with the same seed).
 Penalty state. Requests with penalties keep a [V] count tensor of output tokens and a [V] bool
 mask of prompt tokens on the logits' device. The engine calls `state.observe(token)` for each
 token it appends; that is O(1) and nothing is rebuilt from the history.
+
+Grammar (structured outputs). A request with one keeps its GrammarState here too (attached by
+the runner, engine/structured/matcher.py), advanced by the same observe(). Its bitmask masks
+the logits after logit_bias, before temperature -- greedy rows included: the all-greedy fast
+path masks before its argmax. A batch without grammars builds no bitmask.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import torch
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.exec.device_io import to_device
+from pdserve.engine.structured.matcher import GrammarState, apply_bitmask, batch_bitmask
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
 SAMPLING_EPS = 1e-5
@@ -64,12 +71,16 @@ class SamplerState:
     bias_ids: torch.Tensor | None = None  # [E] int64: the request's logit_bias token ids
     bias_values: torch.Tensor | None = None  # [E] float32: their biases, in the same order
     num_observed: int = 0  # output tokens seen by observe(); must track the request
+    grammar: GrammarState | None = None  # structured output: the matcher, at the output's end
 
     def observe(self, token_id: int) -> None:
         """Account for one new output token (O(1): one indexed add on the device)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token_id: {token_id} outside the vocabulary [0, {self.vocab_size})")
         self.num_observed += 1
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # every token is drawn under the mask, so this is a bug, never the client's input
+            raise RuntimeError(f"token_id: {token_id} does not match the request's grammar")
         if self.output_counts is not None:
             # the tensor may be an inference tensor (made under inference_mode by the runner):
             # in-place updates to those are only legal inside inference_mode
@@ -229,7 +240,8 @@ class Sampler:
         drawn ids [B] on the device before the host reads them (overlapped decode launches
         the next forward from them)."""
         params = [r.sampling_params for r in requests]
-        processed = self._process(logits, requests, states)  # [B, V], -inf outside support
+        bitmask = batch_bitmask([s.grammar for s in states], logits.shape[-1])  # [B, W] | None
+        processed = self._process(logits, requests, states, bitmask)  # -inf outside support
         token_ids = self.argmax(processed)  # greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
         if random_rows:
@@ -248,9 +260,12 @@ class Sampler:
 
     @torch.inference_mode()
     def probs_after_processing(self, logits: torch.Tensor, requests: Sequence[Request],
-                               states: Sequence[SamplerState]) -> torch.Tensor:
-        """The exact distribution `sample` draws from, [B, V]; greedy rows are one-hot."""
-        processed = self._process(logits, requests, states).float()
+                               states: Sequence[SamplerState],
+                               bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """The exact distribution `sample` draws from, [B, V]; greedy rows are one-hot. A
+        grammar's mask is the caller's (bitmask [B, W]): verification masks each row with
+        the state after its drafts, not the state's own."""
+        processed = self._process(logits, requests, states, bitmask).float()
         probs = processed.softmax(dim=-1)
         greedy_rows = [r.sampling_params.temperature < SAMPLING_EPS for r in requests]
         if any(greedy_rows):
@@ -261,22 +276,26 @@ class Sampler:
 
     # -- pipeline --------------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, requests: Sequence[Request],
-                 states: Sequence[SamplerState]) -> torch.Tensor:
-        """Penalties, logit_bias, temperature, top-k, top-p, min-p on a float32 copy of
-        logits [B, V] (the logits themselves when every row is greedy with neither penalties
-        nor a logit_bias)."""
+                 states: Sequence[SamplerState], bitmask: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """Penalties, logit_bias, the grammar's bitmask [B, W], temperature, top-k, top-p,
+        min-p on a float32 copy of logits [B, V] (the logits themselves, or a masked copy in
+        their dtype, when every row is greedy with neither penalties nor a logit_bias)."""
         self._check(logits, requests, states)
         params = [r.sampling_params for r in requests]
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         bias_rows = [i for i, p in enumerate(params) if p.has_logit_bias]
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         if not pen_rows and not bias_rows and all(greedy):
-            return logits  # argmax alone: no float copy of [B, V] (bf16 is fine)
+            # argmax alone: no float copy of [B, V] (bf16 is fine), but never past the mask
+            return logits if bitmask is None else apply_bitmask(logits, bitmask)
         out = logits.float()
         if pen_rows:
             out = self._penalise(out, params, states, pen_rows)
         if bias_rows:  # after the penalties, before temperature (module docstring)
             out = self._add_bias(out, states, bias_rows)
+        if bitmask is not None:  # after the bias: +100 cannot lift a forbidden token
+            out = apply_bitmask(out, bitmask)
         dev, vocab = logits.device, logits.shape[-1]
 
         def per_row(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -26,6 +26,13 @@ rejection the token is drawn from norm(max(0, p - q)); after k acceptances a bon
 drawn from p. The emitted tokens are distributed exactly as the target's sampling (p is the
 sampler's own processed distribution: temperature, top-k/p, min-p).
 
+Grammars (structured outputs). Drafts are made without the grammar; verification masks each
+verify row of a grammar request with the matcher's state after the drafts before it
+(GrammarState.fill_drafts), so a forbidden draft is never its row's masked argmax (greedy) and
+has target probability 0 (rejection sampling): the output is the non-speculative one. A draft
+that ends the grammar (a stop token) is the last token emitted. The device-side verify of
+verify_ahead.py takes no grammar request (its argmax is unmasked).
+
 Known limits: requests with penalties, a logit_bias or logprobs are not drafted for (their
 MTP KV is kept current, they decode one token per step); the MTP KV at the last position of a
 prefix-cache hit was computed with the original request's next token (affects acceptance,
@@ -44,6 +51,7 @@ from pdserve.engine.exec.device_io import rows_of
 from pdserve.engine.exec.sampler import SAMPLING_EPS, Sampler, SamplerState, mix_seed
 from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.spec.draft_graphs import DraftGraphs, DraftRow
+from pdserve.engine.structured.matcher import apply_bitmask, host_bitmask
 
 _DRAFT_SALT = 0x6D7470  # draft-sampling generator seed salt ("mtp")
 
@@ -177,6 +185,7 @@ class SpecDecoder:
         verify rows end there. Returns the emitted tokens per request (1 to k+1 of them)."""
         rows = [r for _, drafts, last in items for r in range(last - len(drafts), last + 1)]
         logits = self.model.compute_logits(rows_of(hidden, rows))
+        logits, limits = self._mask_grammars(items, states, logits)
         out: dict[str, list[int]] = {}
         greedy = [i for i, (req, _, _) in enumerate(items)
                   if req.sampling_params.temperature < SAMPLING_EPS]
@@ -191,9 +200,30 @@ class SpecDecoder:
                           else greedy_accept(drafts, argmax[span]))
             else:
                 tokens = self._verify_random(req, drafts, logits[span], states[i])
-            self.stats.record(k, len(tokens) - 1)
+            accepted = len(tokens) - 1
+            if limits[i] is not None and limits[i][1] and accepted >= limits[i][0]:
+                accepted = limits[i][0]  # the grammar ended at this draft: nothing follows
+                tokens = tokens[:accepted]
+            self.stats.record(k, accepted)
             out[req.request_id] = tokens
         return out
+
+    @staticmethod
+    def _mask_grammars(items: list[tuple[Request, list[int], int]], states: list[SamplerState],
+                       logits: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, bool] | None]]:
+        """logits [R, V] of the verify rows, each grammar request's k + 1 rows masked by its
+        matcher after the drafts before them; per item, (drafts the grammar accepts, whether
+        the last of them ends it), or None without a grammar. Unchanged without grammars."""
+        if all(st.grammar is None for st in states):
+            return logits, [None] * len(items)
+        bitmask = host_bitmask(logits.shape[0], logits.shape[-1])  # [R, W], all allowed
+        limits: list[tuple[int, bool] | None] = []
+        row = 0
+        for (_, drafts, _), st in zip(items, states):
+            limits.append(None if st.grammar is None else st.grammar.fill_drafts(bitmask, row,
+                                                                                  drafts))
+            row += len(drafts) + 1
+        return apply_bitmask(logits, bitmask), limits
 
     def _verify_random(self, req: Request, drafts: list[int], logits: torch.Tensor,
                        state: SamplerState) -> list[int]:
@@ -227,6 +257,8 @@ class SpecDecoder:
         if k <= 0 or not _speculable(req):
             return 0
         p = req.sampling_params
+        if p.has_grammar and self.spec.forced_acceptance:  # would emit what the grammar forbids
+            return 0
         if not p.ignore_eos and any(t in self.eos for t in emitted):
             return 0
         if any(t in p.stop_token_ids for t in emitted):

@@ -3,8 +3,9 @@
 The general path (SpecDecoder.verify, then SpecDecoder.propose) reads the target's argmax on
 the host before it stages the MTP drafting, so the GPU sits idle for one host round trip in
 every speculative step (~0.2-0.5 ms on an H100 at batch 1, bench/results/diag_spec_*). When a
-step is uniform -- every request greedy, verifying the same k drafts in q = k + 1 rows laid out
-in order -- and static drafting fits, everything is queued behind the verify forward instead:
+step is uniform -- every request greedy without a grammar, verifying the same k drafts in
+q = k + 1 rows laid out in order -- and static drafting fits, everything is queued behind the
+verify forward instead:
 
     GPU   verify forward -> LM head, argmax [B, q] (copied to the host on a side stream)
           -> acceptance: accepted n [B] and the drafting's inputs derived from it, one kernel
@@ -87,6 +88,7 @@ class VerifyAhead:
         q = k + 1
         if k < 1 or hidden.shape[0] != B * q or any(
                 len(d) != k or last != i * q + k or r.sampling_params.temperature >= SAMPLING_EPS
+                or r.sampling_params.has_grammar  # its argmax is unmasked: spec.verify masks
                 for i, (r, d, last) in enumerate(items)):
             return None
         rows = [DraftRow(r, start, [0] * q) for (r, _, _), start in zip(items, starts)]

@@ -9,12 +9,15 @@ import asyncio
 import json
 import re
 import time
+from typing import Literal
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
@@ -174,6 +177,76 @@ def test_logit_bias_forces_and_bans_tokens_on_both_sides_of_the_split(server, cl
                                      extra_body={"ignore_eos": True},
                                      logit_bias={str(t): b for t, b in banned.items()})
     assert http.choices[0].text == biased_text
+
+
+class Pick(BaseModel):
+    color: Literal["red", "green", "blue"]
+    count: int = Field(ge=0, le=100)
+
+
+def test_structured_outputs_through_the_split(server, client):
+    """response_format (the openai client's parse with a pydantic model) and vLLM's
+    structured_outputs: P samples token 0 under the grammar, D replays it and goes on."""
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Pick a color and a count as JSON."}]
+    done = client.chat.completions.parse(model=model, messages=msgs, response_format=Pick,
+                                         max_tokens=48, temperature=0)
+    assert isinstance(done.choices[0].message.parsed, Pick)
+    assert done.choices[0].finish_reason == "stop"
+    choice = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=16, temperature=0.7, seed=1,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe so"]}})
+    assert choice.choices[0].message.content in ("yes", "no", "maybe so")
+    with make_channel(server.grpc_address) as ch:
+        req = pb.GenerateRequest(prompt="My phone number is", params=pb.SamplingParams(
+            max_tokens=24, temperature=0, structured_output=pb.StructuredOutput(
+                regex=r" [0-9]{3}-[0-9]{4}")))
+        msgs_ = list(pbg.PdserveStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=120))
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", "".join(m.text for m in msgs_))
+
+
+def test_forced_tool_calls_parse_and_stream(client):
+    """tool_choice "required" and a named function: the call's arguments are JSON matching
+    the tool's schema (the grammar forced them), finish_reason "tool_calls", and the streamed
+    tool-call deltas assemble into the same call."""
+    params = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                 "required": ["zone"]}}}]
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kw = dict(model=model, messages=msgs, tools=tools, tool_choice=choice, max_tokens=64,
+                  temperature=0, parallel_tool_calls=False)
+        out = client.chat.completions.create(**kw).choices[0]
+        [call] = out.message.tool_calls
+        assert out.finish_reason == "tool_calls" and call.id.startswith("call_")
+        if choice != "required":
+            assert call.function.name == "get_weather"
+        schema = next(t["function"]["parameters"] for t in tools
+                      if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        streamed: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+            for tc in delta.tool_calls or []:
+                acc = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
+                acc["name"] += tc.function.name or ""
+                acc["arguments"] += tc.function.arguments or ""
+        assert streamed == {0: {"name": call.function.name,
+                                "arguments": call.function.arguments}}
+        assert finish == "tool_calls"
+    # the call and its result go back through the chat template (SmolLM2's renders neither
+    # tools nor tool_calls: they are rendered in the call format)
+    follow = client.chat.completions.create(model=model, tools=tools, max_tokens=8,
+                                            temperature=0, messages=[
+        *msgs, {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD)
