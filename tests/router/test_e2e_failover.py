@@ -69,6 +69,18 @@ def one_request(server, i: int) -> str:
     return "ok"
 
 
+def test_structured_outputs_and_tools_without_mtp(server):
+    """test_e2e_serve.py runs these with MTP on; this server runs without it."""
+    import openai
+
+    from tests.router import test_e2e_serve as with_mtp
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=300)
+    with_mtp.test_nested_schemas_validate_streamed_or_not(client)
+    with_mtp.test_forced_tool_calls_parse_and_stream(client)
+
+
 def test_killed_prefill_worker_retry_no_leak_and_rejoin(server):
     before = health_workers(server)
     victim = before["prefill-1"]

@@ -54,7 +54,10 @@ ROUTER_NAMES = ("time_to_first_token_seconds", "inter_token_latency_seconds",
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServeProcess(["--prefill", "1", "--decode", "1", "--max-num-seqs", "64"], api_key=KEY,
+    # MTP on (SmolLM2's shipped head, k=2): every test here runs the speculative path across
+    # the split; test_e2e_failover.py's server runs without it
+    srv = ServeProcess(["--prefill", "1", "--decode", "1", "--max-num-seqs", "64",
+                        "--speculative", "mtp", "--num-speculative-tokens", "2"], api_key=KEY,
                        cluster_secret=SECRET)
     yield srv
     srv.stop()
@@ -182,6 +185,53 @@ def test_logit_bias_forces_and_bans_tokens_on_both_sides_of_the_split(server, cl
 class Pick(BaseModel):
     color: Literal["red", "green", "blue"]
     count: int = Field(ge=0, le=100)
+
+
+class Item(BaseModel):
+    name: str = Field(max_length=12)
+    qty: int = Field(ge=1, le=9)
+
+
+class Order(BaseModel):
+    """Nested objects, an array, an enum, bounded numbers and a nullable field."""
+    kind: Literal["pickup", "delivery"]
+    items: list[Item] = Field(min_length=1, max_length=2)
+    total: float = Field(ge=0, le=1000)
+    note: str | None = Field(max_length=16)
+
+
+# an optional property (not in "required"), for the raw json_schema path
+ORDER_SCHEMA = {"type": "object", "properties": {
+    "kind": {"enum": ["pickup", "delivery"]},
+    "items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["name", "qty"], "additionalProperties": False}},
+    "total": {"type": "integer", "minimum": 0, "maximum": 1000},
+    "note": {"type": "string", "maxLength": 16}},
+    "required": ["kind", "items", "total"], "additionalProperties": False}
+
+
+def test_nested_schemas_validate_streamed_or_not(client):
+    """chat.completions.parse with a nested pydantic model, and a raw json_schema with an
+    optional property, streamed and not: every output validates against its schema."""
+    import jsonschema
+
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Order two pizzas as JSON."}]
+    done = client.chat.completions.parse(model=model, messages=msgs, response_format=Order,
+                                         max_tokens=160, temperature=0)
+    order = done.choices[0].message.parsed
+    assert isinstance(order, Order) and done.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done.choices[0].message.content), Order.model_json_schema())
+    fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER_SCHEMA}}
+    plain = client.chat.completions.create(model=model, messages=msgs, response_format=fmt,
+                                           max_tokens=160, temperature=0)
+    chunks = client.chat.completions.create(model=model, messages=msgs, response_format=fmt,
+                                            max_tokens=160, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == plain.choices[0].message.content
+    jsonschema.validate(json.loads(streamed), ORDER_SCHEMA)
 
 
 def test_structured_outputs_through_the_split(server, client):
