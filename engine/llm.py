@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.core.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.model.fp8_convert import has_fp8
 from pdserve.engine.model.loader import load_model, resolve_model
 from pdserve.engine.model.weights import as_dtype
 from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
@@ -65,7 +66,10 @@ def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> L
 
         backend = TritonAttentionBackend()
     net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=args.seed,
-                                           backend=backend)
+                                           backend=backend, quantization=args.quantization)
+    if args.use_triton and has_fp8(net):  # the GEMV / fused-MoE kernels read float weights
+        raise ConfigError("quantization: FP8 weights run on the torch path only until the FP8 "
+                          "kernels land; turn use_triton off")
     net.use_fused_ops(args.use_triton)
     spec = args.spec_config()
     head, head_id = None, ""

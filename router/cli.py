@@ -51,6 +51,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="draft over the lowest N token ids (+ EOS) only, as SGLang's "
                         "--speculative-token-map: a cheaper draft LM head, verification "
                         "unchanged (with --speculative mtp; default: the full vocabulary)")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: quantize a float checkpoint's linear layers block-wise (128x128 "
+                        "e4m3) at load; FP8 checkpoints load as FP8 without it (default: none)")
 
 
 def check_speculative(args: argparse.Namespace, check_files: bool = True) -> str | None:
@@ -79,6 +82,7 @@ def engine_args(args: argparse.Namespace, **fields: object) -> EngineArgs:
     return EngineArgs(model=args.model, speculative=args.speculative,
                       num_speculative_tokens=args.num_speculative_tokens,
                       mtp_head=args.mtp_head, draft_vocab=args.draft_vocab,
+                      quantization=getattr(args, "quantization", None),
                       **fields)  # type: ignore[arg-type]
 
 

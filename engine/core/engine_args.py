@@ -21,6 +21,7 @@ from pdserve.engine.core.config import (
 )
 
 OVERLAP_MODES = ("auto", "on", "off")
+QUANTIZATIONS = ("fp8",)
 
 
 def _is_int(value: object) -> bool:
@@ -54,6 +55,10 @@ class EngineArgs:
     num_speculative_tokens: int | None = None  # k; None = the SpecConfig's
     mtp_head: str | None = None  # a train-mtp file; None = the model's own / shipped head
     draft_vocab: int | None = None  # draft over N token ids only (SpecConfig.draft_vocab)
+    # "fp8": a float checkpoint or preset quantized block-wise (128x128 e4m3) at load; FP8
+    # checkpoints (quantization_config) load as FP8 without it. The FP8 weights run on the
+    # torch path (dequantized per forward) until the FP8 kernels land: no use_triton yet.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.speculative == "none":  # the CLI's spelling of off
@@ -69,6 +74,9 @@ class EngineArgs:
         if self.overlap_decode not in OVERLAP_MODES:
             raise ConfigError(f"overlap_decode: must be one of {OVERLAP_MODES}, "
                               f"got {self.overlap_decode!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ConfigError(f"quantization: must be one of {QUANTIZATIONS} or None, "
+                              f"got {self.quantization!r}")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -17,6 +17,7 @@ import torch
 from pdserve.engine.core.config import ConfigError, ModelConfig
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
+from pdserve.engine.model.fp8_convert import quantize_model
 from pdserve.engine.model.presets import get_preset, is_preset, preset_names
 from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.engine.model.weights import (
@@ -106,13 +107,24 @@ def resolve_model(name_or_path: str | None) -> ModelSource:
 
 def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", *, backend: AttentionBackend | None = None,
-               seed: int = 0, progress: bool | None = None
+               seed: int = 0, progress: bool | None = None, quantization: str | None = None
                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Model (in eval mode, no grads), its config and its tokenizer (None for presets, which
-    have random weights and no vocabulary)."""
+    have random weights and no vocabulary). quantization "fp8": the linears and experts of a
+    float model quantized block-wise (128x128) after loading; an FP8 checkpoint stays as is."""
+    if quantization not in (None, "fp8"):
+        raise ConfigError(f"quantization: {quantization!r} is not supported (fp8 or None)")
+    model, cfg, tokenizer = _load_model(source, as_dtype(dtype), device, backend, seed, progress)
+    if quantization == "fp8":
+        quantize_model(model)
+    return model, cfg, tokenizer
+
+
+def _load_model(source: ModelSource | str | None, dtype: torch.dtype,
+                device: torch.device | str, backend: AttentionBackend | None, seed: int,
+                progress: bool | None) -> tuple[Model, ModelConfig, Tokenizer | None]:
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
-    dtype = as_dtype(dtype)
     if source.kind == "gguf":
         reader = open_gguf(source.path)  # parsed once, shared by weights and tokenizer
         model, cfg = load_gguf(reader, dtype, device, backend, progress)

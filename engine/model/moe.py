@@ -47,12 +47,26 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SiLU-gated MLPs stacked: w13 [E, 2I, H] = gate rows over up rows, w2 [E, H, I]."""
+    """E SiLU-gated MLPs stacked: w13 [E, 2I, H] = gate rows over up rows, w2 [E, H, I].
+    FP8 (engine/model/fp8.py): w13/w2 float8_e4m3fn with per-expert scale grids w13_scale
+    [E, ceil(2I / bn), ceil(H / bk)] and w2_scale, in blocks[0] and blocks[1]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.register_parameter("w13_scale", None)
+        self.register_parameter("w2_scale", None)
+        self.blocks: tuple[tuple[int, int], tuple[int, int]] | None = None
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in `dtype`: FP8 ones dequantized (all experts; the torch reference path)."""
+        if self.w13_scale is None:
+            return self.w13, self.w2
+        from pdserve.engine.model.fp8 import dequantize
+
+        return (dequantize(self.w13, self.w13_scale, self.blocks[0], dtype),
+                dequantize(self.w2, self.w2_scale, self.blocks[1], dtype))
 
 
 class MoEBlock(nn.Module):
@@ -80,13 +94,15 @@ class MoEBlock(nn.Module):
     def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sum over the top_k experts of weight * expert(x), [T, H] in x.dtype."""
         bias = self.gate.e_score_correction_bias
-        kernel = fused_moe_kernel() if self.fused else None
+        # FP8 experts take the reference path until the fused kernel reads FP8 (fp8.py)
+        fp8 = self.experts.w13_scale is not None
+        kernel = fused_moe_kernel() if self.fused and not fp8 else None
         if kernel is not None:  # the seam: router, grouped GEMMs and the top-k sum fused
             return kernel(x, self.gate.weight, self.experts.w13, self.experts.w2, self.top_k,
                           correction_bias=bias, **self.routing)
         weights, ids = moe_route_ref(x, self.gate.weight, self.top_k, correction_bias=bias,
                                      **self.routing)  # [T, top_k] each
-        return moe_experts_ref(x, self.experts.w13, self.experts.w2, weights, ids)
+        return moe_experts_ref(x, *self.experts.dense(x.dtype), weights, ids)
 
 
 def fused_moe_kernel() -> Callable[..., torch.Tensor] | None:

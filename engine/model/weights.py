@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.engine.core.config import ConfigError, ModelConfig, RopeScaling
+from pdserve.engine.model import fp8, fp8_convert
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.families import hf_model_config
@@ -42,11 +43,15 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
-                device: torch.device | str = "cpu", backend: AttentionBackend | None = None) -> Model:
-    """An uninitialised Model allocated once in `dtype` on `device` (built on meta first)."""
+                device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
+                quant: fp8.QuantSpec | None = None) -> Model:
+    """An uninitialised Model allocated once in `dtype` on `device` (built on meta first);
+    with `quant`, its linears and experts in that checkpoint's FP8 layout (fp8.py)."""
     with torch.device("meta"):
-        model = Model(cfg, backend)
-    model = cast_model(model, as_dtype(dtype)).to_empty(device=torch.device(device))
+        model = cast_model(Model(cfg, backend), as_dtype(dtype))
+        if quant is not None:  # after the cast, which would turn FP8 into `dtype`
+            fp8_convert.convert_empty(model, quant)
+    model = model.to_empty(device=torch.device(device))
     model.tie_weights()  # to_empty replaced the parameters, which unties them
     return model.requires_grad_(False).eval()
 
@@ -84,7 +89,8 @@ def _show_progress(cfg: ModelConfig, progress: bool | None) -> bool:
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 # a MoE block's per-expert tensors -> our stacked w13 [E, 2I, H] (gate rows over up) / w2
-_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT = re.compile(
+    r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)")
 _EXPERT_PART = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 # transformers 5's in-memory stacking under its own names, should a checkpoint carry it
 _STACKED = {"experts.gate_up_proj": "experts.w13", "experts.down_proj": "experts.w2"}
@@ -96,9 +102,11 @@ class _Sink:
     Every tensor lands in its slice of the preallocated parameters (merged projections,
     stacked experts), so loading never holds more than the model and one tensor."""
 
-    def __init__(self, model: torch.nn.Module, source: str) -> None:
+    def __init__(self, model: torch.nn.Module, source: str,
+                 quant: fp8.QuantSpec | None = None) -> None:
         cfg = model.config
-        self.model, self.source = model, source
+        self.model, self.source, self.quant = model, source, quant
+        self.blocks = fp8_convert.scale_blocks(model)  # FP8 scale parameter -> its block
         self.params = dict(model.named_parameters())  # a tied lm_head is not listed (shared)
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = [(0, q), (q, kv), (q + kv, kv)]  # rows of q, k and v in qkv_proj
@@ -106,7 +114,12 @@ class _Sink:
 
     def _slices(self, pname: str) -> list[Slice]:
         """The pieces that separate checkpoint tensors fill of parameter `pname`, in shard
-        order; [] when one tensor fills it whole."""
+        order; [] when one tensor fills it whole. A scale grid's pieces are its weight's, in
+        rows of the grid."""
+        block = self.blocks.get(pname)
+        if block is not None:
+            return [(label, e, start // block[0], -(-n // block[0]))
+                    for label, e, start, n in self._slices(pname.removesuffix("_scale"))]
         shape = self.params[pname].shape
         module, leaf = pname.rsplit(".", 2)[-2:]
         if module == "qkv_proj":
@@ -127,7 +140,8 @@ class _Sink:
         if m is not None:
             leaf, half = _EXPERT_PART[m.group(3)]
             e = int(m.group(2))
-            return f"{m.group(1)}.{leaf}", 2 * e + half if leaf == "w13" else e
+            scale = "_scale" if m.group(4) == "weight_scale" else ""
+            return f"{m.group(1)}.{leaf}{scale}", 2 * e + half if leaf == "w13" else e
         for theirs, ours in _STACKED.items():
             if name.endswith("." + theirs):
                 return name.removesuffix(theirs) + ours, -1
@@ -141,7 +155,9 @@ class _Sink:
     def load(self, name: str, tensor: torch.Tensor) -> None:
         if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
             return  # some tied checkpoints store the head too; the embedding is the same matrix
-        pname, shard = self._target(name)
+        # block-wise checkpoints' weight_scale_inv multiplies, like compressed-tensors' weight_scale
+        pname, shard = self._target(name.removesuffix("_inv") if name.endswith(
+            ".weight_scale_inv") else name)
         param = self.params.get(pname)
         slices = self._slices(pname) if param is not None else []
         if param is None or shard >= len(slices):
@@ -150,11 +166,29 @@ class _Sink:
         if shard >= 0:
             _, expert, start, size = slices[shard]
             dest = (dest if expert is None else dest[expert]).narrow(0, start, size)
+        if pname in self.blocks:
+            tensor = self._scale(name, tensor, pname, shard)
+        elif (tensor.dtype == fp8.FP8_DTYPE) != (dest.dtype == fp8.FP8_DTYPE):
+            raise WeightsError(f"{self.source}: tensor {name!r} is {tensor.dtype}, expected "
+                               f"{dest.dtype} (quantization_config says which modules are FP8)")
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightsError(f"{self.source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                f"expected {tuple(dest.shape)}")
         dest.copy_(tensor)
         self.loaded.add((pname, shard))
+
+    def _scale(self, name: str, tensor: torch.Tensor, pname: str, shard: int) -> torch.Tensor:
+        """A checkpoint scale tensor, checked against its weight's shape and turned into its
+        rows of our grid (fp8.scale_rows)."""
+        wname = pname.removesuffix("_scale")
+        rows, cols = self.params[wname].shape[-2:]
+        if shard >= 0:
+            rows = self._slices(wname)[shard][3]
+        src = self.quant.source_block(rows, cols)
+        problem = fp8.source_scale_problem(tensor, rows, cols, src)
+        if problem is not None:
+            raise WeightsError(f"{self.source}: tensor {name!r} {problem}")
+        return fp8.scale_rows(tensor, rows, cols, src, self.blocks[pname])
 
     def finish(self) -> None:
         missing = []
@@ -166,13 +200,26 @@ class _Sink:
                         if (pname, s) not in self.loaded] if slices else [pname]
         if missing:
             more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise WeightsError(f"{self.source}: missing tensors {missing[:5]}{more}")
+            scales = " (weight_scale: the checkpoint's weight_scale_inv / weight_scale)" \
+                if any("_scale" in m for m in missing) else ""
+            raise WeightsError(f"{self.source}: missing tensors {missing[:5]}{more}{scales}")
 
 
 # -- Hugging Face folders -------------------------------------------------------------------------
 
+def quant_from_hf(d: dict, source: str) -> fp8.QuantSpec | None:
+    """config.json's quantization_config (fp8.parse_quant_config), or None."""
+    try:
+        return fp8.parse_quant_config(d.get("quantization_config"))
+    except ConfigError as e:
+        raise WeightsError(f"{source}: {e}") from e
+
+
 def config_from_hf(d: dict, source: str) -> ModelConfig:
-    """config.json -> ModelConfig through its family (engine/model/families.py)."""
+    """config.json -> ModelConfig through its family (engine/model/families.py). A supported
+    quantization_config is checked here and read by quant_from_hf; it changes no shape."""
+    quant_from_hf(d, source)
+    d = {k: v for k, v in d.items() if k != "quantization_config"}
     try:
         return hf_model_config(d)
     except KeyError as e:
@@ -182,9 +229,14 @@ def config_from_hf(d: dict, source: str) -> ModelConfig:
 
 
 def read_hf_config(folder: str | Path) -> ModelConfig:
+    return read_hf_config_quant(folder)[0]
+
+
+def read_hf_config_quant(folder: str | Path) -> tuple[ModelConfig, fp8.QuantSpec | None]:
     path = Path(folder) / "config.json"
     try:
-        return config_from_hf(json.loads(path.read_text()), str(path))
+        d = json.loads(path.read_text())
+        return config_from_hf(d, str(path)), quant_from_hf(d, str(path))
     except FileNotFoundError as e:
         raise WeightsError(f"{path}: config.json does not exist") from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -229,10 +281,13 @@ def load_hf(folder: str | Path, dtype: torch.dtype | str = torch.float32,
     folder = Path(folder)
     if not folder.is_dir():
         raise WeightsError(f"{folder}: model folder does not exist")
-    cfg = read_hf_config(folder)
+    cfg, quant = read_hf_config_quant(folder)
     files = _safetensors_files(folder)
-    model = empty_model(cfg, dtype, device, backend)
-    sink = _Sink(model, str(folder))
+    try:
+        model = empty_model(cfg, dtype, device, backend, quant)
+    except ConfigError as e:  # quantization_config's module lists against this model
+        raise WeightsError(f"{folder / 'config.json'}: {e}") from e
+    sink = _Sink(model, str(folder), quant)
     bar = tqdm(desc=f"loading {folder.name}", unit="tensor", disable=not _show_progress(cfg, progress))
     for name, tensor in _iter_safetensors(files):
         if name.endswith("rotary_emb.inv_freq"):
