@@ -3,7 +3,14 @@
 contract; the pieces are kernels.moe_route, kernels.moe_align and kernels.moe_gemm.
 
 Launches per MoE layer and step: fused_moe 4 (route, align + counter zeroing, gate_up,
-down); fused_experts (routing precomputed, e.g. by torch for a prefill batch) 3 per chunk.
+down), 3 for decode-sized batches (route + align + counter zeroing in one launch:
+kernels.moe_route.route_aligns); fused_experts (routing precomputed, e.g. by torch for a
+prefill batch) 3 per chunk. gate_up and down are programmatic dependent launches (PDL)
+behind the pdserve kernel before them. H200, Qwen3-30B-A3B, batch 1, CUDA-graph replay of
+8 layers: 34.9 us per MoE block with 4 launches, 33.5 with 3. In the whole decode step
+(3.64 -> 3.48 ms) router + alignment went from 0.75 to 0.31 ms of the critical path, but
+gate_up's share rose from 0.74 to 0.97 ms (bench/results/moe_h200_2026-11-25.json,
+moe_h200_2026-11-25_tuned.json; not yet explained).
 Nothing synchronises with the host and every shape depends on T only, so a decode step can
 be captured in a CUDA graph. Experts without tokens cost nothing (kernels.moe_align).
 
@@ -21,7 +28,7 @@ import torch
 from pdserve.kernels._triton import FLOAT_DTYPES, check_launchable, check_tensor
 from pdserve.kernels.moe_align import moe_align
 from pdserve.kernels.moe_gemm import MoeConfig, down_counters, moe_down, moe_gate_up, pick_moe_config
-from pdserve.kernels.moe_route import RouteConfig, moe_route
+from pdserve.kernels.moe_route import RouteConfig, moe_route, moe_route_align, route_aligns
 
 # The down GEMM's deterministic top-k sum keeps fp32 rows [T * top_k, H]; batches beyond this
 # many bytes of them run in token chunks (each chunk reads the experts' weights again): at
@@ -34,11 +41,10 @@ def chunk_tokens(H: int, top_k: int) -> int:
     return max(1, SCRATCH_BYTES // (4 * H * top_k))
 
 
-def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("x", x)
-    T, H = x.shape
+    H = x.shape[1]
     check_tensor("w13", w13, shape=(None, None, H), dtypes=(x.dtype,), device=x.device,
                  last_contiguous=True)
     E, two_i, _ = w13.shape
@@ -46,6 +52,12 @@ def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"w13: expected [E, 2I, H] with E >= 1, got {tuple(w13.shape)}")
     check_tensor("w2", w2, shape=(E, H, two_i // 2), dtypes=(x.dtype,), device=x.device,
                  last_contiguous=True)
+
+
+def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    _check_weights(x, w13, w2)
+    T = x.shape[0]
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
                  device=x.device)
     check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtypes=FLOAT_DTYPES,
@@ -71,7 +83,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     step = max_chunk or chunk_tokens(H, top_k)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        cfg = config or pick_moe_config((t1 - t0) * top_k, E, H, w2.shape[2], x.element_size())
+        cfg = config or pick_moe_config((t1 - t0) * top_k, E, H, w2.shape[2], x.element_size(),
+                                        x.device)
         _experts_chunk(x[t0:t1], w13, w2, topk_weights[t0:t1], topk_ids[t0:t1], out[t0:t1], cfg)
     return out
 
@@ -81,13 +94,27 @@ def _experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    cfg: MoeConfig) -> None:
     """align (zeroing the down GEMM's counters in the same launch), gate_up, down into out."""
     T, top_k = topk_ids.shape
-    counters = None
-    if top_k > 1:
-        counters = torch.empty(down_counters(T, x.shape[1], cfg), dtype=torch.int32,
-                               device=x.device)
+    counters = _counters(T, x.shape[1], top_k, cfg, x.device)
     sorted_ids, expert_ids, _ = moe_align(topk_ids, w13.shape[0], cfg.block_m, zero=counters)
-    act = moe_gate_up(x, w13, sorted_ids, expert_ids, top_k, cfg)
-    moe_down(act, w2, topk_weights, sorted_ids, expert_ids, cfg, out=out, counters=counters)
+    _gemms(x, w13, w2, topk_weights, sorted_ids, expert_ids, out, counters, cfg)
+
+
+def _counters(T: int, H: int, top_k: int, cfg: MoeConfig, device: torch.device
+              ) -> torch.Tensor | None:
+    """The down GEMM's arrival counters (zeroed by the alignment's launch); none for top-1."""
+    if top_k == 1:
+        return None
+    return torch.empty(down_counters(T, H, cfg), dtype=torch.int32, device=device)
+
+
+def _gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           sorted_ids: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor,
+           counters: torch.Tensor | None, cfg: MoeConfig) -> None:
+    """gate_up then down into out, each a programmatic dependent launch behind the pdserve
+    kernel before it (alignment, gate_up): scheduled while that one drains."""
+    act = moe_gate_up(x, w13, sorted_ids, expert_ids, topk_weights.shape[1], cfg, pdl=True)
+    moe_down(act, w2, topk_weights, sorted_ids, expert_ids, cfg, out=out, counters=counters,
+             pdl=True)
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
@@ -98,13 +125,38 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
               max_chunk: int | None = None) -> torch.Tensor:
     """The MoE block's routed experts for x [T, H]: moe_route (router_weight [E, H] and the
     routing arguments as kernels.reference.moe_route_ref) then fused_experts. Returns a new
-    [T, H] in x.dtype. 4 launches for a batch of up to chunk_tokens(H, top_k) tokens."""
+    [T, H] in x.dtype. 4 launches for a batch of up to chunk_tokens(H, top_k) tokens; 3 for
+    decode-sized batches (route_aligns: the router's launch aligns the pairs too)."""
     check_tensor("router_weight", router_weight, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("w13", w13, ndim=3, dtypes=FLOAT_DTYPES)
     if router_weight.shape[0] != w13.shape[0]:
         raise ValueError(f"router_weight: {router_weight.shape[0]} experts, w13 has "
                          f"{w13.shape[0]}")
-    topk_weights, topk_ids = moe_route(x, router_weight, top_k, scoring, correction_bias,
-                                       n_group, topk_group, renormalize, routed_scaling,
-                                       config=route_config)
+    routing = dict(scoring=scoring, correction_bias=correction_bias, n_group=n_group,
+                   topk_group=topk_group, renormalize=renormalize, routed_scaling=routed_scaling)
+    T, H = x.shape if isinstance(x, torch.Tensor) and x.dim() == 2 else (0, 0)
+    E = w13.shape[0]
+    device = x.device if isinstance(x, torch.Tensor) else None
+    if route_aligns(T, E, H, top_k, route_config, device) and \
+            T <= (max_chunk or chunk_tokens(H, top_k)):
+        return _fused_decode(x, router_weight, w13, w2, top_k, routing, config, route_config)
+    topk_weights, topk_ids = moe_route(x, router_weight, top_k, config=route_config, **routing)
     return fused_experts(x, w13, w2, topk_weights, topk_ids, config=config, max_chunk=max_chunk)
+
+
+def _fused_decode(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, top_k: int, routing: dict, config: MoeConfig | None,
+                  route_config: RouteConfig | None) -> torch.Tensor:
+    """Decode-sized batches in 3 launches: route + align (+ counter zeroing), gate_up, down;
+    the router lets gate_up be scheduled early (PDL), gate_up lets down."""
+    _check_weights(x, w13, w2)
+    T, H = x.shape
+    E, inter = w13.shape[0], w2.shape[2]
+    cfg = config or pick_moe_config(T * top_k, E, H, inter, x.element_size(), x.device)
+    counters = _counters(T, H, top_k, cfg, x.device)
+    wts, _, sorted_ids, expert_ids, _ = moe_route_align(
+        x, router_weight, top_k, cfg.block_m, zero=counters, config=route_config,
+        trigger_dependents=True, **routing)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    _gemms(x, w13, w2, wts, sorted_ids, expert_ids, out, counters, cfg)
+    return out

@@ -26,6 +26,7 @@ H100, bench/results/gemv_sweep_*.json).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -221,8 +222,42 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T,
         tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], acc, mask=out_mask)
 
 
-def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False
-                ) -> GemvConfig:
+# One-row (CUDA-core kernel) tiles measured on a device at given shapes, where they beat
+# pick_config's H100 rule by >= 3%: {device name fragment: {(N, K): (block_n, block_k,
+# num_warps)}}. Shapes not listed keep the rule (Qwen3-8B's were swept on the H100 and are
+# not listed). Re-measure with `python -m bench.lab.bench_moe --sweep` ("sweep" -> "gemv").
+# H200 at Qwen3-30B-A3B's shapes (bench/results/moe_h200_2026-11-25_tuned.json, 7 tiles
+# each): o_proj 2048 x 4096 8.33 -> 6.96 us with whole-row-half K steps; qkv 5120 x 2048
+# kept the rule's 4 x 1024 (8.58 us; 2048-wide steps 10.6); lm_head 151936 x 2048 within 3%
+# (4 x 1024: 144.8 us = 4.3 TB/s, the rule's 8 x 1024: 148.1).
+DEVICE_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
+    "H200": {(2048, 4096): (4, 2048, 4)},
+}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_entry(tables: dict[str, dict], device: torch.device | None, key: object):
+    """tables[fragment][key] for the first fragment in this CUDA device's name, else None
+    (no device, the interpreter, another device, a key not listed). The per-device tile
+    tables of the decode kernels (here, kernels.moe_route, kernels.moe_gemm) use it."""
+    if device is None or device.type != "cuda" or interpreting():
+        return None
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return next((t.get(key) for frag, t in tables.items() if frag in name), None)
+
+
+def device_tile(N: int, K: int, device: torch.device | None) -> GemvConfig | None:
+    """The measured one-row tile of DEVICE_TILES for this device and shape, if any."""
+    tile = device_entry(DEVICE_TILES, device, (N, K))
+    return None if tile is None else GemvConfig(tile[0], tile[1], num_warps=tile[2])
+
+
+def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False,
+                device: torch.device | None = None) -> GemvConfig:
     """Tile for y[T, N] = a[T, K] @ W[N, K]^T. One row (the CUDA-core kernel), from a sweep on
     an H100 at Qwen3-8B's shapes (bench/results/gemv_sweep_h100_2026-11-22.json): 1024-wide K
     steps and 4 warps won everywhere, pipelining stages made no difference, 8 output columns
@@ -230,9 +265,13 @@ def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = Fal
     o); narrow matrices shrink BLOCK_N so at least ~2 programs per SM exist. Two or more rows
     (the tensor-core kernel): see pick_dot_config.
     The CPU interpreter runs one program at a time, so there few big tiles are fastest.
-    prefetch: the launch follows a latency-bound kernel (see gemv); the interpreter has no L2."""
+    prefetch: the launch follows a latency-bound kernel (see gemv); the interpreter has no L2.
+    device: one row takes that device's DEVICE_TILES entry for (N, K) where there is one."""
+    tile = device_tile(N, K, device) if T == 1 and elem_size <= 2 else None
     if T > 1:
         cfg = pick_dot_config(N, K, elem_size)
+    elif tile is not None:
+        cfg = tile
     elif interpreting():
         cfg = GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
     else:
@@ -322,7 +361,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     """
     _check(x, weight, prologue, residual, norm_weight, eps, add)
     T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
-    cfg = config or pick_config(N, K, T, x.element_size(), prefetch)
+    cfg = config or pick_config(N, K, T, x.element_size(), prefetch, x.device)
     if T > 1 and cfg.tensor_cores:
         return _gemv_rows(x, weight, prologue, residual, norm_weight, eps, add, cfg)
     if T > CUDA_CORE_ROWS:

@@ -39,7 +39,10 @@ from pdserve.kernels._triton import (
     interpreting,
     jit,
     next_pow2,
+    pdl_enter,
+    pdl_launch,
 )
+from pdserve.kernels.gemv import device_entry
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,13 @@ class MoeConfig:
     block_k_down: int  # steps over I
     num_warps: int = 4
     num_stages: int = 3
+    # the down GEMM's, where they differ from gate_up's (None: the same)
+    num_warps_down: int | None = None
+    num_stages_down: int | None = None
+
+    def down_launch(self) -> dict:
+        return {"num_warps": self.num_warps_down or self.num_warps,
+                "num_stages": self.num_stages_down or self.num_stages}
 
     def check(self) -> None:
         sizes = (self.block_m, self.block_n_up, self.block_k_up, self.block_n_down,
@@ -59,12 +69,32 @@ class MoeConfig:
             raise ValueError(f"config: tile sizes must be powers of 2 >= 16 (tl.dot), got {self}")
 
 
+# Tiles measured per device for decode batches (at most one pair per 4 experts: nearly every
+# block holds one row), where they beat pick_moe_config's rule by >= 3%: {device name
+# fragment: {(E, H, I): MoeConfig}} (kernels.gemv's device_entry; `python -m
+# bench.lab.bench_moe --sweep` measures them at batch 1, "gate_up" / "down"). H200,
+# Qwen3-30B-A3B at batch 1: none did. gate_up 16.0 us (3.1 TB/s of its 50 MB) with the rule's
+# 32 x 128, 64 x 128 15.6, 16-wide 18.6-19.0, 8 warps 17.8; down 11.75 us (counter zeroing
+# included) with 64 x 128, 32 x 128 on 2 warps 11.73, 16-wide 14.4; and the two best
+# together with the best router tile took 38.9 us per MoE block where the rule's took 33.5
+# (bench/results/moe_h200_2026-11-25_tuned.json).
+DEVICE_TILES: dict[str, dict[tuple[int, int, int], MoeConfig]] = {
+    "H200": {},
+}
+
+
 def pick_moe_config(num_pairs: int, num_experts: int, H: int, I: int,
-                    elem_size: int = 2) -> MoeConfig:
+                    elem_size: int = 2, device: torch.device | None = None) -> MoeConfig:
     """Decode (a few pairs per expert): 16-row blocks, the least padding tl.dot allows; prefill:
-    64-row blocks. GPU tiles after vLLM's fused_moe defaults (M <= E: 16 x 32/64 x 64-128), not
-    yet swept on the H200; fp32 halves the K step. The interpreter takes the biggest tiles that
-    the shapes use, so that it runs few programs."""
+    64-row blocks. GPU tiles after vLLM's fused_moe defaults (M <= E: 16 x 32/64 x 64-128);
+    at batch 1 on the H200 no swept tile beat them (see DEVICE_TILES); fp32 halves the K
+    step. The interpreter takes the biggest tiles that the shapes use, so that it runs few
+    programs. device: decode batches take that device's DEVICE_TILES entry for (E, H, I)
+    where there is one (16-bit weights)."""
+    if num_pairs * 4 <= num_experts and elem_size <= 2:
+        tile = device_entry(DEVICE_TILES, device, (num_experts, H, I))
+        if tile is not None:
+            return tile
     per_expert = num_pairs / max(1, num_experts)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
     if interpreting():
@@ -82,7 +112,8 @@ def pick_moe_config(num_pairs: int, num_experts: int, H: int, I: int,
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, N, H, I, stride_x,
                     stride_we, stride_wn, stride_act, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                    PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     e = tl.load(expert_ptr + b)
     if e < 0:  # past the last expert's blocks
@@ -115,7 +146,8 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, N, H, I, stri
 def _down_kernel(act_ptr, w_ptr, wts_ptr, out_ptr, part_ptr, count_ptr, sorted_ptr, expert_ptr,
                  N, H, I, stride_act, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     e = tl.load(expert_ptr + b)
     if e < 0:
@@ -176,10 +208,13 @@ def _check_blocks(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, cfg: MoeCo
 
 
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
-                expert_ids: torch.Tensor, top_k: int, config: MoeConfig) -> torch.Tensor:
+                expert_ids: torch.Tensor, top_k: int, config: MoeConfig, pdl: bool = False
+                ) -> torch.Tensor:
     """act [T * top_k, I] (x.dtype, pair order) = silu(x[t] @ gate_e.T) * (x[t] @ up_e.T) for
     x [T, H] (rows may be strided) and w13 [E, 2I, H] (gate rows over up rows), over the
-    blocks of kernels.moe_align(topk_ids, E, config.block_m). One kernel launch."""
+    blocks of kernels.moe_align(topk_ids, E, config.block_m). One kernel launch. pdl: a
+    programmatic dependent launch (only right after another pdserve Triton kernel: after a
+    cuBLAS GEMM, PDL broke CUDA-graph captures, see kernels.rmsnorm)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("x", x)
     check_tensor("w13", w13, shape=(None, None, x.shape[1]), dtypes=(x.dtype,), device=x.device,
@@ -200,7 +235,8 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
         x, w13, act, sorted_ids, expert_ids, T * top_k, H, inter, x.stride(0), w13.stride(0),
         w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n_up, BLOCK_K=config.block_k_up, PREC=dot_precision(x.dtype),
-        DOT_DTYPE=dot_dtype(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+        DOT_DTYPE=dot_dtype(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        **(pdl_launch(x) if pdl else {"USE_PDL": False}))
     return act
 
 
@@ -232,13 +268,14 @@ def _check_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
 
 def moe_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              sorted_ids: torch.Tensor, expert_ids: torch.Tensor, config: MoeConfig,
-             out: torch.Tensor | None = None, counters: torch.Tensor | None = None
-             ) -> torch.Tensor:
+             out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor:
     """out [T, H] = sum_j topk_weights[t, j] * (act[t * top_k + j] @ w2[e].T) in fp32, stored
     in act.dtype, for act [T * top_k, I] (moe_gate_up's), w2 [E, H, I], topk_weights
     [T, top_k] (contiguous, any float dtype). out: where to write (rows contiguous), default
     new. counters: down_counters(T, H, config) zeroed int32s (kernels.moe_align zeroes them
-    in its launch); default a torch.zeros (one more launch). One kernel launch."""
+    in its launch); default a torch.zeros (one more launch). One kernel launch; pdl as
+    moe_gate_up's."""
     _check_down(act, w2, topk_weights, out, counters, config)
     config.check()
     _check_blocks(sorted_ids, expert_ids, config, act.device)
@@ -257,6 +294,6 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
         act, w2, topk_weights, out, part, count, sorted_ids, expert_ids, T * top_k, H, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down,
-        PREC=dot_precision(act.dtype), DOT_DTYPE=dot_dtype(act.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        PREC=dot_precision(act.dtype), DOT_DTYPE=dot_dtype(act.dtype), **config.down_launch(),
+        **(pdl_launch(act) if pdl else {"USE_PDL": False}))
     return out

@@ -20,10 +20,17 @@ lanes never win):
            the sum of its best two choices, the topk_group best groups are kept and every
            other expert's choice is -inf (as transformers' GLM-4.5 / DeepSeek-V3 routers and
            the reference do); weights are s (no bias).
-  top-k by iterative max; weights / (sum + 1e-20 for sigmoid) if renormalize; * routed_scaling.
+  top-k by iterative max, one int64 max reduction per expert over keys that order like
+  (choice, -index) (_order_keys); weights / (sum + 1e-20 for sigmoid) if renormalize;
+  * routed_scaling.
 Ties: the lowest index wins, among experts and among groups alike (torch.topk leaves tie order
 unspecified; the tests use random data without ties). NaN choices count as -inf, so the ids
 are always valid experts.
+
+Decode batches (moe_route_align: one row block, at most MAX_ALIGN_PAIRS pairs): the program
+that selects also aligns the pairs for the grouped GEMMs (kernels.moe_align.align_few) and
+zeroes the down GEMM's counters, so the MoE block is 3 launches instead of 4, and it lets the
+next (PDL) launch be scheduled at its start.
 """
 from __future__ import annotations
 
@@ -42,13 +49,26 @@ from pdserve.kernels._triton import (
     interpreting,
     jit,
     next_pow2,
+    pdl_launch,
     scratch_fp32,
+)
+from pdserve.kernels.gemv import device_entry
+from pdserve.kernels.moe_align import (
+    MAX_FEW,
+    align_few,
+    alignment_buffers,
+    check_align_args,
+    few_chunk,
+    few_pairs,
+    zero_int32,
 )
 
 MAX_EXPERTS = 512  # selection holds [16, E_P] fp32 tiles in registers
 MAX_TOP_K = 16
+MAX_ALIGN_PAIRS = MAX_FEW  # moe_route_align: the (token, slot) pairs its last program aligns
 SCORINGS = ("softmax", "sigmoid")
 _BIG = tl.constexpr(2147483647)  # "no index": above every expert id
+_NO_KEY = tl.constexpr(-(2 ** 63))  # below every key of _order_keys (taken or padding)
 
 
 @dataclass(frozen=True)
@@ -63,15 +83,32 @@ class RouteConfig:
     tensor_cores: bool = False
 
 
-def pick_route_config(T: int, E: int, H: int) -> RouteConfig:
+# Batch-1 router tiles measured per device, where they beat pick_route_config's rule by
+# >= 3%: {device name fragment: {(E, H): (block_t, block_e, block_k, num_warps)}} (kernels.
+# gemv's device_entry; `python -m bench.lab.bench_moe --sweep` measures them, "route").
+# H200, Qwen3-30B-A3B (route + alignment in one launch, CUDA-graph replays): one expert per
+# program, the whole row in one step, 2 warps: 6.75 us; the rule's 2 x 512 with 4 warps 7.13;
+# 1 warp 7.5-8.5 (bench/results/moe_h200_2026-11-25_tuned.json).
+DEVICE_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
+    "H200": {(128, 2048): (1, 1, 2048, 2)},
+}
+
+
+def pick_route_config(T: int, E: int, H: int, device: torch.device | None = None
+                      ) -> RouteConfig:
     """The GEMV on the CUDA cores, 2-8 experts per program so that even a batch-1 router reads
     its weight from 32-128 SMs. From an H200 sweep over Qwen3-30B-A3B, GLM-4.5-Air and
     DeepSeek-V3 router shapes (E 128-256, H 2048-7168, fp32 weight, bf16 x; CUDA-graph
     replays): batch 1 6.6 / 7.3 / 13.5 us, batch 64 9.2 / 12.4 / 31 us, batch 256 20 / 30 /
     87 us. The tensor-core tiles (16 x 16, fp32 operands as tf32x3) took 28-45 us at every
     batch up to 256 (too few programs, each reading a 16-expert slice for 16 rows).
-    The interpreter takes 16 rows and all experts per program (it runs programs one by one)."""
+    The interpreter takes 16 rows and all experts per program (it runs programs one by one).
+    device: a batch of one takes that device's DEVICE_TILES entry for (E, H) where there is
+    one."""
     e_p = max(16, next_pow2(E))
+    tile = device_entry(DEVICE_TILES, device, (E, H)) if T == 1 else None
+    if tile is not None:
+        return RouteConfig(tile[0], tile[1], tile[2], num_warps=tile[3])
     if interpreting():
         return RouteConfig(16, e_p, min(32, max(16, next_pow2(H))))
     block_k = min(512, max(16, next_pow2(H)))
@@ -139,22 +176,45 @@ def _group_keep(choice, e, E, group_size, n_group, topk_group, BLOCK_T: tl.const
 
 
 @jit
+def _order_keys(choice, e):
+    """int64 keys that order like (choice, -index): one max reduction per selected expert
+    finds the best choice and breaks its ties to the lowest index (a max, a min over equal
+    choices and a sum per expert, as before, put 24 cross-warp reductions in a top-8).
+    High word: the float's bits made to order as signed ints; low word: 2^31 - 1 - index."""
+    bits = (choice + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 and 0.0 share a key
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - e).to(tl.int64)
+
+
+@jit
+def _key_choice(key):
+    """The choice a key of _order_keys holds (its high word, the bit transform undone)."""
+    ordered = (key >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@jit
 def _topk(choice, weight_src, e, E, BLOCK_T: tl.constexpr, E_P: tl.constexpr,
-          TOP_K: tl.constexpr, K_P: tl.constexpr):
+          TOP_K: tl.constexpr, K_P: tl.constexpr, WEIGHT_IS_CHOICE: tl.constexpr):
     """Iterative max over choice [BLOCK_T, E_P] (lowest index on ties): ids [BLOCK_T, K_P]
-    int32 and the weight_src values at them, fp32; columns >= TOP_K are 0."""
-    avail = tl.broadcast_to((e < E)[None, :], [BLOCK_T, E_P])
+    int32 and the weight_src values at them, fp32; columns >= TOP_K are 0. With
+    WEIGHT_IS_CHOICE (softmax) the weight comes out of the key: one reduction per expert."""
+    keys = tl.where((e < E)[None, :], _order_keys(choice, e[None, :]), _NO_KEY)
     kk = tl.arange(0, K_P)[None, :]
     wts = tl.zeros([BLOCK_T, K_P], tl.float32)
     ids = tl.zeros([BLOCK_T, K_P], tl.int32)
     for i in tl.static_range(TOP_K):
-        m = tl.max(tl.where(avail, choice, float("-inf")), axis=1)
-        idx = tl.min(tl.where(avail & (choice == m[:, None]), e[None, :], _BIG), axis=1)
+        m = tl.max(keys, axis=1)
+        idx = 0x7FFFFFFF - m.to(tl.int32)  # the low word
         hit = e[None, :] == idx[:, None]
-        w = tl.sum(tl.where(hit, weight_src, 0.0), axis=1)
+        if WEIGHT_IS_CHOICE:  # -inf: a NaN choice (softmax weights are >= 0); NaN as before
+            w = _key_choice(m)
+            w = tl.where(w == float("-inf"), float("nan"), w)
+        else:
+            w = tl.sum(tl.where(hit, weight_src, 0.0), axis=1)
         wts = tl.where(kk == i, w[:, None], wts)
         ids = tl.where(kk == i, idx[:, None], ids)
-        avail = avail & ~hit
+        keys = tl.where(hit, _NO_KEY, keys)
     return wts, ids
 
 
@@ -181,7 +241,7 @@ def _select_store(logits, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_siz
         p = tl.exp(z - tl.max(z, axis=1)[:, None])
         weight_src = p / tl.sum(p, axis=1)[:, None]
         choice = tl.where(weight_src != weight_src, float("-inf"), weight_src)
-    wts, ids = _topk(choice, weight_src, e, E, BLOCK_T, E_P, TOP_K, K_P)
+    wts, ids = _topk(choice, weight_src, e, E, BLOCK_T, E_P, TOP_K, K_P, not SIGMOID)
     if RENORM:
         denom = tl.sum(wts, axis=1)[:, None]
         if SIGMOID:  # as the reference (and transformers' sigmoid routers)
@@ -196,13 +256,18 @@ def _select_store(logits, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_siz
 
 
 @jit
-def _route_kernel(x_ptr, w_ptr, bias_ptr, wts_ptr, ids_ptr, part_ptr, count_ptr, T, E, H,
-                  stride_x, stride_w, group_size, n_group, topk_group, scaling,
+def _route_kernel(x_ptr, w_ptr, bias_ptr, wts_ptr, ids_ptr, part_ptr, count_ptr, sorted_ptr,
+                  expert_ptr, npad_ptr, zero_ptr, T, E, H, stride_x, stride_w, group_size,
+                  n_group, topk_group, scaling, ROWS, BLOCKS, ZERO_N,
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
                   RENORM: tl.constexpr, TOP_K: tl.constexpr, K_P: tl.constexpr,
                   NG_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   E_P: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr):
+                  DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
+                  ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, N_P: tl.constexpr,
+                  R_CHUNK: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:  # the next kernel (a PDL launch) may be scheduled now; it waits for this one
+        tl.extra.cuda.gdc_launch_dependents()
     tb = tl.program_id(0)
     s = tl.program_id(1)
     rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -215,21 +280,27 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, wts_ptr, ids_ptr, part_ptr, count_ptr,
                              DOT_DTYPE, PREC)
     else:
         logits = _logits_fma(x_rows, w_rows, row_ok, es < E, H, BLOCK_T, BLOCK_E, BLOCK_K)
-    if SPLITS == 1:
-        _select_store(logits, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size, n_group,
-                      topk_group, scaling, SIGMOID, HAS_BIAS, GROUPED, RENORM, TOP_K, K_P, NG_P,
-                      BLOCK_T, E_P)
-    else:
+    last = True
+    if SPLITS > 1:
         # scratch [row blocks * BLOCK_T, E_P] fp32: this slice's columns of this row block
         base = part_ptr + rows[:, None].to(tl.int64) * E_P
         tl.store(base + es[None, :], logits)
         tl.debug_barrier()  # every thread's logits stored before the release below
-        if tl.atomic_add(count_ptr + tb, 1, sem="acq_rel") == SPLITS - 1:
-            tl.store(count_ptr + tb, 0)  # all slices arrived: reset for the next launch
+        last = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel") == SPLITS - 1
+    if last:
+        if SPLITS > 1:  # all slices arrived: reset the counter for the next launch
+            tl.store(count_ptr + tb, 0)
             full = tl.load(base + tl.arange(0, E_P)[None, :], cache_modifier=".cg")
-            _select_store(full, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size,
-                          n_group, topk_group, scaling, SIGMOID, HAS_BIAS, GROUPED, RENORM,
-                          TOP_K, K_P, NG_P, BLOCK_T, E_P)
+        else:
+            full = logits
+        _select_store(full, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size,
+                      n_group, topk_group, scaling, SIGMOID, HAS_BIAS, GROUPED, RENORM,
+                      TOP_K, K_P, NG_P, BLOCK_T, E_P)
+        if ALIGN:  # one row block holds every token: align its pairs here (see moe_route)
+            tl.debug_barrier()  # every thread's ids stored before this program reads them
+            zero_int32(zero_ptr, 0, ZERO_N, 1024)
+            align_few(ids_ptr, sorted_ptr, expert_ptr, npad_ptr, T * TOP_K, E, ROWS, BLOCKS,
+                      N_P, BLOCK_M, R_CHUNK)
 
 
 def _check_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring: str,
@@ -282,13 +353,60 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring:
     One kernel launch; no host synchronisation (CUDA-graph safe once warmed up: the split
     path's scratch and counters are allocated on the first launch)."""
     _check_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group)
+    routing = (scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling)
+    return _launch(x, router_weight, top_k, routing, config, None, False)[:2]
+
+
+def route_aligns(T: int, E: int, H: int, top_k: int, config: RouteConfig | None = None,
+                 device: torch.device | None = None) -> bool:
+    """Whether moe_route_align can align T tokens' pairs in the router's launch: one program
+    must select for every token (one row block) and the pairs must be few (decode sizes).
+    config: the router's tiles (default pick_route_config's for device)."""
+    cfg = config or pick_route_config(T, E, H, device)
+    return 1 <= T <= cfg.block_t and T * top_k <= MAX_ALIGN_PAIRS
+
+
+def moe_route_align(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, block_m: int,
+                    scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
+                    n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+                    routed_scaling: float = 1.0, zero: torch.Tensor | None = None,
+                    config: RouteConfig | None = None, trigger_dependents: bool = False
+                    ) -> tuple[torch.Tensor, ...]:
+    """moe_route and kernels.moe_align(topk_ids, E, block_m, zero) in one launch, for batches
+    where route_aligns(T, E, H, top_k, config): (topk_weights, topk_ids, sorted_ids,
+    expert_ids, num_padded), the same values the two launchers return. At batch 1 the
+    alignment is a few hundred bytes of work; as a launch of its own it cost ~7 us of an
+    H200's ~76 us Qwen3-30B-A3B decode layer (bench/results/moe_h200_2026-11-25.json), here
+    the router's last program does it after its selection. trigger_dependents: let the next
+    kernel, if it is a programmatic dependent launch (kernels.moe_gemm with pdl=True), be
+    scheduled while this one runs (it still waits for this one's results)."""
+    _check_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group)
+    E, T, H = router_weight.shape[0], x.shape[0], x.shape[1]
+    check_align_args(E, block_m, zero, x.device)
+    if not route_aligns(T, E, H, top_k, config, x.device):
+        raise ValueError(f"x: {T} tokens x top_k {top_k}: the router aligns at most "
+                         f"{MAX_ALIGN_PAIRS} pairs of one row block; use moe_route + moe_align")
+    routing = (scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling)
+    return _launch(x, router_weight, top_k, routing, config, (block_m, zero), trigger_dependents)
+
+
+def _launch(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, routing: tuple,
+            config: RouteConfig | None, align: tuple[int, torch.Tensor | None] | None,
+            trigger: bool) -> tuple[torch.Tensor, ...]:
+    """The launch behind moe_route / moe_route_align (arguments checked by them)."""
+    scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling = routing
     T, H = x.shape
     E = router_weight.shape[0]
     wts = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    block_m, zero = align if align is not None else (16, None)
+    aligned = (alignment_buffers(T * top_k, E, block_m, x.device) if align is not None
+               else (ids, ids, ids))
+    # without alignment its constexprs stay fixed: no recompiles across batch sizes
+    n_p, r_chunk = (few_pairs(T * top_k), few_chunk(T * top_k)) if align is not None else (16, 16)
     if T == 0:
         return wts, ids
-    cfg = config or pick_route_config(T, E, H)
+    cfg = config or pick_route_config(T, E, H, x.device)
     e_p = max(16, next_pow2(E))
     _check_route_config(cfg, e_p)
     splits, row_blocks = e_p // cfg.block_e, triton.cdiv(T, cfg.block_t)
@@ -300,13 +418,16 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring:
     dot = dot_dtype(x.dtype) if same else tl.float32
     bias = correction_bias if correction_bias is not None else wts
     _route_kernel[(row_blocks, splits)](
-        x, router_weight, bias, wts, ids, part, count, T, E, H, x.stride(0),
-        router_weight.stride(0), E // n_group, n_group, topk_group, float(routed_scaling),
+        x, router_weight, bias, wts, ids, part, count, *aligned,
+        zero if zero is not None else ids, T, E, H, x.stride(0), router_weight.stride(0),
+        E // n_group, n_group, topk_group, float(routed_scaling), aligned[0].numel(),
+        aligned[1].numel(), 0 if zero is None else zero.numel(),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
         GROUPED=n_group > 1, RENORM=bool(renormalize), TOP_K=top_k,
         K_P=max(2, next_pow2(top_k)), NG_P=max(2, next_pow2(n_group)), BLOCK_T=cfg.block_t,
         BLOCK_E=cfg.block_e, E_P=e_p, BLOCK_K=cfg.block_k, SPLITS=splits,
         DOT_DTYPE=dot, PREC="tf32x3" if dot == tl.float32 and not interpreting() else "ieee",
-        USE_DOT=cfg.tensor_cores,
+        USE_DOT=cfg.tensor_cores, ALIGN=align is not None, BLOCK_M=block_m,
+        N_P=n_p, R_CHUNK=r_chunk, TRIGGER=trigger and pdl_launch(x)["USE_PDL"],
         num_warps=cfg.num_warps)
-    return wts, ids
+    return (wts, ids, *aligned) if align is not None else (wts, ids)

@@ -20,7 +20,7 @@ from pdserve.kernels.gemv import gemv
 from pdserve.kernels.kv_write import write_kv
 from pdserve.kernels.moe_align import moe_align
 from pdserve.kernels.moe_gemm import moe_down, moe_gate_up
-from pdserve.kernels.moe_route import moe_route
+from pdserve.kernels.moe_route import moe_route, moe_route_align
 from pdserve.kernels.prefill_attention import paged_prefill_attention
 from pdserve.kernels.rmsnorm import fused_add_rmsnorm
 from pdserve.kernels.silu_mul import silu_and_mul
@@ -30,6 +30,6 @@ __all__ = [
     "GEMV_ROWS", "MAX_GROUP_ROWS", "Prologue", "argmax", "choose_num_splits",
     "fused_add_rmsnorm", "fused_decode_attention", "fused_experts", "fused_moe",
     "fused_qk_norm_rope_kv", "gemv", "moe_align", "moe_down", "moe_gate_up", "moe_route",
-    "paged_decode_attention", "paged_prefill_attention", "silu_and_mul", "spec_accept",
-    "write_kv",
+    "moe_route_align", "paged_decode_attention", "paged_prefill_attention", "silu_and_mul",
+    "spec_accept", "write_kv",
 ]

@@ -37,7 +37,8 @@ def _check_alignment(ids: torch.Tensor, E: int, block_m: int, sorted_ids: torch.
 
 @pytest.mark.parametrize("T,top_k,E,block_m", [(1, 1, 6, 16), (1, 8, 60, 16), (3, 2, 12, 4),
                                                (17, 8, 60, 16), (300, 8, 60, 32),
-                                               (300, 2, 12, 64), (5, 3, 1000, 1)])
+                                               (300, 2, 12, 64), (5, 3, 1000, 1), (8, 8, 9, 32),
+                                               (9, 7, 7, 2), (13, 5, 33, 8)])
 def test_groups_and_pads_by_expert(T, top_k, E, block_m, device):
     ids = _ids(T, top_k, E).to(device)
     out = moe_align(ids, E, block_m)
@@ -71,6 +72,28 @@ def test_experts_without_tokens_get_no_blocks_and_zero_buffer(device):
     assert expert_ids.tolist() == [3, 7] + [-1] * (len(expert_ids) - 2)
     assert int(num_padded) == 8 and not zero.any()
     _check_alignment(ids, 12, 4, sorted_ids, expert_ids, num_padded)
+
+
+@pytest.mark.parametrize("T,top_k,block_m", [(3, 4, 4), (40, 2, 16)])
+def test_ids_outside_the_experts_are_left_out(T, top_k, block_m, device):
+    """A caller error, but a harmless one: pairs with ids < 0 or >= E get no row, the rest
+    align as if those pairs were not there (both the few-pairs path, N <= 64, and the E-wide
+    one)."""
+    E = 10
+    ids = _ids(T, top_k, E, seed=5)
+    ids[0, 0], ids[-1, -1] = -1, E
+    sorted_ids, expert_ids, num_padded = moe_align(ids.to(device), E, block_m)
+    flat = ids.flatten().tolist()
+    rows, blocks = [], []
+    for x in range(E):
+        pairs = [p for p, v in enumerate(flat) if v == x]
+        pad = -len(pairs) % block_m
+        rows += pairs + [len(flat)] * pad
+        blocks += [x] * ((len(pairs) + pad) // block_m)
+    assert int(num_padded) == len(rows)
+    assert sorted_ids.tolist()[:len(rows)] == rows
+    assert expert_ids.tolist()[:len(blocks)] == blocks
+    assert set(expert_ids.tolist()[len(blocks):]) <= {-1}
 
 
 def test_no_tokens(device):

@@ -7,6 +7,7 @@ import torch
 
 from pdserve.kernels import fused_moe as fused_moe_module
 from pdserve.kernels.moe_gemm import MoeConfig
+from pdserve.kernels.moe_route import RouteConfig
 from pdserve.kernels.ops import fused_experts, fused_moe, moe_align, moe_down, moe_gate_up
 from pdserve.kernels.reference import moe_experts_ref, moe_route_ref
 
@@ -103,10 +104,14 @@ def test_gemms_one_by_one(device, close):
     close(out, moe_experts_ref(x, w13, w2, weights, ids), torch.float32)
 
 
-def test_four_launches_and_no_host_sync(device, monkeypatch):
+@pytest.mark.parametrize("T,kernels", [
+    (3, ["_route_kernel", "_gate_up_kernel", "_down_kernel"]),
+    (17, ["_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"])])
+def test_three_or_four_launches_and_no_host_sync(T, kernels, device, monkeypatch):
     """fused_moe launches route, align, gate_up and down and nothing else: no torch compute
     (zero-fill, copies, casts) and no .item() between them (TorchDispatchMode sees every aten
-    op); the kernels themselves are stubbed, so only the launches are counted."""
+    op); the kernels themselves are stubbed, so only the launches are counted. A decode-sized
+    batch (one row block of the router) is aligned in the router's launch: 3 launches."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from pdserve.kernels import moe_align as align_mod
@@ -131,12 +136,27 @@ def test_four_launches_and_no_host_sync(device, monkeypatch):
             ops.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    x, router, w13, w2, bias = _moe(3, 12, torch.bfloat16, device)
+    x, router, w13, w2, bias = _moe(T, 12, torch.bfloat16, device)
+    route_cfg = RouteConfig(16, 16, 16)  # the interpreter's tiles (16 rows), on a GPU too
     with Record():
-        fused_moe(x, router, w13, w2, 8, "sigmoid", bias, n_group=4, topk_group=3)
-    assert launched == ["_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"]
+        fused_moe(x, router, w13, w2, 8, "sigmoid", bias, n_group=4, topk_group=3,
+                  route_config=route_cfg)
+    assert launched == kernels
     assert "empty" in ops and ops <= {"empty", "slice", "alias", "view", "as_strided", "detach"}, ops
     assert fused_moe_module.chunk_tokens(H, 8) >= 3
+
+
+@pytest.mark.parametrize("route_cfg", [None, RouteConfig(4, 4, 16)])
+def test_decode_path_repeatable(route_cfg, device, close):
+    """Batches of up to one router row block take the 3-launch path (alignment and counter
+    zeroing in the router's launch), with all experts in one program or in slices of 4
+    (last-arriving program); repeated calls reuse the counters and are bitwise equal."""
+    for T, top_k in ((1, 8), (3, 5), (4, 2)):
+        x, router, w13, w2, _ = _moe(T, 60, torch.bfloat16, device, h=40, seed=T)
+        weights, ids = moe_route_ref(x, router, top_k)
+        first = fused_moe(x, router, w13, w2, top_k, route_config=route_cfg)
+        close(first, moe_experts_ref(x, w13, w2, weights, ids), torch.bfloat16)
+        assert torch.equal(fused_moe(x, router, w13, w2, top_k, route_config=route_cfg), first)
 
 
 def test_no_tokens(device):

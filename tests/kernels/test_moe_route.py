@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.moe_route import RouteConfig
-from pdserve.kernels.ops import moe_route
+from pdserve.kernels.moe_route import RouteConfig, moe_route_align, route_aligns
+from pdserve.kernels.ops import moe_align, moe_route
 from pdserve.kernels.reference import moe_route_ref
 
 
@@ -58,12 +58,14 @@ def test_router_weight_in_another_dtype(device):
 
 
 @pytest.mark.parametrize("cfg", [RouteConfig(16, 16, 16, tensor_cores=True),
-                                 RouteConfig(2, 8, 32), RouteConfig(1, 16, 64, num_warps=2)])
+                                 RouteConfig(2, 8, 32), RouteConfig(1, 16, 64, num_warps=2),
+                                 RouteConfig(1, 1, 32, num_warps=2)])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_expert_slices_with_arrival_counters(cfg, scoring, device):
     """Slices of experts per program (the GPU's tiles): the last slice of each row block to
     arrive selects over all E; back-to-back launches reuse (and reset) the shared counters;
-    the GEMV on the tensor cores or the CUDA cores, 1 to 16 rows per program."""
+    the GEMV on the tensor cores or the CUDA cores, 1 to 16 rows per program, down to one
+    expert per program (the H200's batch-1 tile)."""
     big = cfg.tensor_cores  # the interpreter runs one program at a time: fewer for the rest
     for T, E in ((3, 60), (40 if big else 5, 33), (3, 60), (20 if big else 2, 256)):
         x, w, bias = _router(T, E, 32, torch.float32, device)
@@ -71,6 +73,37 @@ def test_expert_slices_with_arrival_counters(cfg, scoring, device):
             if scoring == "sigmoid" else {}
         got = moe_route(x, w, 6, scoring, config=cfg, **kw)
         _check(got, moe_route_ref(x, w, 6, scoring, **kw), 6, T)
+
+
+@pytest.mark.parametrize("cfg", [None, RouteConfig(4, 8, 32), RouteConfig(4, 1, 16, num_warps=2)])
+@pytest.mark.parametrize("T,E,top_k,block_m", [(1, 60, 8, 16), (2, 33, 5, 4), (3, 7, 7, 1),
+                                               (4, 128, 8, 16)])
+def test_route_align_equals_route_then_align(cfg, T, E, top_k, block_m, device):
+    """moe_route_align (decode sizes: the router's last program aligns the pairs and zeroes
+    the buffer) returns what moe_route + moe_align return, with all experts in one program
+    or in slices (the last-arriving program aligns); odd expert counts, several block_m."""
+    x, w, bias = _router(T, E, 40, torch.float32, device, stride_pad=3)
+    zero = torch.full((1000,), 7, dtype=torch.int32, device=device)
+    args = (top_k, "sigmoid", bias, 1, 1, True, 2.5)
+    assert route_aligns(T, E, 40, top_k, cfg)
+    wts, ids, *aligned = moe_route_align(x, w, top_k, block_m, *args[1:], zero=zero, config=cfg)
+    want_w, want_ids = moe_route(x, w, *args, config=cfg)
+    assert torch.equal(ids, want_ids) and torch.equal(wts, want_w)
+    for got, want in zip(aligned, moe_align(want_ids, E, block_m)):
+        assert torch.equal(got, want)
+    assert not zero.any()
+
+
+def test_route_align_only_for_one_row_block(device):
+    x, w, _ = _router(5, 12, 32, torch.float32, device)
+    assert not route_aligns(5, 12, 32, 2, RouteConfig(4, 4, 16))
+    assert not route_aligns(9, 12, 32, 8, RouteConfig(16, 16, 16))  # 72 pairs: too many
+    with pytest.raises(ValueError, match="x: 5 tokens"):
+        moe_route_align(x, w, 2, 16, config=RouteConfig(4, 4, 16))
+    with pytest.raises(ValueError, match="block_m: 24"):
+        moe_route_align(x, w, 2, 24)
+    with pytest.raises(TypeError, match="zero: dtype"):
+        moe_route_align(x, w, 2, 16, zero=torch.zeros(4, device=device))
 
 
 def test_masked_groups_never_win_and_ties_take_the_lowest_index(device):
@@ -91,6 +124,23 @@ def test_masked_groups_never_win_and_ties_take_the_lowest_index(device):
     w2[4] = w2[1] = w2[1] + 5.0 * x[0]
     for scoring in ("softmax", "sigmoid"):
         assert moe_route(x, w2, 3, scoring)[1][0, :2].tolist() == [1, 4]
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_nan_rows_still_pick_valid_experts(scoring, device):
+    """A NaN row: every choice counts as -inf, so the lowest ids win (valid experts); its
+    weights stay NaN. The other rows are unaffected. All-zero logits tie: lowest ids first."""
+    x, w, _ = _router(3, 12, 32, torch.float32, device)
+    x[1] = float("nan")
+    wts, ids = moe_route(x, w, 3, scoring, renormalize=False)
+    assert ids[1].tolist() == [0, 1, 2] and wts[1].isnan().all()
+    ref_w, ref_ids = moe_route_ref(x[[0, 2]], w, 3, scoring, renormalize=False)
+    assert torch.equal(ids[[0, 2]], ref_ids)
+    torch.testing.assert_close(wts[[0, 2]], ref_w, rtol=1e-5, atol=1e-6)
+    zero = torch.zeros(1, 16, device=device)
+    w0 = torch.zeros(4, 16, device=device)
+    w0[2, 0] = -1.0  # products -0.0 and 0.0
+    assert moe_route(zero, w0, 4, scoring)[1][0].tolist() == [0, 1, 2, 3]
 
 
 def test_no_tokens(device):
