@@ -159,10 +159,10 @@ def assert_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
 class Paged:
     """Drives our model like the engine: one call = one step over several sequences."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, num_blocks: int = NUM_BLOCKS) -> None:
         cfg = model.config
         self.model = model
-        self.kv = torch.zeros(NUM_BLOCKS, cfg.num_kv_layers, 2, BLOCK, cfg.num_kv_heads,
+        self.kv = torch.zeros(num_blocks, cfg.num_kv_layers, 2, BLOCK, cfg.num_kv_heads,
                               cfg.head_dim)
 
     def step(self, seqs: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
@@ -174,6 +174,8 @@ class Paged:
         meta = make_metadata([len(n) for n, _, _ in seqs], [c + len(n) for n, c, _ in seqs],
                              [t for _, _, t in seqs], BLOCK)
         with torch.no_grad():
-            hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.kv)
-            logits = self.model.compute_logits(hidden)
+            logits = self.logits(torch.tensor(ids), torch.tensor(pos), meta)
         return list(logits.split([len(n) for n, _, _ in seqs]))
+
+    def logits(self, ids: torch.Tensor, pos: torch.Tensor, meta) -> torch.Tensor:
+        return self.model.compute_logits(self.model(ids, pos, meta, self.kv))

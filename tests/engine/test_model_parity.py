@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.model.weights import load_hf
+
+from tests.engine import hf_families
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,30 +73,19 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0]  # [len, vocab]
 
 
-class Paged:
-    """Drives our model like the engine: one call = one step over several sequences."""
+class Paged(hf_families.Paged):
+    """hf_families.Paged, also checking that the final norm of the pre-norm hidden state is
+    the hidden state, and that logits are float32."""
 
     def __init__(self, model) -> None:
-        cfg = model.config
-        self.model = model
-        self.kv = torch.zeros(NUM_BLOCKS, cfg.num_kv_layers, 2, BLOCK, cfg.num_kv_heads,
-                              cfg.head_dim)
+        super().__init__(model, NUM_BLOCKS)
 
-    def step(self, seqs: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
-        """seqs: (new_tokens, tokens_already_cached, block_table) -> logits [new, vocab] each."""
-        ids, pos = [], []
-        for new, cached, _ in seqs:
-            ids += new
-            pos += range(cached, cached + len(new))
-        meta = make_metadata([len(n) for n, _, _ in seqs], [c + len(n) for n, c, _ in seqs],
-                             [t for _, _, t in seqs], BLOCK)
-        with torch.no_grad():
-            hidden, prenorm = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.kv,
-                                         return_prenorm=True)
-            torch.testing.assert_close(self.model.norm(prenorm), hidden)
-            logits = self.model.compute_logits(hidden)
+    def logits(self, ids: torch.Tensor, pos: torch.Tensor, meta) -> torch.Tensor:
+        hidden, prenorm = self.model(ids, pos, meta, self.kv, return_prenorm=True)
+        torch.testing.assert_close(self.model.norm(prenorm), hidden)
+        logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32
-        return list(logits.split([len(n) for n, _, _ in seqs]))
+        return logits
 
 
 def prompt(n: int, seed: int) -> list[int]:
