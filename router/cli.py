@@ -54,6 +54,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: quantize a float checkpoint's linear layers block-wise (128x128 "
                         "e4m3) at load; FP8 checkpoints load as FP8 without it (default: none)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: the KV cache holds e4m3 values with a scale per block, layer "
+                        "and KV head (half the bytes of bf16); auto: the model dtype")
 
 
 def check_speculative(args: argparse.Namespace, check_files: bool = True) -> str | None:
@@ -83,6 +86,7 @@ def engine_args(args: argparse.Namespace, **fields: object) -> EngineArgs:
                       num_speculative_tokens=args.num_speculative_tokens,
                       mtp_head=args.mtp_head, draft_vocab=args.draft_vocab,
                       quantization=getattr(args, "quantization", None),
+                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                       **fields)  # type: ignore[arg-type]
 
 
@@ -98,6 +102,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--tensor-parallel-size", type=lambda t: _int_arg(t, 1), default=1,
+                   metavar="N", help="run the model across N devices (ranks) (default 1)")
     add_speculative_args(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -119,7 +125,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
     try:
-        llm = LLM(engine_args(args, device=args.device))
+        llm = LLM(engine_args(args, device=args.device,
+                              tensor_parallel_size=args.tensor_parallel_size))
     except ConfigError as e:  # e.g. a head trained for another model, a model without one
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2

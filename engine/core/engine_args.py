@@ -22,6 +22,7 @@ from pdserve.engine.core.config import (
 
 OVERLAP_MODES = ("auto", "on", "off")
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model dtype; fp8: e4m3 with per-block scales
 
 
 def _is_int(value: object) -> bool:
@@ -59,6 +60,11 @@ class EngineArgs:
     # checkpoints (quantization_config) load as FP8 without it. The FP8 weights run on the
     # torch path (dequantized per forward) until the FP8 kernels land: no use_triton yet.
     quantization: str | None = None
+    # "fp8": the paged KV cache holds e4m3 values with a scale per (block, layer, KV head),
+    # written by the attention prologue; "auto": the model dtype
+    kv_cache_dtype: str = "auto"
+    # ranks (devices) of one engine: column/row-parallel layers, KV heads split across ranks
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.speculative == "none":  # the CLI's spelling of off
@@ -77,6 +83,12 @@ class EngineArgs:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ConfigError(f"quantization: must be one of {QUANTIZATIONS} or None, "
                               f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, "
+                              f"got {self.kv_cache_dtype!r}")
+        tp = self.tensor_parallel_size
+        if not _is_int(tp) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size: must be an int >= 1, got {tp!r}")
         self._check_speculative()
 
     def _check_speculative(self) -> None:
