@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.core.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.model.fp8_convert import has_fp8
+from pdserve.engine.model.fp8_convert import check_fp8_kernels
 from pdserve.engine.model.loader import load_model, resolve_model
 from pdserve.engine.model.weights import as_dtype
 from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
@@ -67,9 +67,7 @@ def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> L
         backend = TritonAttentionBackend()
     net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=args.seed,
                                            backend=backend, quantization=args.quantization)
-    if args.use_triton and has_fp8(net):  # the GEMV / fused-MoE kernels read float weights
-        raise ConfigError("quantization: FP8 weights run on the torch path only until the FP8 "
-                          "kernels land; turn use_triton off")
+    check_fp8_kernels(net, args.use_triton)
     net.use_fused_ops(args.use_triton)
     spec = args.spec_config()
     head, head_id = None, ""
@@ -98,7 +96,8 @@ def _engine_config(args: EngineArgs, model_cfg: ModelConfig, device: str, dtype:
     return EngineConfig(
         model=model_cfg,
         cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks, kv_dtype=dtype,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=max_len),

@@ -135,12 +135,16 @@ class CacheConfig:
     num_blocks: int = 1024
     kv_dtype: str = "float32"  # torch dtype name; "bfloat16" on GPU
     enable_prefix_caching: bool = True
+    # "fp8": blocks hold e4m3 values plus a scale per (block, layer, KV head); "auto": kv_dtype
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block_size", "must be > 0")
         _require(self.num_blocks > 0, "num_blocks", "must be > 0")
         _require(self.kv_dtype in ("float32", "float16", "bfloat16"), "kv_dtype",
                  f"unsupported {self.kv_dtype!r}")
+        _require(self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype",
+                 f"must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

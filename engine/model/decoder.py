@@ -43,6 +43,7 @@ from pdserve.engine.model.layers import (
     fused_attention,
     fused_kernels,
 )
+from pdserve.engine.model.linear_ops import linear_gemv
 from pdserve.engine.model.moe import make_mlp
 
 
@@ -140,21 +141,20 @@ class DecoderLayer(nn.Module):
         residual stream after the layer, None): the adds are done, so the next layer (or final
         norm) takes x alone. A MoE layer returns (its MLP output, residual) instead: its
         experts run after their own norm, as in forward."""
-        gemv = fused_kernels().gemv
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, h = gemv(x, attn.qkv_proj.weight, "norm", residual, ln1.weight, ln1.eps)
+        qkv, h = linear_gemv(x, attn.qkv_proj, "norm", residual, ln1.weight, ln1.eps)
         if attn.qkv_proj.bias is not None:  # Qwen2 / GLM: one add kernel more
             qkv = qkv + attn.qkv_proj.bias
         o = attn.attend_qkv(qkv, cos, sin, meta, kv_cache)
         # o_proj's programs ask L2 for its weight while the (latency-bound) attention runs:
         # batch-1 step 5.66-5.70 -> 5.49-5.57 ms on an H100; the attention kernel asking for
         # it instead was slower (bench/results/diag_decode_h100_2026-11-24_prefetch*.json)
-        h = gemv(o, attn.o_proj.weight, add=h, prefetch=True)
+        h = linear_gemv(o, attn.o_proj, add=h, prefetch=True)
         if not isinstance(mlp, SwiGLUMLP):
             return mlp(ln2(h)), h
-        gate_up, _ = gemv(h, mlp.gate_up_proj.weight, "norm", None, ln2.weight, ln2.eps)
-        return gemv(gate_up, mlp.down_proj.weight, "silu", add=h), None
+        gate_up, _ = linear_gemv(h, mlp.gate_up_proj, "norm", None, ln2.weight, ln2.eps)
+        return linear_gemv(gate_up, mlp.down_proj, "silu", add=h), None
 
 
 class Model(nn.Module):

@@ -131,3 +131,11 @@ def scale_blocks(model: nn.Module) -> dict[str, Block]:
 def has_fp8(model: nn.Module) -> bool:
     return any(isinstance(m, Fp8Linear) or getattr(m, "w13_scale", None) is not None
                for m in model.modules())
+
+
+def check_fp8_kernels(model: nn.Module, use_triton: bool) -> None:
+    """Refuse a model the fused path cannot run yet (its GEMV / fused-MoE kernels read float
+    weights); the torch path dequantizes FP8 weights per forward."""
+    if use_triton and has_fp8(model):
+        raise ConfigError("quantization: FP8 weights run on the torch path only until the FP8 "
+                          "kernels land; turn use_triton off")
