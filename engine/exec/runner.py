@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.core.config import EngineConfig, ModelConfig, SpecConfig
+from pdserve.engine.core.config import EngineConfig, SpecConfig
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.device_io import rows_of
+from pdserve.engine.exec.kv_cache import allocate_kv_cache, torch_dtype
 from pdserve.engine.exec.overlap import DecodeAhead
 from pdserve.engine.exec.sampler import Sampler, SamplerState
 from pdserve.engine.model.attention import HostBatch
@@ -34,19 +35,6 @@ from pdserve.engine.spec.draft_graphs import DraftGraphs
 from pdserve.engine.spec.spec_decoder import DraftJob, SpecDecoder
 from pdserve.engine.spec.verify_ahead import VerifyAhead
 from pdserve.engine.spec.verify_graphs import maybe_verify_graphs
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
-
-def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """[num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim]: one block = one region."""
-    shape = (num_blocks, model.num_kv_layers, 2, block_size, model.num_kv_heads, model.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass

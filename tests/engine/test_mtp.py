@@ -202,7 +202,7 @@ def test_heldout_prompts_are_never_trained_on() -> None:
 def test_recipe_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     """Corpus from the engine (hidden states recorded from its own steps), training (loss
     goes down), the saved head loads into an engine whose greedy output is unchanged."""
-    from pdserve.engine.exec.runner import allocate_kv_cache
+    from pdserve.engine.exec.kv_cache import allocate_kv_cache
     from pdserve.engine.model.attention import make_metadata
     from pdserve.engine.train_mtp import generate_corpus, generation_engine, train_head
 

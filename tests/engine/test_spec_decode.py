@@ -194,7 +194,7 @@ def test_random_sampling_keeps_the_target_support_and_seed() -> None:
     assert llm.engine.spec_stats.num_draft_tokens > 0
     assert out == tokens(spec_llm(3).generate(PROMPTS, params))  # seeded: reproducible
     model = llm.engine.runner.model
-    from pdserve.engine.exec.runner import allocate_kv_cache
+    from pdserve.engine.exec.kv_cache import allocate_kv_cache
     from pdserve.engine.model.attention import make_metadata
 
     for prompt, o in zip(PROMPTS, out):
