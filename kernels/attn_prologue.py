@@ -32,7 +32,14 @@ from pdserve.kernels._triton import (
     pdl_enter,
     pdl_launch,
 )
-from pdserve.kernels.kv_write import check_cache_pair
+from pdserve.kernels.kv_quant import KVScales, cache_is_fp8
+from pdserve.kernels.kv_write import (
+    DYN_FACTOR,
+    check_cache_pair,
+    quantize_run,
+    run_rows,
+    to_e4m3_grid,
+)
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -59,8 +66,10 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
                      kc_ptr, vc_ptr, slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                      stride_vt, stride_vh, stride_cos, stride_sin, stride_ot, stride_oh,
                      stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                     GROUP, block_size, eps, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
-                     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, HAS_POS: tl.constexpr,
+                     ks_ptr, vs_ptr, stride_ks_b, stride_vs_b, T, static_k, static_v,
+                     dyn_factor, GROUP, block_size, eps, HALF: tl.constexpr,
+                     BLOCK_G: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+                     HAS_POS: tl.constexpr, FP8: tl.constexpr, BS: tl.constexpr,
                      USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -77,6 +86,13 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
     q = rope_rows(q_ptr + t * stride_qt + h * stride_qh, d, q_mask, cos, sin, qn_ptr, eps, HALF,
                   Q_NORM)
     tl.store(q_out_ptr + t * stride_ot + h * stride_oh + d, q, mask=q_mask)
+    if FP8:  # the run's first token quantizes and writes the run (kv_write.py)
+        _write_run_fp8(k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr, ks_ptr,
+                       vs_ptr, slot_ptr, t, g, T, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_cos, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
+                       stride_vc_o, stride_vc_h, stride_ks_b, stride_vs_b, static_k, static_v,
+                       dyn_factor, block_size, eps, HALF, K_NORM, HAS_POS, BS)
+        return
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # slot < 0: padding token, nothing to cache
         blk = slot // block_size
@@ -86,6 +102,39 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
         tl.store(kc_ptr + blk * stride_kc_b + off * stride_kc_o + g * stride_kc_h + d, k)
         v = tl.load(v_ptr + t * stride_vt + g * stride_vh + d)
         tl.store(vc_ptr + blk * stride_vc_b + off * stride_vc_o + g * stride_vc_h + d, v)
+
+
+@jit
+def _write_run_fp8(k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr, ks_ptr,
+                   vs_ptr, slot_ptr, t, g, T, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_cos, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o,
+                   stride_vc_h, stride_ks_b, stride_vs_b, static_k, static_v, dyn_factor,
+                   block_size, eps, HALF: tl.constexpr, K_NORM: tl.constexpr,
+                   HAS_POS: tl.constexpr, BS: tl.constexpr):
+    """KV head g of the run that token t leads (if it leads one): its rows' k normed and
+    rotated, v, quantized to the block's scale (set here when the run starts the block)."""
+    lead, blk, off, rows, ok = run_rows(slot_ptr, t, T, block_size, BS)
+    if lead:
+        d = tl.arange(0, 2 * HALF)[None, :]
+        m = ok[:, None] & (d < 2 * HALF)  # [BS, D]
+        if HAS_POS:
+            pos = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            pos = rows
+        cs = pos[:, None] * stride_cos + d % HALF
+        cos = tl.load(cos_ptr + cs, mask=m, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=m, other=0.0).to(tl.float32)
+        k = rope_rows(k_ptr + rows[:, None] * stride_kt + g * stride_kh, d, m, cos, sin,
+                      kn_ptr, eps, HALF, K_NORM)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + g * stride_vh + d, mask=m,
+                    other=0.0).to(tl.float32)
+        kq, _ = quantize_run(k, m, off, ks_ptr + blk * stride_ks_b + g, static_k, dyn_factor)
+        vq, _ = quantize_run(v, m, off, vs_ptr + blk * stride_vs_b + g, static_v, dyn_factor)
+        o = off + (rows - t)[:, None]
+        tl.store(kc_ptr + blk * stride_kc_b + o * stride_kc_o + g * stride_kc_h + d,
+                 kq.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(vc_ptr + blk * stride_vc_b + o * stride_vc_o + g * stride_vc_h + d,
+                 vq.to(vc_ptr.dtype.element_ty), mask=m)
 
 
 def _check_rope_args(q: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor,
@@ -108,7 +157,8 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
-                          k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                          k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                          kv_scales: KVScales | None = None) -> torch.Tensor:
     """RoPE (after optional per-head RMSNorm) on q [T, Hq, D] and k [T, Hkv, D]; rotated k and
     v [T, Hkv, D] go into k_cache/v_cache [NB, BS, Hkv, D] at slot_mapping [T] (block * BS +
     offset; < 0 skips the token). positions [T] index cos/sin tables [max_pos, D/2] (positions
@@ -116,6 +166,8 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [T, D/2] (what pdserve.engine.model.layers.RotaryEmbedding.cos_sin returns). Returns the rotated q as a
     new contiguous tensor.
     q/k/v may be strided views (head dim contiguous), e.g. of one fused qkv projection.
+    An fp8 cache takes its kv_scales: k/v are quantized in this kernel (the program of each
+    run's first token writes the run: kernels/kv_quant.py has the rule and the reference).
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("q", q)
@@ -134,16 +186,20 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return q_out
     if HQ % HKV:
         raise ValueError(f"q: {HQ} heads are not a multiple of k's {HKV} (GQA groups)")
+    fp8 = cache_is_fp8(k_cache, kv_scales)
+    sc = kv_scales if fp8 else KVScales(q, q)  # placeholders: the kernel never reads them
     _prologue_kernel[(T, HKV)](
         q, k, v, q if positions is None else positions, cos, sin, q if q_norm is None else q_norm,
         q if k_norm is None else k_norm, q_out, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), sc.k, sc.v, sc.k.stride(0),
+        sc.v.stride(0), T, float(sc.static_k), float(sc.static_v), DYN_FACTOR,
         HQ // HKV, k_cache.shape[1], float(eps), HALF=D // 2, BLOCK_G=next_pow2(HQ // HKV),
         Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
-        HAS_POS=positions is not None, num_warps=4, **pdl_launch(q))
+        HAS_POS=positions is not None, FP8=fp8, BS=k_cache.shape[1], num_warps=4,
+        **pdl_launch(q))
     return q_out
 
 
@@ -236,3 +292,72 @@ def write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_rows_r, kc_
             k_first = tl.where(hit, k, k_first)
             v_first = tl.where(hit, v, v_first)
     return k_first, v_first
+
+
+@jit
+def write_new_kv_fp8(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_rows_r, kc_ptr,
+                     vc_ptr, ks_ptr, vs_ptr, k_first, v_first, n_first, b, kvh, seq_len, start,
+                     end, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_kc_b,
+                     stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                     stride_ks_b, stride_vs_b, static_k, static_v, dyn_factor, block_size, eps,
+                     R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
+                     K_NORM: tl.constexpr, PATCH: tl.constexpr):
+    """write_new_kv for an fp8 cache: the R new rows [RP, D] at once, quantized by the
+    kv_quant rule. A row's run is the new rows in its block; every program computes the
+    same run amax and freshness from all R rows (not only its split's), so when a fresh
+    block's rows fall in two splits both store the same scale. Each program writes the rows
+    inside its keys [start, end) and patches them into its prefetched tile."""
+    d = tl.arange(0, 2 * HALF)[None, :]  # [1, D]
+    r_idx = tl.arange(0, RP)
+    pos = seq_len - R + r_idx
+    valid = (r_idx < R) & (slots >= 0)
+    mine = valid & (pos >= start) & (pos < end)
+    m = valid[:, None] & (d < 2 * HALF)  # [RP, D]
+    t = (b * R + r_idx)[:, None]
+    cs = rope_rows_r[:, None] * stride_cs + d % HALF
+    c = tl.load(cos_ptr + cs, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + cs, mask=m, other=0.0).to(tl.float32)
+    k = rope_rows(k_ptr + t * stride_kt + kvh * stride_kh, d, m, c, s, kn_ptr, eps, HALF,
+                  K_NORM)
+    v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d, mask=m, other=0.0).to(tl.float32)
+    slot = tl.maximum(slots, 0)
+    blk = slot // block_size
+    off = slot % block_size
+    same = (blk[:, None] == blk[None, :]) & valid[None, :]  # [RP, RP]: row r' in r's run
+    first = tl.min(tl.where(same, off[None, :], block_size), axis=1) == 0
+    kq = _quantize_rows(k, m, same, first, valid, mine, ks_ptr + blk * stride_ks_b + kvh,
+                        static_k, dyn_factor)
+    vq = _quantize_rows(v, m, same, first, valid, mine, vs_ptr + blk * stride_vs_b + kvh,
+                        static_v, dyn_factor)
+    kq = kq.to(kc_ptr.dtype.element_ty)
+    vq = vq.to(vc_ptr.dtype.element_ty)
+    wm = mine[:, None] & (d < 2 * HALF)
+    o = off[:, None]
+    tl.store(kc_ptr + blk[:, None] * stride_kc_b + o * stride_kc_o + kvh * stride_kc_h + d, kq,
+             mask=wm)
+    tl.store(vc_ptr + blk[:, None] * stride_vc_b + o * stride_vc_o + kvh * stride_vc_h + d, vq,
+             mask=wm)
+    if PATCH:  # the new rows into the prefetched tile [BLOCK_N, D]
+        for r in tl.static_range(R):
+            sel = (r_idx == r)[:, None]
+            k_r = tl.sum(tl.where(sel, kq.to(tl.float32), 0.0), axis=0)[None, :]
+            v_r = tl.sum(tl.where(sel, vq.to(tl.float32), 0.0), axis=0)[None, :]
+            hit = ((n_first == seq_len - R + r) & (tl.sum(tl.where(r_idx == r, mine, 0)) > 0))
+            k_first = tl.where(hit[:, None], k_r.to(k_first.dtype), k_first)
+            v_first = tl.where(hit[:, None], v_r.to(v_first.dtype), v_first)
+    return k_first, v_first
+
+
+@jit
+def _quantize_rows(x, m, same, first, valid, mine, sc_ptrs, static, dyn_factor):
+    """Rows x [RP, D] fp32 with their runs (same [RP, RP]; first: the run starts its block)
+    and scale addresses sc_ptrs [RP] -> x / scale clamped, on e4m3's grid (fp32)."""
+    row_amax = tl.max(tl.where(m, tl.abs(x), 0.0), axis=1)  # [RP]
+    run_amax = tl.max(tl.where(same, row_amax[None, :], 0.0), axis=1)
+    stored = tl.load(sc_ptrs, mask=valid, other=1.0)
+    fresh = first | (stored <= 0.0)
+    new = tl.where(static > 0.0, static, tl.maximum(run_amax, 1e-6) * dyn_factor)
+    scale = tl.where(fresh, new, stored)
+    tl.store(sc_ptrs, scale, mask=mine & fresh)
+    q = tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x))
+    return to_e4m3_grid(tl.clamp(q, -448.0, 448.0))

@@ -46,8 +46,15 @@ from pdserve.kernels._triton import (
     pdl_enter,
     pdl_launch,
 )
-from pdserve.kernels.attn_prologue import Prologue, check_prologue, rope_rows, write_new_kv
-from pdserve.kernels.kv_write import check_q_and_cache
+from pdserve.kernels.attn_prologue import (
+    Prologue,
+    check_prologue,
+    rope_rows,
+    write_new_kv,
+    write_new_kv_fp8,
+)
+from pdserve.kernels.kv_quant import KVScales, cache_is_fp8
+from pdserve.kernels.kv_write import DYN_FACTOR, check_q_and_cache
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -70,11 +77,26 @@ def _load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o, stride_
 
 
 @jit
-def _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, R: tl.constexpr,
-                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One online-softmax step over the keys k / values v [BLOCK_N, D] at positions n."""
+def _load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b, block_size):
+    """An fp8 cache's per-key scales [BLOCK_N] (their blocks' scales for this KV head)."""
+    blk = tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)
+    ks = tl.load(ks_base + blk * stride_ks_b, mask=n < end, other=0.0)
+    vs = tl.load(vs_base + blk * stride_vs_b, mask=n < end, other=0.0)
+    return ks, vs
+
+
+@jit
+def _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R: tl.constexpr,
+                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr):
+    """One online-softmax step over the keys k / values v [BLOCK_N, D] at positions n. An fp8
+    tile is converted as is (exact in bf16) and its scales ks/vs [BLOCK_N] ride on the
+    [BLOCK_G, BLOCK_N] scores and weights, never on the [BLOCK_N, D] tiles."""
     valid = n < end
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PREC)  # [BLOCK_G, BLOCK_N]
+    if FP8:
+        s = s * (ks * scale_log2)[None, :]
+    else:
+        s = s * scale_log2
     if R == 1:
         s = tl.where(valid[None, :], s, float("-inf"))
     else:
@@ -87,16 +109,18 @@ def _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, R: tl.cons
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP8:
+        p = p * vs[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PREC)
     return acc, m_new, l_i
 
 
 @jit
-def _attend_keys(q, k_first, v_first, k_base, v_base, bt_row, start, end, visible,
-                 stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, scale_log2, block_size,
-                 R: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, FIRST_LOADED: tl.constexpr, PREC: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr):
+def _attend_keys(q, k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, start, end,
+                 visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
+                 stride_vs_b, scale_log2, block_size, R: tl.constexpr, BLOCK_G: tl.constexpr,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, FIRST_LOADED: tl.constexpr,
+                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr):
     """Online softmax of the rows q [BLOCK_G, D] over keys [start, end) of one KV head:
     returns (acc [BLOCK_G, D] unnormalised, m [BLOCK_G] running max in log2 units, l [BLOCK_G]
     sum of weights). Row g sees keys < visible[g] (causal rows of a verify step). With
@@ -108,16 +132,24 @@ def _attend_keys(q, k_first, v_first, k_base, v_base, bt_row, start, end, visibl
     loop_start = start
     if FIRST_LOADED:
         if start < end:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_first, v_first,
-                                         start + tl.arange(0, BLOCK_N), end, visible,
-                                         scale_log2, R, PREC, DOT_DTYPE)
+            n = start + tl.arange(0, BLOCK_N)
+            ks, vs = scale_log2, scale_log2  # unused unless FP8
+            if FP8:  # after the prologue's write: a fresh block's scale is set there
+                ks, vs = _load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b,
+                                      stride_vs_b, block_size)
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_first, v_first, n, end, visible,
+                                         scale_log2, ks, vs, R, PREC, DOT_DTYPE, FP8)
         loop_start = start + BLOCK_N
     for n0 in range(loop_start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         k, v = _load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o,
                           stride_vc_b, stride_vc_o, block_size, D)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, R,
-                                     PREC, DOT_DTYPE)
+        ks, vs = scale_log2, scale_log2
+        if FP8:
+            ks, vs = _load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b,
+                                  block_size)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks,
+                                     vs, R, PREC, DOT_DTYPE, FP8)
     return acc, m_i, l_i
 
 
@@ -157,13 +189,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, count_ptr,
                    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
                    stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                   ks_ptr, vs_ptr, stride_ks_b, stride_vs_b, static_k, static_v, dyn_factor,
                    stride_bt, stride_ob, stride_oh, scale_log2, eps, block_size, HQ, HKV,
                    num_splits, GROUP: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
                    RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_S: tl.constexpr, RC: tl.constexpr, PROLOGUE: tl.constexpr,
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,6 +216,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
     bt_row = bt_ptr + b * stride_bt
     k_base = kc_ptr + kvh * stride_kc_h
     v_base = vc_ptr + kvh * stride_vc_h
+    ks_base = ks_ptr + kvh  # fp8: the blocks' scales of this KV head
+    vs_base = vs_ptr + kvh
     n_first = start + tl.arange(0, BLOCK_N)
     g = tl.arange(0, BLOCK_G)  # row g: query row g // GROUP, head g % GROUP of the group
     d = tl.arange(0, D)
@@ -213,19 +248,30 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         if PROLOGUE:  # q/k/v straight from the qkv projection: norm + RoPE + cache write here
             q = rope_rows(q_rows, d[None, :], row_ok[:, None], c, s, qn_ptr, eps, D // 2,
                           Q_NORM)
-            k_first, v_first = write_new_kv(
-                k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_r, kc_ptr, vc_ptr, k_first,
-                v_first, n_first, b, kvh, seq_len, start, end, stride_kt, stride_kh, stride_vt,
-                stride_vh, stride_cs, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
-                stride_vc_o, stride_vc_h, block_size, eps, R, RP, D // 2, K_NORM, PREFETCH)
+            if FP8:
+                k_first, v_first = write_new_kv_fp8(
+                    k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_r, kc_ptr, vc_ptr,
+                    ks_ptr, vs_ptr, k_first, v_first, n_first, b, kvh, seq_len, start, end,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_kc_b,
+                    stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                    stride_ks_b, stride_vs_b, static_k, static_v, dyn_factor, block_size, eps,
+                    R, RP, D // 2, K_NORM, PREFETCH)
+            else:
+                k_first, v_first = write_new_kv(
+                    k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_r, kc_ptr, vc_ptr,
+                    k_first, v_first, n_first, b, kvh, seq_len, start, end, stride_kt,
+                    stride_kh, stride_vt, stride_vh, stride_cs, stride_kc_b, stride_kc_o,
+                    stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, block_size, eps, R, RP,
+                    D // 2, K_NORM, PREFETCH)
             tl.debug_barrier()  # the cache writes before this CTA reads them back
         else:  # the cache may come from the kernel just before: read only after the wait
             q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
         visible = seq_len - (R - 1) + g // GROUP  # causal: keys < visible for each row
         acc, m_i, l_i = _attend_keys(
-            q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, bt_row, start, end, visible,
-            stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, scale_log2, block_size, R,
-            BLOCK_G, D, BLOCK_N, PREFETCH, PREC, DOT_DTYPE)
+            q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, start,
+            end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
+            stride_vs_b, scale_log2, block_size, R, BLOCK_G, D, BLOCK_N, PREFETCH, PREC,
+            DOT_DTYPE, FP8)
         has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         if n_active <= 1:  # one split: its result is final
@@ -291,7 +337,8 @@ def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None,
-                           max_seq_len: int | None = None, rows_per_seq: int = 1) -> torch.Tensor:
+                           max_seq_len: int | None = None, rows_per_seq: int = 1,
+                           kv_scales: KVScales | None = None) -> torch.Tensor:
     """out [B, Hq, D] = softmax(q k^T * scale) v over each sequence's seq_lens[b] cached keys.
 
     q [B * R, Hq, D] (R = rows_per_seq tokens per sequence, the last R of its seq_lens[b],
@@ -299,30 +346,36 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [NB, BS, Hkv, D] strided layer views of q.dtype; block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (0 gives a zero row, for padded CUDA-graph batches). num_splits
     defaults to choose_num_splits(B, Hkv, max_seq_len or the block table's capacity); pass
-    it (or keep the table width fixed) to keep one choice across CUDA-graph replays.
+    it (or keep the table width fixed) to keep one choice across CUDA-graph replays. An fp8
+    cache comes with its kv_scales [NB, Hkv] (kernels/kv_quant.py).
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
     return _launch(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                   max_seq_len, rows_per_seq)
+                   max_seq_len, rows_per_seq, kv_scales)
 
 
 def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                           rows_per_seq: int = 1) -> torch.Tensor:
+                           rows_per_seq: int = 1,
+                           kv_scales: KVScales | None = None) -> torch.Tensor:
     """paged_decode_attention with the attention prologue folded in: q [B * R, Hq, D] is the
     raw projection (before QK-norm and RoPE), and the same kernel normalises and rotates q
     and the new k and writes k/v into the cache (as fused_qk_norm_rope_kv would) before
-    reading it. One kernel per layer where there were three (prologue, split, reduce)."""
+    reading it. One kernel per layer where there were three (prologue, split, reduce). An fp8
+    cache's new rows are quantized here too (attn_prologue.write_new_kv_fp8)."""
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
     check_prologue(q, prologue, k_cache.shape[2])
     return _launch(q, prologue, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                   None, rows_per_seq)
+                   None, rows_per_seq, kv_scales)
 
 
 def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-            num_splits: int | None, max_seq_len: int | None, R: int) -> torch.Tensor:
+            num_splits: int | None, max_seq_len: int | None, R: int,
+            kv_scales: KVScales | None) -> torch.Tensor:
+    fp8 = cache_is_fp8(k_cache, kv_scales)
+    sc = kv_scales if fp8 else KVScales(q, q)  # placeholders: never read without FP8
     T, HQ, D = q.shape
     B, HKV, bs = T // R, k_cache.shape[2], k_cache.shape[1]
     out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
@@ -348,7 +401,9 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         q, k, v, pos, cos, sin, qn, kn, slots, k_cache, v_cache, block_tables, seq_lens, out, mid_o,
         mid_lse, counters, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), sc.k, sc.v, sc.k.stride(0),
+        sc.v.stride(0), float(sc.static_k), float(sc.static_v), DYN_FACTOR,
+        block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale) * LOG2E, 1e-6 if p is None else float(p.eps),
         bs, HQ, HKV, num_splits, GROUP=group, R=R, BLOCK_G=max(16, next_pow2(R * group)),
         RP=next_pow2(R), D=D,
@@ -358,6 +413,6 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=dot_precision(q.dtype),
-        DOT_DTYPE=dot_dtype(q.dtype), num_warps=num_warps,
+        DOT_DTYPE=dot_dtype(q.dtype), FP8=fp8, num_warps=num_warps,
         num_stages=1 if interpreting() else num_stages, **pdl_launch(q))
     return out

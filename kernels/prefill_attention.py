@@ -31,17 +31,20 @@ from pdserve.kernels._triton import (
     jit,
     next_pow2,
 )
+from pdserve.kernels.kv_quant import KVScales, cache_is_fp8
 from pdserve.kernels.kv_write import check_q_and_cache
 
 LOG2E = 1.4426950408889634
 
 
 @jit
-def _attend_tile(q, m_i, l_i, acc, k_base, v_base, bt_row, n0, kv_end, pos, block_size,
-                 stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, scale_log2,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One K/V tile of the online softmax. q [BLOCK_M, D]; pos [BLOCK_M] query positions."""
+def _attend_tile(q, m_i, l_i, acc, k_base, v_base, ks_base, vs_base, bt_row, n0, kv_end, pos,
+                 block_size, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
+                 stride_vs_b, scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 FP8: tl.constexpr):
+    """One K/V tile of the online softmax. q [BLOCK_M, D]; pos [BLOCK_M] query positions. An
+    fp8 tile's per-key scales (its blocks') scale the score columns and the weights."""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     blk = tl.load(bt_row + n // block_size, mask=n < kv_end, other=0).to(tl.int64)
@@ -53,6 +56,10 @@ def _attend_tile(q, m_i, l_i, acc, k_base, v_base, bt_row, n0, kv_end, pos, bloc
     else:
         k = tl.load(k_ptrs).to(DOT_DTYPE)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N], unscaled
+    if FP8:
+        ks = tl.load(ks_base + blk * stride_ks_b, mask=n < kv_end, other=0.0)
+        vs = tl.load(vs_base + blk * stride_vs_b, mask=n < kv_end, other=0.0)
+        s = s * ks[None, :]
     if MASKED:
         visible = (n[None, :] <= pos[:, None]) & (n[None, :] < kv_end)
         s = tl.where(visible, s, float("-inf"))
@@ -61,6 +68,8 @@ def _attend_tile(q, m_i, l_i, acc, k_base, v_base, bt_row, n0, kv_end, pos, bloc
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP8:
+        p = p * vs[None, :]
     if MASKED:
         v = tl.load(v_ptrs, mask=(n < kv_end)[:, None], other=0.0).to(DOT_DTYPE)
     else:
@@ -83,12 +92,13 @@ def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-                    stride_qt, stride_qh, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
-                    stride_vc_o, stride_vc_h, stride_bt, stride_ot, stride_oh, scale_log2,
-                    block_size, num_seqs, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
+                    out_ptr, stride_qt, stride_qh, stride_kc_b, stride_kc_o, stride_kc_h,
+                    stride_vc_b, stride_vc_o, stride_vc_h, stride_ks_b, stride_vs_b, stride_bt,
+                    stride_ot, stride_oh, scale_log2, block_size, num_seqs,
+                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr):
     # Causal tiles late in a sequence do the most work: hand them out first, so the light
     # ones fill the tail of the launch.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -118,16 +128,20 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_pt
         k_base = kc_ptr + kvh * stride_kc_h
         v_base = vc_ptr + kvh * stride_vc_h
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        ks_base = ks_ptr + kvh
+        vs_base = vs_ptr + kvh
         for n0 in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_base, v_base, bt_row, n0, kv_end,
-                                         pos, block_size, stride_kc_b, stride_kc_o, stride_vc_b,
-                                         stride_vc_o, scale_log2, D, BLOCK_N, False, PREC,
-                                         DOT_DTYPE)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_base, v_base, ks_base, vs_base,
+                                         bt_row, n0, kv_end, pos, block_size, stride_kc_b,
+                                         stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
+                                         stride_vs_b, scale_log2, D, BLOCK_N, False, PREC,
+                                         DOT_DTYPE, FP8)
         for n0 in range(full_end, kv_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_base, v_base, bt_row, n0, kv_end,
-                                         pos, block_size, stride_kc_b, stride_kc_o, stride_vc_b,
-                                         stride_vc_o, scale_log2, D, BLOCK_N, True, PREC,
-                                         DOT_DTYPE)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_base, v_base, ks_base, vs_base,
+                                         bt_row, n0, kv_end, pos, block_size, stride_kc_b,
+                                         stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
+                                         stride_vs_b, scale_log2, D, BLOCK_N, True, PREC,
+                                         DOT_DTYPE, FP8)
         # Every valid row saw key 0..pos (>= 1 key), so l_i > 0 there; padded rows are dropped.
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -154,13 +168,14 @@ def _tile_config(dtype: torch.dtype, head_dim: int, group: int,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_tables: torch.Tensor, max_query_len: int,
-                            scale: float) -> torch.Tensor:
+                            scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
     """Causal attention for varlen new tokens q [T, Hq, D] over their cached context.
 
     query_start_loc [B+1] int32 (cumulative new-token counts, starting at 0, ending at T);
     seq_lens [B] int32 (context after this step, >= each query length); block_tables
     [B, max_blocks] int32; k_cache/v_cache [NB, BS, Hkv, D] strided layer views of q.dtype
-    that already hold this step's K/V. max_query_len (host int) only sizes the tiles.
+    that already hold this step's K/V (or fp8 views with their kv_scales, kernels/kv_quant.py).
+    max_query_len (host int) only sizes the tiles.
     Returns a new [T, Hq, D] tensor.
     """
     T, HQ, D, bs, HKV = check_q_and_cache(q, k_cache, v_cache)
@@ -176,6 +191,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"scale: must be a positive finite number, got {scale}")
     if max_query_len < 1 or max_query_len > max(T, 1):
         raise ValueError(f"max_query_len: {max_query_len} not in [1, T={T}]")
+    fp8 = cache_is_fp8(k_cache, kv_scales)
+    sc = kv_scales if fp8 else KVScales(q, q)  # placeholders: never read without FP8
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0:
         return out
@@ -183,12 +200,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q, block_n, num_warps, num_stages = _tile_config(q.dtype, D, group, max_query_len)
     grid = (T // block_q + B, HKV)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, sc.k, sc.v, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), sc.k.stride(0),
+        sc.v.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale) * LOG2E, bs, B,
         GROUP=group, G_PAD=next_pow2(group), BLOCK_Q=block_q,
         BLOCK_M=block_q * next_pow2(group), D=D, BLOCK_N=block_n,
-        PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype), num_warps=num_warps,
+        PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype), FP8=fp8,
+        num_warps=num_warps,
         num_stages=1 if interpreting() else num_stages)
     return out

@@ -7,7 +7,8 @@ worker is a new peer and handles to the old one go stale (ANCHORS #3).
 
 Compatibility (ANCHORS #8): the hash covers everything that must agree for a KV block to
 mean the same on both sides (engine/core/config.py compat_payload: model shape, block size,
-KV dtype, layout version, extra such as MTP config; built there only). The config dict it was computed from
+KV dtype and, for an FP8 cache, its scale layout (kv_cache_dtype, kv_scales), layout
+version, extra such as MTP config; built there only). The config dict it was computed from
 travels along, so a refusal says WHAT differs ("block_size: 16 != 32"), not just "hash
 mismatch". The KV tensor layouts are compared as well (all but num_blocks).
 
@@ -58,8 +59,10 @@ def check_layout_matches_compat(layout: KVLayout, config: dict) -> None:
         "num_kv_heads": model.get("num_kv_heads"),
         "head_dim": model.get("head_dim"),
     }
-    if "num_layers" in model:
-        expected["num_kv_layers"] = model["num_layers"] + model.get("num_mtp_layers", 0)
+    if "num_layers" in model:  # an fp8 cache's blocks end in its scale layers
+        scales = config.get("kv_scales") or {}
+        expected["num_kv_layers"] = (model["num_layers"] + model.get("num_mtp_layers", 0)
+                                     + scales.get("scale_layers", 0))
     for name, want in expected.items():
         if want is not None and getattr(layout, name) != want:
             raise ValueError(f"kv_cache: {name} is {getattr(layout, name)!r} but the "

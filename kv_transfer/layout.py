@@ -2,7 +2,9 @@
 
 The engine keeps one KV tensor per worker (engine/model/attention.py):
     kv_cache: [num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim]
-so block b (all layers, K and V) is the single contiguous byte range
+(an FP8 cache: e4m3 values, and trailing layers that hold the block's scales, counted in
+num_kv_layers: engine/exec/kv_cache.py), so block b (all layers, K and V, scales) is the single
+contiguous byte range
     [base + b * block_bytes, base + (b + 1) * block_bytes).
 A transfer is a list of (local block, remote block) pairs. Pairs in which BOTH ids advance
 by one form a run that moves as one NIXL descriptor; the measured cost is ~8 us per

@@ -182,11 +182,31 @@ class EngineConfig:
 
 
 KV_LAYOUT_VERSION = 1
+SCALE_BYTES = 4  # an fp8 cache's scale: one fp32 per (block, layer, K/V, KV head)
+
+
+def scale_layers(num_kv_layers: int, block_size: int, head_dim: int) -> int:
+    """Trailing pseudo-layers of an fp8 cache block (2 * block_size * Hkv * head_dim bytes
+    each) that hold its num_kv_layers * 2 * Hkv fp32 scales: ceil(4 L / (block_size * D))
+    (engine/exec/kv_cache.py)."""
+    return -(-(num_kv_layers * SCALE_BYTES) // (block_size * head_dim))
+
+
+def kv_format(model: ModelConfig, cache: CacheConfig) -> dict:
+    """The cache format part of the compatibility payload: value dtype and scale layout, so
+    peers that would read each other's blocks differently refuse at the handshake naming it."""
+    if cache.kv_cache_dtype != "fp8":
+        return {"kv_cache_dtype": "auto", "kv_scales": None}
+    return {"kv_cache_dtype": "fp8",
+            "kv_scales": {"values": "float8_e4m3fn", "dtype": "float32",
+                          "per": "block,layer,k_v,kv_head", "placement": "trailing_layers",
+                          "scale_layers": scale_layers(model.num_kv_layers, cache.block_size,
+                                                       model.head_dim)}}
 
 
 def compat_payload(model: ModelConfig, cache: CacheConfig, extra: dict | None = None) -> dict:
     """Everything that must agree for a KV block to mean the same on two workers: model shape,
-    block size, KV dtype, layout version, and `extra` (the engine's speculation settings).
+    block size, KV dtype and scale layout, layout version, and `extra` (the engine's speculation settings).
     The one place this payload is built; normalised through JSON (tuples -> lists, unknown
     objects -> str), so the local dict equals the one a peer receives and describe_mismatch
     only reports real differences."""
@@ -194,7 +214,8 @@ def compat_payload(model: ModelConfig, cache: CacheConfig, extra: dict | None = 
         "layout_version": KV_LAYOUT_VERSION,
         "model": asdict(model),
         "block_size": cache.block_size,
-        "kv_dtype": cache.kv_dtype,
+        "kv_dtype": "float8_e4m3fn" if cache.kv_cache_dtype == "fp8" else cache.kv_dtype,
+        **kv_format(model, cache),
         "extra": extra or {},
     }
     return json.loads(json.dumps(payload, sort_keys=True, default=str))

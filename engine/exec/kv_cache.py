@@ -1,19 +1,87 @@
-"""The paged KV cache's memory: one tensor, one region per block (what KV transfer moves)."""
+"""The paged KV cache's memory: one tensor, one region per block (what KV transfer moves).
+
+    kv_cache: [num_blocks, num_kv_layers + S, 2, block_size, num_kv_heads, head_dim]
+
+"auto" (S = 0): the model's dtype. "fp8" (kernels/kv_quant.py): float8_e4m3fn values, and
+S = scale_layers(...) trailing pseudo-layers per block whose first L * 2 * Hkv * 4 bytes hold
+the block's fp32 scales [L, 2 (K, V), Hkv] (L = num_kv_layers). So a block's values and
+scales are one contiguous byte range: copy-on-write (kv_cache[dst].copy_(kv_cache[src])), NIXL
+registration and coalesced transfers move them together, and the 6-dim shape keeps telling
+the transfer layer what a block is. S is 1 for any real model (4 L <= block_size * head_dim):
+1 / (L + 1) of the pool, 2.7% for Qwen3-8B's 36 layers. Every view into the cache -- a layer's
+K/V [NB, BS, Hkv, D] and its scales [NB, Hkv] -- is computed here (layer_views).
+"""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
-from pdserve.engine.core.config import ModelConfig
+from pdserve.engine.core.config import SCALE_BYTES, CacheConfig, ModelConfig, scale_layers
+from pdserve.kernels.kv_quant import FP8, KVScales
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float8_e4m3fn": FP8}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def kv_torch_dtype(cache: CacheConfig) -> torch.dtype:
+    """The cache tensor's dtype for a CacheConfig: e4m3 with kv_cache_dtype "fp8"."""
+    return FP8 if cache.kv_cache_dtype == "fp8" else _DTYPES[cache.kv_dtype]
+
+
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """[num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim]: one block = one region."""
-    shape = (num_blocks, model.num_kv_layers, 2, block_size, model.num_kv_heads, model.head_dim)
+    """Zeros [num_blocks, num_kv_layers (+ scale layers for fp8), 2, block_size, Hkv, D]: one
+    block = one region (a zero scale marks a block no write has started yet)."""
+    layers = model.num_kv_layers
+    if dtype == FP8:
+        layers += scale_layers(layers, block_size, model.head_dim)
+    shape = (num_blocks, layers, 2, block_size, model.num_kv_heads, model.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def data_layers(kv_cache: torch.Tensor) -> int:
+    """The number of KV layers L of a cache tensor (its layer dim minus the fp8 scale layers):
+    L + scale_layers(L) is increasing in L, so the L that gives the tensor's layer count is
+    unique."""
+    total, bs, d = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[5]
+    if kv_cache.dtype != FP8:
+        return total
+    for layers in range(total - 1, 0, -1):
+        if layers + scale_layers(layers, bs, d) == total:
+            return layers
+    raise ValueError(f"kv_cache: fp8 cache with {total} layers has no room for scales")
+
+
+def block_scales(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[NB, L, 2, Hkv] float32 view of every block's scales (fp8 caches only)."""
+    if kv_cache.dtype != FP8:
+        raise ValueError(f"kv_cache: {kv_cache.dtype} cache has no scales")
+    nb, hkv, layers = kv_cache.shape[0], kv_cache.shape[4], data_layers(kv_cache)
+    tail = kv_cache[:, layers:].flatten(1)  # [NB, S * 2 * BS * Hkv * D] bytes, block-strided
+    n = layers * 2 * hkv * SCALE_BYTES
+    return tail[:, :n].view(torch.float32).view(nb, layers, 2, hkv)
+
+
+class LayerKV(NamedTuple):
+    """One layer's views: k, v [NB, BS, Hkv, D]; scales (fp8 caches) or None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: KVScales | None
+
+
+def layer_views(kv_cache: torch.Tensor, layer: int,
+                static: tuple[float, float] | None = None) -> LayerKV:
+    """Layer `layer`'s K/V views and, for an fp8 cache, its scales [NB, Hkv] (with the
+    checkpoint's static per-tensor scales `static` = (k, v) when it ships them)."""
+    k, v = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    if kv_cache.dtype != FP8:
+        return LayerKV(k, v, None)
+    s = block_scales(kv_cache)
+    sk, sv = static if static is not None else (0.0, 0.0)
+    return LayerKV(k, v, KVScales(s[:, layer, 0], s[:, layer, 1], float(sk), float(sv)))

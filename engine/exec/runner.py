@@ -25,7 +25,7 @@ from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.device_io import rows_of
-from pdserve.engine.exec.kv_cache import allocate_kv_cache, torch_dtype
+from pdserve.engine.exec.kv_cache import allocate_kv_cache, kv_torch_dtype
 from pdserve.engine.exec.overlap import DecodeAhead
 from pdserve.engine.exec.sampler import Sampler, SamplerState
 from pdserve.engine.model.attention import HostBatch
@@ -56,7 +56,7 @@ class ModelRunner:
         cache = config.cache
         self.block_size = cache.block_size
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(
-            config.model, cache.num_blocks, cache.block_size, torch_dtype(cache.kv_dtype), self.device)
+            config.model, cache.num_blocks, cache.block_size, kv_torch_dtype(cache), self.device)
         self.sampler = Sampler(config.seed, argmax=model.argmax)
         self._states: dict[str, SamplerState] = {}
         self.cuda_graphs = maybe_decode_graphs(config, model, self.kv_cache)  # decode steps

@@ -25,7 +25,9 @@ token it appends; that is O(1) and nothing is rebuilt from the history.
 Grammar (structured outputs). A request with one keeps its GrammarState here too (attached by
 the runner, engine/structured/matcher.py), advanced by the same observe(). Its bitmask masks
 the logits after logit_bias, before temperature -- greedy rows included: the all-greedy fast
-path masks before its argmax. A batch without grammars builds no bitmask.
+path masks before its argmax. A batch without grammars builds no bitmask. The bitmask is
+filled (matcher.BitmaskFiller) when sample() starts: after the runner launched the step's
+forward and LM head, so the host fills it while the GPU computes the logits it masks.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.exec.device_io import to_device
-from pdserve.engine.structured.matcher import GrammarState, apply_bitmask, batch_bitmask
+from pdserve.engine.structured.matcher import BitmaskFiller, GrammarState, apply_bitmask
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
 SAMPLING_EPS = 1e-5
@@ -78,9 +80,8 @@ class SamplerState:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token_id: {token_id} outside the vocabulary [0, {self.vocab_size})")
         self.num_observed += 1
-        if self.grammar is not None and not self.grammar.accept(token_id):
-            # every token is drawn under the mask, so this is a bug, never the client's input
-            raise RuntimeError(f"token_id: {token_id} does not match the request's grammar")
+        if self.grammar is not None:  # queued: the next fill accepts it (matcher.py)
+            self.grammar.accept(token_id)
         if self.output_counts is not None:
             # the tensor may be an inference tensor (made under inference_mode by the runner):
             # in-place updates to those are only legal inside inference_mode
@@ -199,6 +200,7 @@ class Sampler:
         self.argmax = argmax if argmax is not None else (lambda x: x.argmax(dim=-1))
         self._counter = itertools.count()  # distinct streams for unseeded requests
         self._host_copy = HostCopy()
+        self.masks = BitmaskFiller()  # grammar rows' bitmask: pinned, queued, batch-filled
 
     @torch.inference_mode()
     def new_state(self, request: Request, vocab_size: int,
@@ -240,7 +242,8 @@ class Sampler:
         drawn ids [B] on the device before the host reads them (overlapped decode launches
         the next forward from them)."""
         params = [r.sampling_params for r in requests]
-        bitmask = batch_bitmask([s.grammar for s in states], logits.shape[-1])  # [B, W] | None
+        # [B, W] on the device | None; filled on the host while the GPU runs the forward
+        bitmask = self.masks.fill([s.grammar for s in states], logits.shape[-1], logits.device)
         processed = self._process(logits, requests, states, bitmask)  # -inf outside support
         token_ids = self.argmax(processed)  # greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]

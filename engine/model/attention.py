@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.kv_quant import KVScales, cache_is_fp8, dequant_blocks, write_kv_fp8_ref
+
 
 @dataclass
 class AttentionMetadata:
@@ -88,13 +90,17 @@ class HostBatch:
 # --------------------------------------------------------------------------------------------
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
     """Scatter the new tokens' K/V into one layer's paged cache.
 
     k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided views of the
     whole cache, so the block and offset dims cannot be flattened into one); slot_mapping: [T],
-    where a slot < 0 marks a padding token (CUDA-graph batches) that is not written.
+    where a slot < 0 marks a padding token (CUDA-graph batches) that is not written. An fp8
+    cache (kv_scales given) is quantized on write (kernels/kv_quant.py's rule).
     """
+    if cache_is_fp8(k_cache, kv_scales):
+        write_kv_fp8_ref(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        return
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
@@ -104,13 +110,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                          meta: AttentionMetadata, scale: float,
+                          kv_scales: KVScales | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
     Sequence i's new tokens are the last query_len of its seq_len context, so query j may see
-    keys 0 .. seq_len - query_len + j. One SDPA call per sequence (GQA via enable_gqa).
+    keys 0 .. seq_len - query_len + j. One SDPA call per sequence (GQA via enable_gqa). An fp8
+    cache's blocks are dequantized with their per-head scales (kv_scales) first.
     """
+    fp8 = cache_is_fp8(k_cache, kv_scales)
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     start = 0
@@ -120,8 +129,13 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         num_blocks = -(-seq_len // block_size)
         blocks = meta.block_tables[i, :num_blocks].long()
         # [num_blocks, block_size, Hkv, D] -> [Hkv, seq_len, D]
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+        if fp8:
+            kb = dequant_blocks(k_cache, kv_scales.k, blocks, q.dtype)
+            vb = dequant_blocks(v_cache, kv_scales.v, blocks, q.dtype)
+        else:
+            kb, vb = k_cache[blocks], v_cache[blocks]
+        k = kb.flatten(0, 1)[:seq_len].transpose(0, 1)
+        v = vb.flatten(0, 1)[:seq_len].transpose(0, 1)
         qi = q[start:start + q_len].transpose(0, 1)  # [Hq, q_len, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
@@ -144,12 +158,15 @@ class AttentionBackend(Protocol):
     name: str
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Store new k, v [T, Hkv, D] at meta.slot_mapping in the layer views [NB, BS, Hkv, D]."""
+                 v_cache: torch.Tensor, meta: AttentionMetadata,
+                 kv_scales: KVScales | None = None) -> None:
+        """Store new k, v [T, Hkv, D] at meta.slot_mapping in the layer views [NB, BS, Hkv, D]
+        (an fp8 cache: quantized, setting its kv_scales)."""
         ...
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float,
+               kv_scales: KVScales | None = None) -> torch.Tensor:
         """Paged causal attention of q [T, Hq, D] over the cached KV -> [T, Hq, D]."""
         ...
 
@@ -160,12 +177,14 @@ class TorchAttentionBackend:
     name = "torch"
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                 v_cache: torch.Tensor, meta: AttentionMetadata,
+                 kv_scales: KVScales | None = None) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+               meta: AttentionMetadata, scale: float,
+               kv_scales: KVScales | None = None) -> torch.Tensor:
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, kv_scales)
 
 
 def make_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.core.config import ModelConfig
+from pdserve.engine.exec.kv_cache import layer_views
 from pdserve.engine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.model.layers import (
     RMSNorm,
@@ -69,6 +70,9 @@ class Attention(nn.Module):
         # the prologue kernels rotate whole heads; partial rotary keeps the torch RoPE (the
         # backend's kernels still write the cache and attend)
         self.prologue_kernel = cfg.rotary_dim == cfg.head_dim
+        # an fp8 KV cache's per-tensor (k_scale, v_scale) when the checkpoint ships them (every
+        # block then takes them as its scales); None: per-block scales from each block's values
+        self.kv_static_scales: tuple[float, float] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -84,8 +88,9 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        # this layer's views [num_blocks, block_size, Hkv, D] of the all-layers cache
-        k_cache, v_cache = kv_cache[:, self.kv_layer, 0], kv_cache[:, self.kv_layer, 1]
+        # this layer's views [num_blocks, block_size, Hkv, D] of the all-layers cache, and
+        # for an fp8 cache its scales [num_blocks, Hkv] (engine/exec/kv_cache.py)
+        k_cache, v_cache, kv_scales = layer_views(kv_cache, self.kv_layer, self.kv_static_scales)
         if self.fused and self.prologue_kernel:  # q/k/v: strided views of qkv; rotated k -> cache
             kern = fused_kernels()
             prologue = kern.Prologue(
@@ -94,15 +99,18 @@ class Attention(nn.Module):
                 None if self.k_norm is None else self.k_norm.weight,
                 self.q_norm.eps if self.q_norm is not None else 1e-6, meta.rope_positions)
             o = fused_attention().attend_with_prologue(self.backend, q, prologue, k_cache,
-                                                       v_cache, meta, self.scale)
+                                                       v_cache, meta, self.scale, kv_scales)
             return o.reshape(T, self.q_size)
         if meta is not None and meta.rope_positions is not None:  # tables (Model.rope): rows
             cos, sin = cos[meta.rope_positions], sin[meta.rope_positions]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        o = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        # kv_scales only for an fp8 cache: backends that never see one (training's) keep the
+        # five-argument form
+        fp8 = {} if kv_scales is None else {"kv_scales": kv_scales}
+        self.backend.write_kv(k, v, k_cache, v_cache, meta, **fp8)
+        o = self.backend.attend(q, k_cache, v_cache, meta, self.scale, **fp8)  # [T, Hq, D]
         return o.reshape(T, self.q_size)
 
 

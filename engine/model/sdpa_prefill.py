@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pdserve.kernels.kv_quant import KVScales, dequant_blocks
+
 if TYPE_CHECKING:
     from pdserve.engine.model.attention import AttentionMetadata
 
@@ -35,13 +37,20 @@ def applies(q: torch.Tensor, meta: AttentionMetadata) -> bool:
 
 
 def fresh_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                            meta: AttentionMetadata, scale: float,
+                            kv_scales: KVScales | None = None) -> torch.Tensor:
     """q [S, Hq, D] of one fresh sequence over its S cached keys -> [S, Hq, D] (a strided
-    view; callers reshape). k_cache/v_cache: [NB, BS, Hkv, D] layer views."""
+    view; callers reshape). k_cache/v_cache: [NB, BS, Hkv, D] layer views; an fp8 cache's
+    blocks are dequantized (kv_scales) in the gather, so SDPA attends over what the paged
+    kernels would read."""
     S, bs = meta.seq_lens_cpu[0], k_cache.shape[1]
     blocks = meta.block_tables[0, :-(-S // bs)].long()
-    k = k_cache[blocks].flatten(0, 1)[:S]  # [S, Hkv, D] contiguous gather
-    v = v_cache[blocks].flatten(0, 1)[:S]
+    if kv_scales is not None:
+        k = dequant_blocks(k_cache, kv_scales.k, blocks, q.dtype).flatten(0, 1)[:S]
+        v = dequant_blocks(v_cache, kv_scales.v, blocks, q.dtype).flatten(0, 1)[:S]
+    else:
+        k = k_cache[blocks].flatten(0, 1)[:S]  # [S, Hkv, D] contiguous gather
+        v = v_cache[blocks].flatten(0, 1)[:S]
     with sdpa_kernel(BACKENDS):
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],

@@ -19,42 +19,48 @@ from pdserve.kernels.decode_attention import (
     fused_decode_attention,
     paged_decode_attention,
 )
+from pdserve.kernels.kv_quant import KVScales
 from pdserve.kernels.kv_write import write_kv
 from pdserve.kernels.prefill_attention import paged_prefill_attention
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
+              meta: AttentionMetadata, scale: float, num_splits: int | None = None,
+              kv_scales: KVScales | None = None) -> torch.Tensor:
     """Same function as pdserve.engine.model.attention.paged_attention_torch: q [T, Hq, D] over layer views
     [NB, BS, Hkv, D] -> [T, Hq, D]. Decode steps, and verify steps where every sequence brings
     the same few tokens (MTP: the last token + k drafts), take the split-K decode kernel (its
     split count comes from the block table's width unless given, so keep that width fixed
-    under CUDA graphs); anything else takes the chunked-prefill kernel."""
+    under CUDA graphs); anything else takes the chunked-prefill kernel. An fp8 cache comes
+    with its kv_scales, which every kernel reads."""
     rows = _uniform_rows(q, k_cache, meta)
     if rows:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      scale, num_splits=num_splits, rows_per_seq=rows)
+                                      scale, num_splits=num_splits, rows_per_seq=rows,
+                                      kv_scales=kv_scales)
     return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, meta.max_query_len, scale)
+                                   meta.block_tables, meta.max_query_len, scale, kv_scales)
 
 
 def attend_with_prologue(backend: AttentionBackend, q: torch.Tensor, prologue: Prologue,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
+                         scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
     """QK-norm + RoPE + KV write, then attention, for the raw q [T, Hq, D] of a qkv projection
     (the model's fused path). With the Triton backend, decode and uniform verify steps run it
     all as one kernel (fused_decode_attention); otherwise the prologue kernel runs first and
-    the backend attends over the rotated q."""
+    the backend attends over the rotated q. With an fp8 cache (kv_scales) the quantization
+    happens inside whichever kernel writes the cache."""
     if isinstance(backend, TritonAttentionBackend) and not backend.takes_sdpa(q, meta):
         rows = _uniform_rows(q, k_cache, meta)
         if rows:
             return fused_decode_attention(q, prologue, k_cache, v_cache, meta.block_tables,
                                           meta.seq_lens, scale, num_splits=backend.num_splits,
-                                          rows_per_seq=rows)
+                                          rows_per_seq=rows, kv_scales=kv_scales)
     p = prologue
     q = fused_qk_norm_rope_kv(q, p.k, p.v, p.positions, p.cos, p.sin, k_cache, v_cache,
-                              p.slot_mapping, p.q_norm, p.k_norm, p.eps)
-    return backend.attend(q, k_cache, v_cache, meta, scale)
+                              p.slot_mapping, p.q_norm, p.k_norm, p.eps, kv_scales)
+    fp8 = {} if kv_scales is None else {"kv_scales": kv_scales}
+    return backend.attend(q, k_cache, v_cache, meta, scale, **fp8)
 
 
 def _uniform_rows(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
@@ -80,19 +86,23 @@ class TritonAttentionBackend:
         self.fresh_prefill_sdpa = fresh_prefill_sdpa
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                 v_cache: torch.Tensor, meta: AttentionMetadata,
+                 kv_scales: KVScales | None = None) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
 
     def takes_sdpa(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
         """True when attend() hands this step to SDPA (one fresh long prompt)."""
         return self.fresh_prefill_sdpa and sdpa_prefill.applies(q, meta)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float,
+               kv_scales: KVScales | None = None) -> torch.Tensor:
         if self.takes_sdpa(q, meta):
             try:
-                return sdpa_prefill.fresh_prefill_attention(q, k_cache, v_cache, meta, scale)
+                return sdpa_prefill.fresh_prefill_attention(q, k_cache, v_cache, meta, scale,
+                                                            kv_scales)
             except RuntimeError as e:  # no SDPA backend takes this shape: stay on Triton
                 sdpa_prefill.log.warning("fresh-prefill SDPA disabled: %s", e)
                 self.fresh_prefill_sdpa = False
-        return attention(q, k_cache, v_cache, meta, scale, num_splits=self.num_splits)
+        return attention(q, k_cache, v_cache, meta, scale, num_splits=self.num_splits,
+                         kv_scales=kv_scales)

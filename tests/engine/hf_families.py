@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.engine.exec.kv_cache import allocate_kv_cache
 from pdserve.engine.model.attention import make_metadata
+from pdserve.kernels.kv_quant import FP8
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,11 +161,12 @@ def assert_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
 class Paged:
     """Drives our model like the engine: one call = one step over several sequences."""
 
+    kv_dtype: torch.dtype | None = None  # None: the model's float dtype; FP8: an fp8 cache
+
     def __init__(self, model, num_blocks: int = NUM_BLOCKS) -> None:
-        cfg = model.config
         self.model = model
-        self.kv = torch.zeros(num_blocks, cfg.num_kv_layers, 2, BLOCK, cfg.num_kv_heads,
-                              cfg.head_dim)
+        dtype = self.kv_dtype or next(model.parameters()).dtype
+        self.kv = allocate_kv_cache(model.config, num_blocks, BLOCK, dtype, "cpu")
 
     def step(self, seqs: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
         """seqs: (new_tokens, tokens_already_cached, block_table) -> logits [new, vocab] each."""
@@ -179,3 +182,9 @@ class Paged:
 
     def logits(self, ids: torch.Tensor, pos: torch.Tensor, meta) -> torch.Tensor:
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))
+
+
+class PagedFP8(Paged):
+    """Paged over an fp8 KV cache (e4m3 values + per-block scales, engine/exec/kv_cache.py)."""
+
+    kv_dtype = FP8

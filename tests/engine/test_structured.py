@@ -20,7 +20,13 @@ from pdserve.engine.core.sampling_params import StructuredOutput as SO
 from pdserve.engine.exec.sampler import Sampler
 from pdserve.engine.llm import LLM
 from pdserve.engine.structured.compiler import GrammarCompiler
-from pdserve.engine.structured.matcher import GrammarState, apply_bitmask, host_bitmask
+from pdserve.engine.structured.matcher import (
+    BitmaskFiller,
+    GrammarState,
+    apply_bitmask,
+    batch_bitmask,
+    host_bitmask,
+)
 
 from tests.engine.tiny_vocab import EOS, tiny_tokenizer
 
@@ -123,6 +129,56 @@ def test_apply_bitmask_keeps_dtype_and_marks_forbidden_minus_inf() -> None:
     assert out.dtype == torch.bfloat16 and torch.equal(out[1], logits[1])
     assert torch.isinf(out[0]).sum() == VOCAB - 1 and out[0, 35] == logits[0, 35]
 
+
+
+def test_apply_bitmask_matches_the_unpacked_reference_on_odd_sizes() -> None:
+    """The fused mask equals unpacking every bit (torch reference) for a vocabulary that is
+    not a multiple of 32, random words (sign bit included), float32 and bfloat16."""
+    gen = torch.Generator().manual_seed(3)
+    for vocab, dtype in ((77, torch.float32), (1000, torch.bfloat16)):
+        words = torch.randint(-(1 << 31), 1 << 31, (3, (vocab + 31) // 32), generator=gen,
+                              dtype=torch.int64).to(torch.int32)
+        logits = torch.randn(3, vocab, generator=gen).to(dtype)
+        bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [3, W, 32]
+        keep = bits.reshape(3, -1)[:, :vocab].bool()
+        want = logits.masked_fill(~keep, float("-inf"))
+        assert torch.equal(apply_bitmask(logits, words), want)
+
+
+def test_threaded_filler_equals_row_by_row_fill_with_queued_accepts(
+        compiler: GrammarCompiler) -> None:
+    """BitmaskFiller (queued accepts, xgrammar's batch fill on 3 threads) gives the masks that
+    accepting each token at once and filling row by row gives: rows without a grammar all
+    allowed, a grammar that accepted EOS only EOS; a refused token raises at the fill."""
+    text = '{"color": "green", "count": 7}'
+    spec = compiler.compile(SO(json=json.dumps(SCHEMA)))
+    ids = TOK.encode(text)
+    cuts = [0, 1, 3, len(ids) // 2, len(ids) - 1, len(ids)]
+    grammars: list[GrammarState | None] = []
+    reference: list[GrammarState | None] = []
+    for n in cuts:
+        queued, eager = GrammarState(spec, (EOS,)), GrammarState(spec, (EOS,))
+        eager.replay(ids[:n], "p")
+        for t in ids[:n]:
+            queued.accept(t)  # queued, not yet accepted
+        grammars.append(queued)
+        reference.append(eager)
+        grammars.append(None)
+        reference.append(None)
+    ended = GrammarState(spec, (EOS,))
+    for t in ids + [EOS]:
+        ended.accept(t)
+    assert ended.terminated  # a queued stop token is accepted on the spot
+    grammars.append(ended)
+    filler = BitmaskFiller(threads=3)
+    got = filler.fill(grammars, VOCAB, torch.device("cpu"))
+    want = batch_bitmask(reference, VOCAB)
+    assert torch.equal(got[:-1], want) and allowed(got, len(grammars) - 1) == {EOS}
+    assert allowed(got, 1) == set(range(VOCAB)) and len(allowed(got, 0)) < VOCAB
+    bad = GrammarState(spec, (EOS,))
+    bad.accept(TOK.encode("x")[0])  # '{' must come first
+    with pytest.raises(RuntimeError, match="does not match the request's grammar"):
+        filler.fill([None, bad, GrammarState(spec, (EOS,))], VOCAB, torch.device("cpu"))
 
 # -- generation ----------------------------------------------------------------------------------
 def test_json_schema_choice_and_regex_generations(llm: LLM) -> None:

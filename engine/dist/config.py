@@ -1,0 +1,55 @@
+"""ParallelConfig: one rank's place in a tensor-parallel worker, frozen and validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pdserve.engine.core.config import ConfigError
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """tp_size ranks of one worker; this process is `rank`. init_address is rank 0's
+    "tcp://host:port" (the TCP store every rank joins); timeout_s bounds every wait: joining
+    the group, each collective (gloo raises after it; NCCL's watchdog aborts the
+    communicator), and each lockstep receive on a follower."""
+
+    tp_size: int = 1
+    rank: int = 0
+    backend: str = "gloo"  # gloo on CPU, nccl on CUDA (for_device picks)
+    init_address: str = ""  # "tcp://127.0.0.1:29512"; "" only when tp_size == 1
+    timeout_s: float = 60.0
+    device: str = "cpu"  # this rank's device, e.g. "cuda:1"
+
+    def __post_init__(self) -> None:
+        tp = self.tp_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size: must be an int >= 1, got {tp!r}")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < tp:
+            raise ConfigError(f"rank: must be in [0, {tp}), got {self.rank!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend: must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "nccl" and not self.device.startswith("cuda"):
+            raise ConfigError(f"backend: nccl needs a CUDA device, got device={self.device!r}")
+        if tp > 1 and not (self.init_address.startswith("tcp://")
+                           and self.init_address.rpartition(":")[2].isdigit()):
+            raise ConfigError(f"init_address: need 'tcp://host:port' for tensor_parallel_size="
+                              f"{tp}, got {self.init_address!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s: must be > 0, got {self.timeout_s!r}")
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 runs the scheduler and speaks gRPC; the others follow its steps."""
+        return self.rank == 0
+
+    @classmethod
+    def for_device(cls, tp_size: int, rank: int, init_address: str, device: str,
+                   timeout_s: float = 60.0) -> ParallelConfig:
+        """nccl on CUDA devices, gloo elsewhere."""
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        return cls(tp_size, rank, backend, init_address, timeout_s, device)
+
+    def with_rank(self, rank: int) -> ParallelConfig:
+        return replace(self, rank=rank)

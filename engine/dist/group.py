@@ -1,0 +1,132 @@
+"""The process groups of one tensor-parallel worker, joined and left with deadlines.
+
+Two groups over one TCP store (rank 0 hosts it):
+  * `device`: the forward's collectives (all-reduce after row-parallel layers, the vocabulary
+    all-gather); NCCL on CUDA, gloo on CPU.
+  * `control`: always gloo over CPU tensors: the lockstep step messages (protocol.py), so a
+    follower waiting for the next step never blocks a GPU stream, and the leader's idle
+    keep-alives cost no device work.
+
+Groups are ProcessGroup objects built directly on the store (no torch.distributed default
+group, no global state): a process may hold several (tests run one per rank process), and
+every wait goes through TPGroup with its deadline.
+
+Deadlines (a dead rank must not hang the others):
+  * join: the store connection and the store barrier wait at most timeout_s;
+  * gloo collectives raise after timeout_s, and at once when a peer's socket closes (a
+    killed rank: "Connection reset by peer");
+  * NCCL: the communicator's timeout is timeout_s; torch's NCCL watchdog thread aborts a
+    collective that outlives it and tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's
+    default), so the rank actor dies and Ray restarts the whole group (worker/tp_group.py);
+  * a follower's wait for the next step: the leader sends a keep-alive message at least every
+    timeout_s / 4 while idle, so silence for timeout_s means the leader is gone.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.dist.config import ParallelConfig
+
+
+class GroupError(RuntimeError):
+    """A collective failed or passed its deadline: a rank died or hung. The worker's ranks
+    cannot continue in lockstep; the whole group is restarted."""
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
+
+
+def open_store(cfg: ParallelConfig) -> dist.TCPStore:
+    """Rank 0 hosts the store (port 0 in init_address: any free port, see .port); the others
+    connect to it, waiting at most timeout_s."""
+    host, port = _split(cfg.init_address)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    try:
+        return dist.TCPStore(host, port, cfg.tp_size, cfg.is_leader, timeout=timeout,
+                             wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as e:  # torch raises DistStoreError (RuntimeError)
+        raise GroupError(f"init_address: rank {cfg.rank} could not reach the store at "
+                         f"{cfg.init_address} within {cfg.timeout_s} s: {e}") from e
+
+
+class TPGroup:
+    """One rank's view of its worker's groups. size 1: every collective is the identity."""
+
+    def __init__(self, cfg: ParallelConfig, store: dist.Store | None = None) -> None:
+        self.cfg = cfg
+        self.rank, self.size = cfg.rank, cfg.tp_size
+        self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        self.store = store
+        self.device: dist.ProcessGroup | None = None
+        self.control: dist.ProcessGroup | None = None
+        if self.size == 1:
+            return
+        if store is None:
+            self.store = store = open_store(cfg)
+        try:
+            self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), self.rank,
+                                                 self.size, self.timeout)
+            if cfg.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                self.device = dist.ProcessGroupNCCL(dist.PrefixStore("device", store),
+                                                    self.rank, self.size, opts)
+            else:
+                self.device = dist.ProcessGroupGloo(dist.PrefixStore("device", store),
+                                                    self.rank, self.size, self.timeout)
+        except RuntimeError as e:
+            raise GroupError(f"rank {self.rank}: joining the group of {self.size} failed "
+                             f"within {cfg.timeout_s} s: {e}") from e
+        self.barrier()  # every rank is in: a rank that never came fails here, in timeout_s
+
+    # -- collectives (each waits at most timeout_s) ---------------------------------------
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise GroupError(f"rank {self.rank}: {what} failed (a rank died or passed the "
+                             f"{self.cfg.timeout_s} s deadline): {e}") from e
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns t."""
+        if self.size > 1:
+            self._wait(self.device.allreduce([t]), "all_reduce")
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """[..., n, ...] per rank -> the ranks' pieces concatenated along dim (rank order)."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._wait(self.device.allgather([parts], [t]), "all_gather")
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_control(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's CPU tensor into t on every rank (the lockstep channel), in place."""
+        if self.size > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self._wait(self.control.broadcast([t], opts), "step broadcast")
+        return t
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._wait(self.control.allreduce([torch.zeros(1)]), "barrier")
+
+    def close(self) -> None:
+        """Leave: drop the groups (their sockets close, so peers still waiting fail at once
+        instead of at their deadline) and the store connection."""
+        for pg in (self.device, self.control):
+            if pg is not None and hasattr(pg, "shutdown"):
+                try:
+                    pg.shutdown()
+                except RuntimeError:
+                    pass
+        self.device = self.control = None
+        self.store = None

@@ -1,0 +1,126 @@
+"""Lockstep: rank 0 (the leader) runs the scheduler and tells the other ranks (followers)
+what each step runs; every rank then runs the same forward over its shard, meeting in the
+same collectives in the same order.
+
+The leader sends one message per forward (protocol.py), before running it itself; a
+follower receives it, runs the forward over its shard and its part of the LM head for the
+message's logits rows, and waits for the next. While idle the leader sends KEEPALIVE at
+least every keepalive_s, so a follower that hears nothing for the group's timeout knows the
+leader is gone (GroupError) and its process ends: the group is restarted whole.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pdserve.engine.dist import protocol as proto
+from pdserve.engine.dist.forward import TPContext, compute_logits, model_forward
+from pdserve.engine.dist.group import TPGroup
+from pdserve.engine.model.attention import HostBatch
+from pdserve.engine.model.decoder import Model
+
+
+class Leader:
+    """Rank 0's sending end; the engine loop calls forward() per step and tick() when idle."""
+
+    def __init__(self, group: TPGroup, keepalive_s: float | None = None) -> None:
+        self.group = group
+        self.seq = 0
+        self.keepalive_s = keepalive_s if keepalive_s is not None else group.cfg.timeout_s / 4
+        self._last_send = time.monotonic()
+
+    def send(self, kind: proto.Kind, fields: dict[str, list[int]], flags: int = 0) -> None:
+        if self.group.size == 1:
+            return
+        header, payload = proto.encode(kind, self.seq, fields, flags)
+        self.group.broadcast_control(header)
+        if payload.numel():
+            self.group.broadcast_control(payload)
+        self.seq += 1
+        self._last_send = time.monotonic()
+
+    def forward(self, batch: HostBatch, logits_rows: list[int], return_prenorm: bool) -> None:
+        """Announce a forward of `batch` whose logits the leader computes for logits_rows."""
+        flags = proto.RETURN_PRENORM if return_prenorm else 0
+        self.send(proto.Kind.FORWARD, proto.forward_fields(batch, logits_rows), flags)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.send(proto.Kind.COPY_BLOCKS, {"src": [s for s, _ in pairs],
+                                           "dst": [d for _, d in pairs]})
+
+    def tick(self) -> None:
+        """Idle housekeeping: a keep-alive when nothing was sent for keepalive_s."""
+        if time.monotonic() - self._last_send >= self.keepalive_s:
+            self.send(proto.Kind.KEEPALIVE, {})
+
+    def stop(self) -> None:
+        self.send(proto.Kind.STOP, {})
+
+
+class Follower:
+    """A rank > 0: receive, run, repeat until STOP (or a GroupError ends the process)."""
+
+    def __init__(self, group: TPGroup, model: Model, kv_cache: torch.Tensor,
+                 ctx: TPContext) -> None:
+        self.group, self.model, self.kv_cache, self.ctx = group, model, kv_cache, ctx
+        self.device = kv_cache.device
+        self.seq = 0
+        self.steps = 0  # forwards run (tests and metrics)
+
+    def receive(self) -> proto.Message:
+        header = torch.empty(proto.HEADER_LEN, dtype=torch.int64)
+        self.group.broadcast_control(header)
+        kind, flags, lens = proto.read_header(header, self.seq)
+        payload = torch.empty(sum(lens), dtype=torch.int64)
+        if payload.numel():
+            self.group.broadcast_control(payload)
+        msg = proto.decode(kind, self.seq, flags, lens, payload)
+        self.seq += 1
+        return msg
+
+    def run(self) -> int:
+        """Follow until STOP; returns the number of forwards run."""
+        while True:
+            msg = self.receive()
+            if msg.kind == proto.Kind.STOP:
+                return self.steps
+            if msg.kind == proto.Kind.FORWARD:
+                self.forward(msg)
+            elif msg.kind == proto.Kind.COPY_BLOCKS:
+                for s, d in zip(msg.fields["src"], msg.fields["dst"]):
+                    self.kv_cache[d].copy_(self.kv_cache[s])
+
+    @torch.inference_mode()
+    def forward(self, msg: proto.Message) -> None:
+        batch = proto.batch_of(msg)
+        ids, positions, meta = batch.to_device(self.device)
+        hidden = model_forward(self.model, self.ctx, ids, positions, meta, self.kv_cache)
+        rows = msg.fields["logits_rows"]
+        if rows:  # the leader's LM head all-gather needs this rank's part for these rows
+            compute_logits(self.model, self.ctx, hidden[torch.tensor(rows, device=self.device)])
+        self.steps += 1
+
+
+class LeaderModel:
+    """Rank 0's forward in lockstep: announce, then run its own shard (what ModelRunner's
+    _forward and _sample call in phase 2)."""
+
+    def __init__(self, leader: Leader, model: Model, kv_cache: torch.Tensor,
+                 ctx: TPContext) -> None:
+        self.leader, self.model, self.kv_cache, self.ctx = leader, model, kv_cache, ctx
+
+    @torch.inference_mode()
+    def step(self, batch: HostBatch, logits_rows: list[int]) -> torch.Tensor:
+        """One forward of `batch` -> logits [len(logits_rows), V] float32."""
+        self.leader.forward(batch, logits_rows, return_prenorm=False)
+        ids, positions, meta = batch.to_device(self.kv_cache.device)
+        hidden = model_forward(self.model, self.ctx, ids, positions, meta, self.kv_cache)
+        rows = torch.tensor(logits_rows, device=hidden.device)
+        return compute_logits(self.model, self.ctx, hidden[rows])
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every rank's cache (each holds its heads)."""
+        self.leader.copy_blocks(pairs)
+        for src, dst in pairs:
+            self.kv_cache[dst].copy_(self.kv_cache[src])

@@ -1,0 +1,77 @@
+"""The collectives of a tensor-parallel forward, as functions over a rank's shard.
+
+  * row-parallel layers (o_proj, down_proj, a MoE block): each rank's partial product, then an
+    all-reduce. The residual add fused into the GEMV's epilogue (kernels/gemv.py `add`) is
+    done by rank 0 only: the sum over ranks restores exactly one residual.
+  * vocabulary-parallel embedding: each rank looks up the ids in its rows (others give zero
+    rows), and an all-reduce sums them: exact, one rank contributes each row.
+  * vocabulary-parallel LM head: each rank's logits over its rows, then either an all-gather
+    of the logits (the sampler on rank 0 needs the full row: penalties, grammars, logprobs)
+    or, for greedy (drafts, greedy rows), a cross-rank argmax that moves two values per row.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.dist.group import TPGroup
+from pdserve.engine.dist.heads import vocab_shard
+
+
+class VocabRange:
+    """This rank's slice of the vocabulary: rows start..start + valid are real tokens; the
+    shard has `rows` rows (padding after valid)."""
+
+    def __init__(self, vocab_size: int, tp: int, rank: int) -> None:
+        self.vocab_size = vocab_size
+        self.start, self.valid, self.rows = vocab_shard(vocab_size, tp, rank)
+
+
+def row_parallel(partial: Callable[[torch.Tensor | None], torch.Tensor],
+                 add: torch.Tensor | None, group: TPGroup) -> torch.Tensor:
+    """all_reduce(partial(add on rank 0, None elsewhere)): partial(add) is this rank's
+    x_r @ W_r.T (+ add, fused in its epilogue), [T, N]."""
+    return group.all_reduce(partial(add if group.rank == 0 else None))
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group: TPGroup,
+                        add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K/tp] @ weight [N, K/tp].T summed over ranks (+ add once) -> [T, N]."""
+    def partial(a: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x, weight)
+        return y if a is None else y + a
+    return row_parallel(partial, add, group)
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor, vocab: VocabRange,
+          group: TPGroup) -> torch.Tensor:
+    """ids [T] (global token ids) -> [T, H] from the rank's rows weight [rows, H]."""
+    local = ids - vocab.start
+    mine = (local >= 0) & (local < vocab.valid)
+    x = F.embedding(torch.where(mine, local, torch.zeros_like(local)), weight)
+    x = x * mine.unsqueeze(-1).to(x.dtype)  # [T, H]: other ranks' tokens are zero rows
+    return group.all_reduce(x)
+
+
+def gather_logits(local: torch.Tensor, vocab: VocabRange, group: TPGroup) -> torch.Tensor:
+    """[N, rows] per rank -> [N, V] (rank order is vocabulary order; padding cut off)."""
+    return group.all_gather(local, dim=-1)[:, :vocab.vocab_size]
+
+
+def argmax(local: torch.Tensor, vocab: VocabRange, group: TPGroup) -> torch.Tensor:
+    """Greedy over the whole vocabulary from [N, rows] per rank -> int64 [N] global ids,
+    on every rank. Ties go to the lowest id, as torch.argmax over the full row."""
+    n = local.shape[0]
+    if vocab.valid == 0:  # a rank whose rows are all padding
+        best = torch.full((n,), float("-inf"), dtype=torch.float64, device=local.device)
+        idx = torch.zeros(n, dtype=torch.int64, device=local.device)
+    else:
+        val, idx = local[:, :vocab.valid].max(dim=-1)
+        best, idx = val.double(), idx + vocab.start
+    # [tp, N] values and ids in rank (= vocabulary) order
+    vals = group.all_gather(best.unsqueeze(0), dim=0)
+    ids = group.all_gather(idx.unsqueeze(0), dim=0)
+    winner = vals.argmax(dim=0)  # first rank holding the maximum: the lowest id
+    return ids.gather(0, winner.unsqueeze(0)).squeeze(0)

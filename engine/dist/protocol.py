@@ -1,0 +1,144 @@
+"""Lockstep step messages: rank 0 tells the other ranks what to run, as int64 tensors.
+
+No pickle (broadcast_object_list pickles): a message is a fixed header of HEADER_LEN int64
+followed by a payload of int64 fields whose lengths the header carries. The leader
+broadcasts the header, then the payload (when not empty), on the control group.
+
+Header: [MAGIC, VERSION, kind, seq, flags, nfields, len_0 .. len_{MAX_FIELDS-1}]
+  * seq counts messages from 0; a follower refuses a gap (a lost or repeated step would
+    desynchronise the ranks' collectives).
+  * kind picks the schema: the field names in FIELDS, in order. A FORWARD's fields are
+    HostBatch's (engine/model/attention.py) plus the rows whose logits the leader computes
+    (the followers join the LM head's collective for exactly those rows).
+
+Kinds: FORWARD (one model forward + its logits), COPY_BLOCKS (copy-on-write of whole blocks
+in every rank's cache), KEEPALIVE (the leader is idle but alive), STOP (leave the loop).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from pdserve.engine.model.attention import HostBatch
+
+MAGIC = 0x7064_7470  # "pdtp"
+VERSION = 1
+MAX_FIELDS = 10
+HEADER_LEN = 6 + MAX_FIELDS
+MAX_PAYLOAD = 1 << 26  # int64 values: far beyond any step (tokens + block tables)
+
+
+class ProtocolError(ValueError):
+    """A malformed or out-of-order step message; the message names the header field."""
+
+
+class Kind(IntEnum):
+    FORWARD = 1
+    COPY_BLOCKS = 2
+    KEEPALIVE = 3
+    STOP = 4
+
+
+# flags of a FORWARD
+RETURN_PRENORM = 1
+
+FIELDS: dict[Kind, tuple[str, ...]] = {
+    Kind.FORWARD: ("input_ids", "positions", "slots", "query_lens", "seq_lens",
+                   "block_tables", "table_lens", "scalars", "logits_rows"),
+    Kind.COPY_BLOCKS: ("src", "dst"),
+    Kind.KEEPALIVE: (),
+    Kind.STOP: (),
+}
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: Kind
+    seq: int
+    flags: int
+    fields: dict[str, list[int]]
+
+
+def encode(kind: Kind, seq: int, fields: dict[str, list[int]], flags: int = 0
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header [HEADER_LEN], payload [sum of lengths]) int64 CPU tensors."""
+    names = FIELDS[kind]
+    if set(fields) != set(names):
+        raise ProtocolError(f"fields: {kind.name} takes {names}, got {sorted(fields)}")
+    values = [fields[n] for n in names]
+    header = [MAGIC, VERSION, int(kind), seq, flags, len(names)] + [len(v) for v in values]
+    header += [0] * (HEADER_LEN - len(header))
+    flat = [int(x) for v in values for x in v]
+    return torch.tensor(header, dtype=torch.int64), torch.tensor(flat, dtype=torch.int64)
+
+
+def read_header(header: torch.Tensor, expect_seq: int) -> tuple[Kind, int, list[int]]:
+    """(kind, flags, field lengths) of a received header, checked field by field."""
+    if header.dtype != torch.int64 or tuple(header.shape) != (HEADER_LEN,):
+        raise ProtocolError(f"header: expected int64 [{HEADER_LEN}], got {header.dtype} "
+                            f"{tuple(header.shape)}")
+    h = header.tolist()
+    if h[0] != MAGIC:
+        raise ProtocolError(f"header.magic: {h[0]:#x} != {MAGIC:#x}")
+    if h[1] != VERSION:
+        raise ProtocolError(f"header.version: {h[1]} != {VERSION} (ranks of one worker run "
+                            f"different pdserve versions)")
+    try:
+        kind = Kind(h[2])
+    except ValueError:
+        raise ProtocolError(f"header.kind: unknown {h[2]}") from None
+    if h[3] != expect_seq:
+        raise ProtocolError(f"header.seq: got {h[3]}, expected {expect_seq} (a step was lost "
+                            f"or repeated)")
+    n = len(FIELDS[kind])
+    if h[5] != n:
+        raise ProtocolError(f"header.nfields: {kind.name} has {n} fields, got {h[5]}")
+    lens = h[6:6 + n]
+    if any(x < 0 for x in lens) or any(h[6 + n:]) or sum(lens) > MAX_PAYLOAD:
+        raise ProtocolError(f"header.lengths: bad field lengths {h[6:]}")
+    return kind, h[4], lens
+
+
+def decode(kind: Kind, seq: int, flags: int, lens: list[int], payload: torch.Tensor) -> Message:
+    if payload.numel() != sum(lens):
+        raise ProtocolError(f"payload: {payload.numel()} values, the header says {sum(lens)}")
+    flat, fields, at = payload.tolist(), {}, 0
+    for name, n in zip(FIELDS[kind], lens):
+        fields[name] = flat[at:at + n]
+        at += n
+    return Message(kind, seq, flags, fields)
+
+
+def forward_fields(batch: HostBatch, logits_rows: list[int]) -> dict[str, list[int]]:
+    """A FORWARD's fields from the leader's HostBatch (block tables flattened, their lengths
+    alongside; scalars = [block_size])."""
+    return {"input_ids": batch.input_ids, "positions": batch.positions, "slots": batch.slots,
+            "query_lens": batch.query_lens, "seq_lens": batch.seq_lens,
+            "block_tables": [b for t in batch.block_tables for b in t],
+            "table_lens": [len(t) for t in batch.block_tables], "scalars": [batch.block_size],
+            "logits_rows": logits_rows}
+
+
+def batch_of(msg: Message) -> HostBatch:
+    """The HostBatch a FORWARD carries, checked for consistency (names the field)."""
+    f = msg.fields
+    T, B = len(f["input_ids"]), len(f["query_lens"])
+    for name, n, want in (("positions", len(f["positions"]), T), ("slots", len(f["slots"]), T),
+                          ("seq_lens", len(f["seq_lens"]), B),
+                          ("table_lens", len(f["table_lens"]), B),
+                          ("block_tables", len(f["block_tables"]), sum(f["table_lens"])),
+                          ("scalars", len(f["scalars"]), 1)):
+        if n != want:
+            raise ProtocolError(f"forward.{name}: {n} values, expected {want}")
+    if sum(f["query_lens"]) != T or B == 0:
+        raise ProtocolError(f"forward.query_lens: sum {sum(f['query_lens'])} != {T} tokens")
+    if any(r < 0 or r >= T for r in f["logits_rows"]):
+        raise ProtocolError(f"forward.logits_rows: rows outside [0, {T})")
+    tables, at = [], 0
+    for n in f["table_lens"]:
+        tables.append(f["block_tables"][at:at + n])
+        at += n
+    return HostBatch(f["input_ids"], f["positions"], f["slots"], f["query_lens"],
+                     f["seq_lens"], tables, f["scalars"][0])
