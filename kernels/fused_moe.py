@@ -23,9 +23,12 @@ and Triton's launch path): decode wants the CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.kernels._triton import FLOAT_DTYPES, check_launchable, check_tensor
+from pdserve.kernels.fp8_scales import FP8_DTYPE, Block, check_scales
 from pdserve.kernels.moe_align import moe_align
 from pdserve.kernels.moe_gemm import MoeConfig, down_counters, moe_down, moe_gate_up, pick_moe_config
 from pdserve.kernels.moe_route import RouteConfig, moe_route, moe_route_align, route_aligns
@@ -41,22 +44,39 @@ def chunk_tokens(H: int, top_k: int) -> int:
     return max(1, SCRATCH_BYTES // (4 * H * top_k))
 
 
-def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   fp8: Fp8Experts | None = None) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("x", x)
     H = x.shape[1]
-    check_tensor("w13", w13, shape=(None, None, H), dtypes=(x.dtype,), device=x.device,
+    dtypes = (x.dtype, FP8_DTYPE) if fp8 is not None else (x.dtype,)
+    check_tensor("w13", w13, shape=(None, None, H), dtypes=dtypes, device=x.device,
                  last_contiguous=True)
     E, two_i, _ = w13.shape
     if two_i % 2 or E < 1:
         raise ValueError(f"w13: expected [E, 2I, H] with E >= 1, got {tuple(w13.shape)}")
-    check_tensor("w2", w2, shape=(E, H, two_i // 2), dtypes=(x.dtype,), device=x.device,
+    check_tensor("w2", w2, shape=(E, H, two_i // 2), dtypes=dtypes, device=x.device,
                  last_contiguous=True)
+    f = fp8 or Fp8Experts()
+    check_scales(w13, f.w13_scale, f.blocks[0] if f.blocks else None, "w13")
+    check_scales(w2, f.w2_scale, f.blocks[1] if f.blocks else None, "w2")
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """FP8 expert weights' scales: w13_scale [E, ceil(2I / bn), ceil(H / bk)] and w2_scale
+    [E, ceil(H / bn'), ceil(I / bk')] for blocks ((bn, bk), (bn', bk')) (kernels/fp8_scales.py);
+    all None for float weights."""
+
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    blocks: tuple[Block, Block] | None = None
 
 
 def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
-    _check_weights(x, w13, w2)
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   fp8: Fp8Experts | None) -> None:
+    _check_weights(x, w13, w2, fp8)
     T = x.shape[0]
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
                  device=x.device)
@@ -71,12 +91,14 @@ def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  config: MoeConfig | None = None, max_chunk: int | None = None) -> torch.Tensor:
+                  config: MoeConfig | None = None, max_chunk: int | None = None,
+                  fp8: Fp8Experts | None = None) -> torch.Tensor:
     """moe_experts_ref(x, w13, w2, topk_weights, topk_ids) with Triton kernels: x [T, H] (rows
     may be strided), w13 [E, 2I, H], w2 [E, H, I] in x.dtype; topk_weights (any float dtype)
     and topk_ids (int32/int64, values in [0, E)) contiguous [T, top_k]. Returns a new [T, H]
-    in x.dtype. max_chunk: tokens per chunk (default chunk_tokens(H, top_k))."""
-    _check_experts(x, w13, w2, topk_weights, topk_ids)
+    in x.dtype. max_chunk: tokens per chunk (default chunk_tokens(H, top_k)). fp8: the
+    scales of float8_e4m3fn w13 / w2 (the reference: their dequantized weights)."""
+    _check_experts(x, w13, w2, topk_weights, topk_ids, fp8)
     T, H = x.shape
     E, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
@@ -85,18 +107,19 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         t1 = min(T, t0 + step)
         cfg = config or pick_moe_config((t1 - t0) * top_k, E, H, w2.shape[2], x.element_size(),
                                         x.device)
-        _experts_chunk(x[t0:t1], w13, w2, topk_weights[t0:t1], topk_ids[t0:t1], out[t0:t1], cfg)
+        _experts_chunk(x[t0:t1], w13, w2, topk_weights[t0:t1], topk_ids[t0:t1], out[t0:t1], cfg,
+                       fp8)
     return out
 
 
 def _experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-                   cfg: MoeConfig) -> None:
+                   cfg: MoeConfig, fp8: Fp8Experts | None) -> None:
     """align (zeroing the down GEMM's counters in the same launch), gate_up, down into out."""
     T, top_k = topk_ids.shape
     counters = _counters(T, x.shape[1], top_k, cfg, x.device)
     sorted_ids, expert_ids, _ = moe_align(topk_ids, w13.shape[0], cfg.block_m, zero=counters)
-    _gemms(x, w13, w2, topk_weights, sorted_ids, expert_ids, out, counters, cfg)
+    _gemms(x, w13, w2, topk_weights, sorted_ids, expert_ids, out, counters, cfg, fp8)
 
 
 def _counters(T: int, H: int, top_k: int, cfg: MoeConfig, device: torch.device
@@ -109,12 +132,15 @@ def _counters(T: int, H: int, top_k: int, cfg: MoeConfig, device: torch.device
 
 def _gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor,
-           counters: torch.Tensor | None, cfg: MoeConfig) -> None:
+           counters: torch.Tensor | None, cfg: MoeConfig, fp8: Fp8Experts | None) -> None:
     """gate_up then down into out, each a programmatic dependent launch behind the pdserve
     kernel before it (alignment, gate_up): scheduled while that one drains."""
-    act = moe_gate_up(x, w13, sorted_ids, expert_ids, topk_weights.shape[1], cfg, pdl=True)
+    f = fp8 or Fp8Experts()
+    b13, b2 = f.blocks or (None, None)
+    act = moe_gate_up(x, w13, sorted_ids, expert_ids, topk_weights.shape[1], cfg, pdl=True,
+                      w13_scale=f.w13_scale, block=b13)
     moe_down(act, w2, topk_weights, sorted_ids, expert_ids, cfg, out=out, counters=counters,
-             pdl=True)
+             pdl=True, w2_scale=f.w2_scale, block=b2)
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
@@ -122,13 +148,14 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
               correction_bias: torch.Tensor | None = None, n_group: int = 1,
               topk_group: int = 1, renormalize: bool = True, routed_scaling: float = 1.0,
               config: MoeConfig | None = None, route_config: RouteConfig | None = None,
-              max_chunk: int | None = None) -> torch.Tensor:
+              max_chunk: int | None = None, fp8: Fp8Experts | None = None) -> torch.Tensor:
     """The MoE block's routed experts for x [T, H]: moe_route (router_weight [E, H] and the
     routing arguments as kernels.reference.moe_route_ref) then fused_experts. Returns a new
     [T, H] in x.dtype. 4 launches for a batch of up to chunk_tokens(H, top_k) tokens; 3 for
-    decode-sized batches (route_aligns: the router's launch aligns the pairs too)."""
+    decode-sized batches (route_aligns: the router's launch aligns the pairs too). fp8: as
+    fused_experts'."""
     check_tensor("router_weight", router_weight, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("w13", w13, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("w13", w13, ndim=3, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
     if router_weight.shape[0] != w13.shape[0]:
         raise ValueError(f"router_weight: {router_weight.shape[0]} experts, w13 has "
                          f"{w13.shape[0]}")
@@ -139,17 +166,19 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     device = x.device if isinstance(x, torch.Tensor) else None
     if route_aligns(T, E, H, top_k, route_config, device) and \
             T <= (max_chunk or chunk_tokens(H, top_k)):
-        return _fused_decode(x, router_weight, w13, w2, top_k, routing, config, route_config)
+        return _fused_decode(x, router_weight, w13, w2, top_k, routing, config, route_config,
+                             fp8)
     topk_weights, topk_ids = moe_route(x, router_weight, top_k, config=route_config, **routing)
-    return fused_experts(x, w13, w2, topk_weights, topk_ids, config=config, max_chunk=max_chunk)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, config=config, max_chunk=max_chunk,
+                         fp8=fp8)
 
 
 def _fused_decode(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, top_k: int, routing: dict, config: MoeConfig | None,
-                  route_config: RouteConfig | None) -> torch.Tensor:
+                  route_config: RouteConfig | None, fp8: Fp8Experts | None) -> torch.Tensor:
     """Decode-sized batches in 3 launches: route + align (+ counter zeroing), gate_up, down;
     the router lets gate_up be scheduled early (PDL), gate_up lets down."""
-    _check_weights(x, w13, w2)
+    _check_weights(x, w13, w2, fp8)
     T, H = x.shape
     E, inter = w13.shape[0], w2.shape[2]
     cfg = config or pick_moe_config(T * top_k, E, H, inter, x.element_size(), x.device)
@@ -158,5 +187,5 @@ def _fused_decode(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tenso
         x, router_weight, top_k, cfg.block_m, zero=counters, config=route_config,
         trigger_dependents=True, **routing)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    _gemms(x, w13, w2, wts, sorted_ids, expert_ids, out, counters, cfg)
+    _gemms(x, w13, w2, wts, sorted_ids, expert_ids, out, counters, cfg, fp8)
     return out

@@ -49,6 +49,17 @@ from pdserve.kernels._triton import (
     prefetch_lines,
     scratch_fp32,
 )
+from pdserve.kernels.fp8_scales import (
+    FP8_DTYPE,
+    Block,
+    check_scales,
+    fit_block_k,
+    fp8_dequant_tile,
+    fp8_n_scales,
+    fp8_scale_k,
+    kernel_block,
+    scale_mode,
+)
 from pdserve.kernels.rmsnorm import fused_add_rmsnorm
 from pdserve.kernels.silu_mul import silu_and_mul
 
@@ -104,10 +115,11 @@ def _activation(x, x_ptr, nw_ptr, rows, row_ok, offs_k, K, stride_x, PROLOGUE: t
 
 
 @jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, K, stride_x,
-                 stride_res, stride_w, stride_y, stride_ro, stride_add, eps, T: tl.constexpr,
-                 TP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, s_ptr, N, K,
+                 stride_x, stride_res, stride_w, stride_y, stride_ro, stride_add, stride_s, eps,
+                 T: tl.constexpr, TP: tl.constexpr, PROLOGUE: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, HAS_ADD: tl.constexpr, SCALE: tl.constexpr,
+                 S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr, PF_LINES: tl.constexpr,
                  PF_LINE: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -148,7 +160,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
             hf = x.to(tl.float32)
             ss += hf * hf
         a = _activation(x, x_ptr, nw_ptr, rows, row_ok, offs_k, K, stride_x, PROLOGUE)
-        acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+        if SCALE == 1:  # FP8, one row block per program: the K lanes' scales scale a
+            a = fp8_scale_k(a, s_ptr, pid * BLOCK_N // S_BN, k0, K, stride_s, TP, BLOCK_K, S_BK)
+        wf = w.to(tl.float32)
+        if SCALE == 2:  # FP8, one K block per step: each row's scale scales its weights
+            wf = wf * fp8_n_scales(s_ptr, offs_n, N, k0, stride_s, S_BN, S_BK)[:, None]
+        acc += a[:, None, :] * wf[None, :, :]
     y = tl.sum(acc, axis=2)
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
         y = y * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
@@ -160,8 +177,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, N, 
 
 
 @jit
-def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T, stride_x,
-                     stride_w, stride_y, stride_add, HAS_ADD: tl.constexpr,
+def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, s_ptr, N, K, T,
+                     stride_x, stride_w, stride_y, stride_add, stride_s, HAS_ADD: tl.constexpr,
+                     SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      W_EVICT: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
@@ -201,6 +219,9 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T,
                     eviction_policy=W_EVICT)
         x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if SCALE != 0:  # FP8: dequantize the tile in registers (fp32 product, then DOT_DTYPE)
+            w = fp8_dequant_tile(w, s_ptr, offs_n, N, K, k0, stride_s, pid * BLOCK_N // S_BN,
+                                 SCALE, S_BN, S_BK, BLOCK_N, BLOCK_K)
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PREC)
     out_mask = row_ok[:, None] & n_ok[None, :]
     tile = rows[:, None] * N + offs_n[None, :]  # [BLOCK_M, BLOCK_N] offsets in one partial
@@ -233,6 +254,10 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, N, K, T,
 DEVICE_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
     "H200": {(2048, 4096): (4, 2048, 4)},
 }
+# The same for FP8 weights (kernels/fp8_scales.py), where they beat pick_config's FP8 rule.
+FP8_DEVICE_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
+    "H200": {},
+}
 
 
 @functools.cache
@@ -250,9 +275,12 @@ def device_entry(tables: dict[str, dict], device: torch.device | None, key: obje
     return next((t.get(key) for frag, t in tables.items() if frag in name), None)
 
 
-def device_tile(N: int, K: int, device: torch.device | None) -> GemvConfig | None:
-    """The measured one-row tile of DEVICE_TILES for this device and shape, if any."""
-    tile = device_entry(DEVICE_TILES, device, (N, K))
+def device_tile(N: int, K: int, device: torch.device | None, elem_size: int = 2
+                ) -> GemvConfig | None:
+    """The measured one-row tile of DEVICE_TILES (16-bit weights) or FP8_DEVICE_TILES (FP8)
+    for this device and shape, if any."""
+    tables = {2: DEVICE_TILES, 1: FP8_DEVICE_TILES}.get(elem_size)
+    tile = None if tables is None else device_entry(tables, device, (N, K))
     return None if tile is None else GemvConfig(tile[0], tile[1], num_warps=tile[2])
 
 
@@ -267,7 +295,7 @@ def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = Fal
     The CPU interpreter runs one program at a time, so there few big tiles are fastest.
     prefetch: the launch follows a latency-bound kernel (see gemv); the interpreter has no L2.
     device: one row takes that device's DEVICE_TILES entry for (N, K) where there is one."""
-    tile = device_tile(N, K, device) if T == 1 and elem_size <= 2 else None
+    tile = device_tile(N, K, device, elem_size) if T == 1 else None
     if T > 1:
         cfg = pick_dot_config(N, K, elem_size)
     elif tile is not None:
@@ -275,8 +303,11 @@ def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = Fal
     elif interpreting():
         cfg = GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
     else:
-        block_k = min(1024, next_pow2(K))
-        block_n = 8 if N * K >= (32 << 20) else 4
+        # FP8 (elem_size 1): twice the K step (a step reads as many bytes) and 4 rows: on an
+        # H200 4 x 2048 on 4 warps beat 8 x 2048 on 8 by 4-9% at each Qwen3-8B shape
+        # (bench/results/fp8_h200_2026-11-25_qwen3-8b.json gemv_sweep; still only ~2.3 TB/s)
+        block_k = min(1024 if elem_size > 1 else 2048, next_pow2(K))
+        block_n = 8 if N * K >= (32 << 20) and elem_size > 1 else 4
         while block_n > 1 and triton.cdiv(N, block_n) < 264:
             block_n //= 2
         cfg = GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
@@ -309,11 +340,13 @@ def pick_dot_config(N: int, K: int, elem_size: int = 2) -> GemvConfig:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, residual: torch.Tensor | None,
-           norm_weight: torch.Tensor | None, eps: float, add: torch.Tensor | None) -> None:
+           norm_weight: torch.Tensor | None, eps: float, add: torch.Tensor | None,
+           scales: torch.Tensor | None, block: Block | None) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("x", x)
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device,
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype, FP8_DTYPE), device=x.device,
                  last_contiguous=True)
+    check_scales(weight, scales, block)
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue: {prologue!r} not in {sorted(PROLOGUES)}")
     T, k_in = x.shape
@@ -343,7 +376,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, residual: torch
 def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
          eps: float = 1e-6, add: torch.Tensor | None = None, config: GemvConfig | None = None,
-         prefetch: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+         prefetch: bool = False, scales: torch.Tensor | None = None, block: Block | None = None
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y = prologue(x) @ weight.T (+ add) for x [T, K_in] with T <= MAX_ROWS, weight [N, K].
 
     prologue "none": K_in = K. "silu": K_in = 2K ([gate | up]). "norm": K_in = K, needs
@@ -358,12 +392,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     schedules while that kernel runs ask L2 for their weight slice before they wait on it, so
     the weights stream in during the attention instead of after it. (Behind a GEMV, which
     already keeps HBM busy, the same prefetch was slower; see _gemv_kernel.)
+
+    FP8: weight float8_e4m3fn [N, K] with scales float32 [ceil(N / bn), ceil(K / bk)] for
+    block = (bn, bk) (kernels/fp8_scales.py); the tile is dequantized in registers, fp32
+    accumulate, the same prologues and epilogue.
     """
-    _check(x, weight, prologue, residual, norm_weight, eps, add)
+    _check(x, weight, prologue, residual, norm_weight, eps, add, scales, block)
     T, N, K = x.shape[0], weight.shape[0], weight.shape[1]
-    cfg = config or pick_config(N, K, T, x.element_size(), prefetch, x.device)
+    cfg = config or pick_config(N, K, T, weight.element_size(), prefetch, x.device)
+    fp8 = _fp8_args(cfg, weight, scales, block)
     if T > 1 and cfg.tensor_cores:
-        return _gemv_rows(x, weight, prologue, residual, norm_weight, eps, add, cfg)
+        return _gemv_rows(x, weight, prologue, residual, norm_weight, eps, add, cfg, fp8)
     if T > CUDA_CORE_ROWS:
         raise ValueError(f"config: the CUDA-core kernel takes 1..{CUDA_CORE_ROWS} rows, got {T} "
                          f"(set tensor_cores=True)")
@@ -375,15 +414,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     nw = norm_weight if norm_weight is not None else weight
     out = y if add is None else add
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, res, nw, weight, y, res_out, out, N, K, x.stride(0), res.stride(0),
-        weight.stride(0), y.stride(0), res_out.stride(0), out.stride(0), float(eps), T=T,
-        TP=next_pow2(T),
+        x, res, nw, weight, y, res_out, out, fp8["s"], N, K, x.stride(0), res.stride(0),
+        weight.stride(0), y.stride(0), res_out.stride(0), out.stride(0), fp8["stride"],
+        float(eps), T=T, TP=next_pow2(T),
         PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None,
-        HAS_ADD=add is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_ADD=add is not None, **fp8["consts"], BLOCK_N=cfg.block_n, BLOCK_K=fp8["block_k"],
         W_EVICT="evict_first" if cfg.stream_weights else "",
         **_prefetch_args(cfg, K, 1, weight), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch(x))
     return (y, res_out) if prologue == "norm" else y
+
+
+def _fp8_args(cfg: GemvConfig, weight: torch.Tensor, scales: torch.Tensor | None,
+              block: Block | None) -> dict:
+    """The kernels' scale arguments: s (pointer), stride, block_k (the config's, shrunk where
+    the scales need it) and the constexprs SCALE, S_BN, S_BK (kernels/fp8_scales.py)."""
+    if scales is None:
+        return {"s": weight, "stride": 0, "block_k": cfg.block_k,
+                "consts": {"SCALE": 0, "S_BN": 1, "S_BK": 1}}
+    N, K = weight.shape
+    block_k = fit_block_k(block, N, K, cfg.block_n, cfg.block_k)
+    s_bn, s_bk = kernel_block(block, N, K)
+    return {"s": scales, "stride": scales.stride(0), "block_k": block_k,
+            "consts": {"SCALE": scale_mode(block, N, K, cfg.block_n, block_k), "S_BN": s_bn,
+                       "S_BK": s_bk}}
 
 
 def _prefetch_args(cfg: GemvConfig, K: int, parts: int, weight: torch.Tensor) -> dict:
@@ -395,7 +449,7 @@ def _prefetch_args(cfg: GemvConfig, K: int, parts: int, weight: torch.Tensor) ->
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
                residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-               add: torch.Tensor | None, cfg: GemvConfig
+               add: torch.Tensor | None, cfg: GemvConfig, fp8: dict
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """2..16 rows: the prologue as its own kernel (activation rounded to x.dtype, as in an
     unfused layer), then the tensor-core kernel."""
@@ -416,10 +470,11 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
         parts = scratch_fp32(x.device, cfg.split_k * 16 * N)
         counts = arrival_counters(x.device, grid_n)
     _gemv_dot_kernel[(grid_n, cfg.split_k)](
-        x, weight, y, out, parts, counts, N, K, T, x.stride(0), weight.stride(0), y.stride(0),
-        out.stride(0), HAS_ADD=add is not None, BLOCK_M=16, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PREC=dot_precision(x.dtype),
-        DOT_DTYPE=dot_dtype(x.dtype), W_EVICT="evict_first" if cfg.stream_weights else "",
+        x, weight, y, out, parts, counts, fp8["s"], N, K, T, x.stride(0), weight.stride(0),
+        y.stride(0), out.stride(0), fp8["stride"], HAS_ADD=add is not None, **fp8["consts"],
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=fp8["block_k"], SPLIT_K=cfg.split_k,
+        PREC=dot_precision(x.dtype), DOT_DTYPE=dot_dtype(x.dtype),
+        W_EVICT="evict_first" if cfg.stream_weights else "",
         **_prefetch_args(cfg, K, cfg.split_k, weight), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch(x))
     return (y, h) if prologue == "norm" else y

@@ -42,6 +42,7 @@ from pdserve.kernels._triton import (
     pdl_enter,
     pdl_launch,
 )
+from pdserve.kernels.fp8_scales import FP8_DTYPE, Block, check_scales, fit_block_k, fp8_n_scales, kernel_block
 from pdserve.kernels.gemv import device_entry
 
 
@@ -109,8 +110,9 @@ def pick_moe_config(num_pairs: int, num_experts: int, H: int, I: int,
 
 
 @jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, N, H, I, stride_x,
-                    stride_we, stride_wn, stride_act, TOP_K: tl.constexpr,
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, s_ptr, N, H, I, stride_x,
+                    stride_we, stride_wn, stride_act, stride_se, stride_sn, TOP_K: tl.constexpr,
+                    SCALED: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
@@ -134,6 +136,11 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, N, H, I, stri
         w_mask = n_ok[:, None] & k_ok[None, :]
         wg = tl.load(w_gate + offs_k[None, :], mask=w_mask, other=0.0)
         wu = tl.load(w_up + offs_k[None, :], mask=w_mask, other=0.0)
+        if SCALED:  # FP8 expert weights: dequantized in registers (each K step in one block)
+            s_e = s_ptr + e.to(tl.int64) * stride_se
+            wg = wg.to(tl.float32) * fp8_n_scales(s_e, offs_n, I, k0, stride_sn, S_BN, S_BK)[:, None]
+            wu = wu.to(tl.float32) * fp8_n_scales(s_e, I + offs_n, 2 * I, k0, stride_sn, S_BN,
+                                                  S_BK)[:, None]
         a = a.to(DOT_DTYPE)
         acc_g += tl.dot(a, tl.trans(wg.to(DOT_DTYPE)), input_precision=PREC)
         acc_u += tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), input_precision=PREC)
@@ -144,7 +151,9 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, N, H, I, stri
 
 @jit
 def _down_kernel(act_ptr, w_ptr, wts_ptr, out_ptr, part_ptr, count_ptr, sorted_ptr, expert_ptr,
-                 N, H, I, stride_act, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
+                 s_ptr, N, H, I, stride_act, stride_we, stride_wn, stride_out, stride_se,
+                 stride_sn, TOP_K: tl.constexpr, SCALED: tl.constexpr, S_BN: tl.constexpr,
+                 S_BK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
@@ -165,6 +174,9 @@ def _down_kernel(act_ptr, w_ptr, wts_ptr, out_ptr, part_ptr, count_ptr, sorted_p
         k_ok = offs_k < I
         a = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SCALED:
+            w = w.to(tl.float32) * fp8_n_scales(s_ptr + e.to(tl.int64) * stride_se, offs_n, H, k0,
+                                                stride_sn, S_BN, S_BK)[:, None]
         acc += tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PREC)
     acc = acc * tl.load(wts_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     tok = (pairs // TOP_K).to(tl.int64)
@@ -207,18 +219,36 @@ def _check_blocks(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, cfg: MoeCo
             raise ValueError(f"{name}: must be contiguous, strides {t.stride()}")
 
 
+def fp8_launch(w: torch.Tensor, scales: torch.Tensor | None, block: Block | None,
+               block_n: int, block_k: int) -> tuple[dict, int]:
+    """The GEMM kernels' scale arguments for expert weights w [E, N, K] (FP8: scales
+    [E, gn, gk]) and the K step, shrunk until each step lies in one K block."""
+    if scales is None:
+        return ({"s_ptr": w, "stride_se": 0, "stride_sn": 0, "SCALED": False, "S_BN": 1,
+                 "S_BK": 1}, block_k)
+    N, K = w.shape[1], w.shape[2]
+    block_k = fit_block_k((1, block[1]), N, K, block_n, block_k)  # per-row way (SCALE 2)
+    s_bn, s_bk = kernel_block(block, N, K)
+    return ({"s_ptr": scales, "stride_se": scales.stride(0), "stride_sn": scales.stride(1),
+             "SCALED": True, "S_BN": s_bn, "S_BK": s_bk}, block_k)
+
+
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
-                expert_ids: torch.Tensor, top_k: int, config: MoeConfig, pdl: bool = False
+                expert_ids: torch.Tensor, top_k: int, config: MoeConfig, pdl: bool = False,
+                w13_scale: torch.Tensor | None = None, block: Block | None = None
                 ) -> torch.Tensor:
     """act [T * top_k, I] (x.dtype, pair order) = silu(x[t] @ gate_e.T) * (x[t] @ up_e.T) for
     x [T, H] (rows may be strided) and w13 [E, 2I, H] (gate rows over up rows), over the
     blocks of kernels.moe_align(topk_ids, E, config.block_m). One kernel launch. pdl: a
     programmatic dependent launch (only right after another pdserve Triton kernel: after a
-    cuBLAS GEMM, PDL broke CUDA-graph captures, see kernels.rmsnorm)."""
+    cuBLAS GEMM, PDL broke CUDA-graph captures, see kernels.rmsnorm). FP8: w13
+    float8_e4m3fn with w13_scale [E, ceil(2I / bn), ceil(H / bk)] for block (bn, bk),
+    dequantized tile by tile in registers (activations stay in x.dtype)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("x", x)
-    check_tensor("w13", w13, shape=(None, None, x.shape[1]), dtypes=(x.dtype,), device=x.device,
-                 last_contiguous=True)
+    check_tensor("w13", w13, shape=(None, None, x.shape[1]), dtypes=(x.dtype, FP8_DTYPE),
+                 device=x.device, last_contiguous=True)
+    check_scales(w13, w13_scale, block, "w13")
     if w13.shape[1] % 2:
         raise ValueError(f"w13: {w13.shape[1]} rows per expert; expected [gate | up], 2 * I")
     if top_k < 1:
@@ -231,10 +261,12 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
     if T == 0 or expert_ids.numel() == 0:
         return act
     grid = (expert_ids.numel(), triton.cdiv(inter, config.block_n_up))
+    fp8, block_k = fp8_launch(w13, w13_scale, block, config.block_n_up, config.block_k_up)
     _gate_up_kernel[grid](
-        x, w13, act, sorted_ids, expert_ids, T * top_k, H, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n_up, BLOCK_K=config.block_k_up, PREC=dot_precision(x.dtype),
+        x, w13, act, sorted_ids, expert_ids, N=T * top_k, H=H, I=inter, stride_x=x.stride(0),
+        stride_we=w13.stride(0), stride_wn=w13.stride(1), stride_act=act.stride(0), TOP_K=top_k,
+        **fp8, BLOCK_M=config.block_m, BLOCK_N=config.block_n_up, BLOCK_K=block_k,
+        PREC=dot_precision(x.dtype),
         DOT_DTYPE=dot_dtype(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
         **(pdl_launch(x) if pdl else {"USE_PDL": False}))
     return act
@@ -246,11 +278,13 @@ def down_counters(num_tokens: int, H: int, config: MoeConfig) -> int:
 
 
 def _check_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                out: torch.Tensor | None, counters: torch.Tensor | None, cfg: MoeConfig) -> None:
+                out: torch.Tensor | None, counters: torch.Tensor | None, cfg: MoeConfig,
+                w2_scale: torch.Tensor | None, block: Block | None) -> None:
     check_tensor("act", act, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("act", act)
-    check_tensor("w2", w2, shape=(None, None, act.shape[1]), dtypes=(act.dtype,),
+    check_tensor("w2", w2, shape=(None, None, act.shape[1]), dtypes=(act.dtype, FP8_DTYPE),
                  device=act.device, last_contiguous=True)
+    check_scales(w2, w2_scale, block, "w2")
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=act.device)
     T, top_k = topk_weights.shape
     if not topk_weights.is_contiguous() or top_k < 1 or T * top_k != act.shape[0]:
@@ -269,14 +303,15 @@ def _check_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
 def moe_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              sorted_ids: torch.Tensor, expert_ids: torch.Tensor, config: MoeConfig,
              out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-             pdl: bool = False) -> torch.Tensor:
+             pdl: bool = False, w2_scale: torch.Tensor | None = None,
+             block: Block | None = None) -> torch.Tensor:
     """out [T, H] = sum_j topk_weights[t, j] * (act[t * top_k + j] @ w2[e].T) in fp32, stored
     in act.dtype, for act [T * top_k, I] (moe_gate_up's), w2 [E, H, I], topk_weights
     [T, top_k] (contiguous, any float dtype). out: where to write (rows contiguous), default
     new. counters: down_counters(T, H, config) zeroed int32s (kernels.moe_align zeroes them
     in its launch); default a torch.zeros (one more launch). One kernel launch; pdl as
-    moe_gate_up's."""
-    _check_down(act, w2, topk_weights, out, counters, config)
+    moe_gate_up's; FP8 w2 with w2_scale as moe_gate_up's w13."""
+    _check_down(act, w2, topk_weights, out, counters, config, w2_scale, block)
     config.check()
     _check_blocks(sorted_ids, expert_ids, config, act.device)
     (T, top_k), (_, H, inter) = topk_weights.shape, w2.shape
@@ -290,10 +325,12 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
         count = counters if counters is not None else torch.zeros(
             down_counters(T, H, config), dtype=torch.int32, device=act.device)
     grid = (expert_ids.numel(), triton.cdiv(H, config.block_n_down))
+    fp8, block_k = fp8_launch(w2, w2_scale, block, config.block_n_down, config.block_k_down)
     _down_kernel[grid](
-        act, w2, topk_weights, out, part, count, sorted_ids, expert_ids, T * top_k, H, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down,
+        act, w2, topk_weights, out, part, count, sorted_ids, expert_ids, N=T * top_k, H=H,
+        I=inter, stride_act=act.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1),
+        stride_out=out.stride(0), TOP_K=top_k, **fp8,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n_down, BLOCK_K=block_k,
         PREC=dot_precision(act.dtype), DOT_DTYPE=dot_dtype(act.dtype), **config.down_launch(),
         **(pdl_launch(act) if pdl else {"USE_PDL": False}))
     return out

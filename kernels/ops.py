@@ -14,7 +14,9 @@ from pdserve.kernels.decode_attention import (
     fused_decode_attention,
     paged_decode_attention,
 )
-from pdserve.kernels.fused_moe import fused_experts, fused_moe
+from pdserve.kernels.fp8_gemm import fp8_gemm, quant_act
+from pdserve.kernels.fused_moe import Fp8Experts, fused_experts, fused_moe
+from pdserve.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pdserve.kernels.gemv import MODEL_ROWS as GEMV_ROWS
 from pdserve.kernels.gemv import gemv
 from pdserve.kernels.kv_write import write_kv
@@ -27,9 +29,9 @@ from pdserve.kernels.silu_mul import silu_and_mul
 from pdserve.kernels.spec_accept import spec_accept
 
 __all__ = [
-    "GEMV_ROWS", "MAX_GROUP_ROWS", "Prologue", "argmax", "choose_num_splits",
-    "fused_add_rmsnorm", "fused_decode_attention", "fused_experts", "fused_moe",
+    "Fp8Experts", "GEMV_MAX_ROWS", "GEMV_ROWS", "MAX_GROUP_ROWS", "Prologue", "argmax", "choose_num_splits",
+    "fp8_gemm", "fused_add_rmsnorm", "fused_decode_attention", "fused_experts", "fused_moe",
     "fused_qk_norm_rope_kv", "gemv", "moe_align", "moe_down", "moe_gate_up", "moe_route",
-    "moe_route_align", "paged_decode_attention", "paged_prefill_attention", "silu_and_mul",
-    "spec_accept", "write_kv",
+    "moe_route_align", "paged_decode_attention", "paged_prefill_attention", "quant_act",
+    "silu_and_mul", "spec_accept", "write_kv",
 ]

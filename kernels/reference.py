@@ -49,6 +49,39 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     return (y, h) if prologue == "norm" else y
 
 
+# -- FP8 weights (kernels/fp8_scales.py) -------------------------------------------------------
+
+def fp8_dequant_ref(weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
+                    ) -> torch.Tensor:
+    """W8 [..., N, K] float8_e4m3fn times its block's scale (scales [..., ceil(N / bn),
+    ceil(K / bk)]) -> float32 [..., N, K]: the weight the FP8 kernels multiply by."""
+    n, k = weight.shape[-2], weight.shape[-1]
+    full = scales.float().repeat_interleave(block[0], dim=-2)[..., :n, :]
+    return weight.float() * full.repeat_interleave(block[1], dim=-1)[..., :k]
+
+
+def quant_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group activation quantization: x [M, K] -> (x8 float8_e4m3fn [M, K],
+    scales float32 [M, ceil(K / group)]) with scale = amax(|group|) / 448 (a tiny floor for
+    all-zero groups) and x8 = x / scale rounded to nearest."""
+    m, k = x.shape
+    g = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, g * group - k)).view(m, g, group)
+    scales = padded.abs().amax(-1).clamp(min=1e-10) / 448.0
+    x8 = (padded / scales[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return x8.view(m, g * group)[:, :k], scales
+
+
+def fp8_gemm_ref(x8: torch.Tensor, x_scales: torch.Tensor, group: int, weight: torch.Tensor,
+                 scales: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(x8 with its 1 x group scales) @ (W8 with its block scales)^T (+ bias) in fp32 ->
+    [M, N] in out_dtype: the FP8 GEMM's function."""
+    a = fp8_dequant_ref(x8, x_scales, (1, group))
+    y = a @ fp8_dequant_ref(weight, scales, block).t()
+    return (y if bias is None else y + bias.float()).to(out_dtype)
+
+
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> int64 [B]: the first index of each row's maximum (kernels.argmax)."""
     return logits.argmax(dim=-1)

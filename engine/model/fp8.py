@@ -1,5 +1,5 @@
-"""FP8 (e4m3) weights: the checkpoint formats, the layer that holds them and the one seam
-the FP8 GEMV/GEMM kernels will plug into.
+"""FP8 (e4m3) weights: the checkpoint formats, the layer that holds them and its dispatch to
+the FP8 GEMV/GEMM kernels (kernels/gemv.py, kernels/fp8_gemm.py) on the fused path.
 
 One representation for every format: a weight W8 float8_e4m3fn [..., N, K] and a float32
 scale grid [..., ceil(N / bn), ceil(K / bk)] for a block (bn, bk); the real weight is W8 times
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.core.config import ConfigError
+from pdserve.engine.model.layers import fused_kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -217,14 +218,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ (W8 [N, K] * block scales [gn, gk]).T (+ bias) -> [T, N] in x.dtype.
 
-    The seam of the FP8 GEMV/GEMM kernels (they will take exactly these arguments); the
-    torch path dequantizes the weight on the fly into the activation dtype."""
+    The torch path: the weight dequantized on the fly into the activation dtype (the
+    kernels take the same arguments, see Fp8Linear.forward)."""
     return F.linear(x, dequantize(weight, scales, block, x.dtype), bias)
 
 
 class Fp8Linear(nn.Module):
     """nn.Linear's place with weight float8_e4m3fn [out, in] and weight_scale float32
-    [ceil(out / bn), ceil(in / bk)] for block (bn, bk); bias (if any) in the model dtype."""
+    [ceil(out / bn), ceil(in / bk)] for block (bn, bk); bias (if any) in the model dtype.
+
+    With `fused` (Model.use_fused_ops) rows go through the FP8 kernels: up to
+    kernels.gemv.MAX_ROWS rows the GEMV (weights dequantized in registers, activations as
+    they are), more the FP8 GEMM (activations quantized per token and 128 columns,
+    kernels/fp8_gemm.py). Otherwise the torch path dequantizes (fp8_linear)."""
 
     def __init__(self, in_features: int, out_features: int, block: Block,
                  bias: torch.Tensor | None = None) -> None:
@@ -235,9 +241,19 @@ class Fp8Linear(nn.Module):
         self.weight_scale = nn.Parameter(
             torch.empty(grid_shape(out_features, in_features, block)), requires_grad=False)
         self.bias = bias
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        if not self.fused:
+            return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        rows = x.reshape(-1, x.shape[-1])  # [T, in]
+        kern = fused_kernels()
+        if 0 < rows.shape[0] <= kern.GEMV_MAX_ROWS:
+            y = kern.gemv(rows, self.weight, scales=self.weight_scale, block=self.block)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = kern.fp8_gemm(rows, self.weight, self.weight_scale, self.block, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, block={self.block}"

@@ -134,8 +134,16 @@ def has_fp8(model: nn.Module) -> bool:
 
 
 def check_fp8_kernels(model: nn.Module, use_triton: bool) -> None:
-    """Refuse a model the fused path cannot run yet (its GEMV / fused-MoE kernels read float
-    weights); the torch path dequantizes FP8 weights per forward."""
-    if use_triton and has_fp8(model):
-        raise ConfigError("quantization: FP8 weights run on the torch path only until the FP8 "
-                          "kernels land; turn use_triton off")
+    """Refuse an FP8 model the fused path's kernels cannot run, naming the parameter: the
+    FP8 GEMV, GEMM and fused-MoE kernels step through K in powers of two, each step inside
+    one scale block, so a block's K side must be a power of two >= 16 or cover the whole row
+    (per channel, per tensor). The torch path (dequantizing) takes any block."""
+    if not use_triton:
+        return
+    for name, block in scale_blocks(model).items():
+        cols = model.get_parameter(name.rsplit("_scale", 1)[0]).shape[-1]
+        bk = block[1]
+        if bk < cols and (bk < 16 or bk & (bk - 1)):
+            raise ConfigError(f"quantization: {name} has scale block {block}; the FP8 kernels "
+                              f"need a K side that is a power of two >= 16 or covers all "
+                              f"{cols} columns; turn use_triton off for this checkpoint")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.engine.model.fp8 import Fp8Linear
 from pdserve.engine.model.layers import fused_kernels
 
 
@@ -17,6 +18,10 @@ def linear_gemv(x: torch.Tensor, module: nn.Module, prologue: str = "none",
                 eps: float = 1e-6, add: torch.Tensor | None = None, prefetch: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """kernels.gemv with `module`'s weight: x [T, K_in] (T <= GEMV_ROWS) -> [T, N], the
-    prologue/residual/add fusions as kernels/gemv.py documents them. The bias is not added."""
+    prologue/residual/add fusions as kernels/gemv.py documents them. The bias is not added.
+    An Fp8Linear's e4m3 weight goes in with its block scales (the kernel dequantizes tiles in
+    registers)."""
+    fp8 = {"scales": module.weight_scale, "block": module.block} \
+        if isinstance(module, Fp8Linear) else {}
     return fused_kernels().gemv(x, module.weight, prologue, residual, norm_weight, eps, add,
-                                prefetch=prefetch)
+                                prefetch=prefetch, **fp8)

@@ -17,6 +17,7 @@ import torch
 from pdserve.engine.core.config import ConfigError, ModelConfig
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
+from pdserve.engine.model.fp8 import DEFAULT_BLOCK, QuantSpec
 from pdserve.engine.model.fp8_convert import quantize_model
 from pdserve.engine.model.presets import get_preset, is_preset, preset_names
 from pdserve.engine.model.tokenizer import Tokenizer
@@ -111,9 +112,17 @@ def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torc
                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Model (in eval mode, no grads), its config and its tokenizer (None for presets, which
     have random weights and no vocabulary). quantization "fp8": the linears and experts of a
-    float model quantized block-wise (128x128) after loading; an FP8 checkpoint stays as is."""
+    float model quantized block-wise (128x128) after loading (a preset's drawn in FP8
+    directly, weights.random_model); an FP8 checkpoint stays as is."""
     if quantization not in (None, "fp8"):
         raise ConfigError(f"quantization: {quantization!r} is not supported (fp8 or None)")
+    if not isinstance(source, ModelSource):
+        source = resolve_model(source)
+    if source.kind == "preset" and quantization == "fp8":  # drawn in FP8: no float copy
+        cfg = get_preset(source.preset)
+        quant = QuantSpec("fp8", "block", DEFAULT_BLOCK)
+        return random_model(cfg, as_dtype(dtype), device, seed, backend=backend,
+                            progress=progress, quant=quant), cfg, None
     model, cfg, tokenizer = _load_model(source, as_dtype(dtype), device, backend, seed, progress)
     if quantization == "fp8":
         quantize_model(model)

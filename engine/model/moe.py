@@ -94,12 +94,13 @@ class MoEBlock(nn.Module):
     def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sum over the top_k experts of weight * expert(x), [T, H] in x.dtype."""
         bias = self.gate.e_score_correction_bias
-        # FP8 experts take the reference path until the fused kernel reads FP8 (fp8.py)
-        fp8 = self.experts.w13_scale is not None
-        kernel = fused_moe_kernel() if self.fused and not fp8 else None
+        kernel = fused_moe_kernel() if self.fused else None
         if kernel is not None:  # the seam: router, grouped GEMMs and the top-k sum fused
-            return kernel(x, self.gate.weight, self.experts.w13, self.experts.w2, self.top_k,
-                          correction_bias=bias, **self.routing)
+            ex = self.experts
+            fp8 = None if ex.w13_scale is None else fused_kernels().Fp8Experts(
+                ex.w13_scale, ex.w2_scale, ex.blocks)  # FP8 experts: their scales too
+            return kernel(x, self.gate.weight, ex.w13, ex.w2, self.top_k, correction_bias=bias,
+                          fp8=fp8, **self.routing)
         weights, ids = moe_route_ref(x, self.gate.weight, self.top_k, correction_bias=bias,
                                      **self.routing)  # [T, top_k] each
         return moe_experts_ref(x, *self.experts.dense(x.dtype), weights, ids)

@@ -58,25 +58,45 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype | str = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, std: float = 0.02,
-                 backend: AttentionBackend | None = None, progress: bool | None = None) -> Model:
+                 backend: AttentionBackend | None = None, progress: bool | None = None,
+                 quant: fp8.QuantSpec | None = None) -> Model:
     """Seeded random weights: N(0, std) matrices, unit norms (activations stay O(1)).
 
-    Values are drawn on the device itself, in the target dtype, layer by layer.
+    Values are drawn on the device itself, in the target dtype, layer by layer. quant: the
+    decoder's linears and experts in that FP8 layout, drawn in FP8 directly (W8 ~ N(0, 16)
+    rounded to e4m3, every scale std / 16), a slice at a time: no float copy of the model
+    ever exists (GLM-4.5-Air's 106B parameters fit an H200 only as FP8).
     """
     device = torch.device(device)
-    model = empty_model(cfg, dtype, device, backend)
+    model = empty_model(cfg, dtype, device, backend, quant)
     if device.type == "meta":  # shape-only model: nothing to fill
         return model
     gen = torch.Generator(device=device).manual_seed(seed)
     show = _show_progress(cfg, progress)
+    scales = set(fp8_convert.scale_blocks(model))
     with torch.no_grad():
         for name, p in tqdm(list(model.named_parameters()), desc="random init", unit="tensor",
                             disable=not show):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name in scales:
+                p.fill_(std / 16)
+            elif p.dtype == fp8.FP8_DTYPE:
+                _random_fp8(p, gen)
             else:
                 p.normal_(0.0, std, generator=gen)
     return model
+
+
+def _random_fp8(p: torch.Tensor, gen: torch.Generator, rows: int = 1 << 24) -> None:
+    """p (float8_e4m3fn [..., N, K]) <- N(0, 16) rounded to e4m3, ~rows elements per slice
+    (a bf16 temporary of at most 32 MiB)."""
+    flat = p.view(-1, p.shape[-1])
+    step = max(1, rows // p.shape[-1])
+    for r0 in range(0, flat.shape[0], step):
+        part = flat[r0:r0 + step]
+        tmp = torch.empty(part.shape, dtype=torch.bfloat16, device=p.device)
+        part.copy_(tmp.normal_(0.0, 16.0, generator=gen).to(fp8.FP8_DTYPE))
 
 
 def _show_progress(cfg: ModelConfig, progress: bool | None) -> bool:

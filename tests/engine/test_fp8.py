@@ -340,8 +340,3 @@ def test_compressed_tensors_fields_are_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightsError, match=r"config_groups\.group_0\.weights\.strategy: 'group'"):
         load_hf(tmp_path)
-
-
-def test_fp8_is_refused_on_the_triton_path(fp8_folder: Path) -> None:
-    with pytest.raises(ConfigError, match="quantization: FP8 weights run on the torch path"):
-        LLM(str(fp8_folder), device="cpu", dtype="float32", use_triton=True, max_model_len=64)
