@@ -25,10 +25,15 @@ seq_len - R + r and sees keys < seq_len - R + 1 + r (causal). R * G query rows s
 tile in the padded tl.dot (G = 4, R <= 4 fits the 16 rows a GQA program already computes), so
 a verify step reads the context once, split-K across the GPU, instead of taking the
 chunked-prefill kernel's few programs per sequence.
+
+The per-tile device code (tile loads, the online-softmax step, the split merge) and how an
+FP8 cache's tiles become fp16 tl.dot operands are in kernels/decode_attention_tiles.py; the
+launch shape (DecodeTiles) is chosen here by the cache's dtype.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,134 +58,14 @@ from pdserve.kernels.attn_prologue import (
     write_new_kv,
     write_new_kv_fp8,
 )
-from pdserve.kernels.kv_quant import KVScales, cache_is_fp8
+from pdserve.kernels.decode_attention_tiles import FP16_MAX, attend_keys, load_tile, merge_splits
+from pdserve.kernels.kv_quant import FP8, KVScales, cache_is_fp8
 from pdserve.kernels.kv_write import DYN_FACTOR, check_q_and_cache
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MAX_GROUP_ROWS = 64  # rows_per_seq * (Hq / Hkv) query rows per program at most
-MERGE_TILE = 8192  # fp32 elements of one [rows, splits, D] tile when merging partials
-
-
-@jit
-def _load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o, stride_vc_b,
-               stride_vc_o, block_size, D: tl.constexpr):
-    """Keys and values [BLOCK_N, D] at positions n (< end) of one KV head's cache."""
-    d = tl.arange(0, D)[None, :]
-    valid = (n < end)[:, None]
-    # Block ids are int32 in the table; widen before the (huge) block stride.
-    blk = tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)[:, None]
-    off = (n % block_size)[:, None]
-    k = tl.load(k_base + blk * stride_kc_b + off * stride_kc_o + d, mask=valid, other=0.0)
-    v = tl.load(v_base + blk * stride_vc_b + off * stride_vc_o + d, mask=valid, other=0.0)
-    return k, v
-
-
-@jit
-def _load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b, block_size):
-    """An fp8 cache's per-key scales [BLOCK_N] (their blocks' scales for this KV head)."""
-    blk = tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)
-    ks = tl.load(ks_base + blk * stride_ks_b, mask=n < end, other=0.0)
-    vs = tl.load(vs_base + blk * stride_vs_b, mask=n < end, other=0.0)
-    return ks, vs
-
-
-@jit
-def _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R: tl.constexpr,
-                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr):
-    """One online-softmax step over the keys k / values v [BLOCK_N, D] at positions n. An fp8
-    tile is converted as is (exact in bf16) and its scales ks/vs [BLOCK_N] ride on the
-    [BLOCK_G, BLOCK_N] scores and weights, never on the [BLOCK_N, D] tiles."""
-    valid = n < end
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PREC)  # [BLOCK_G, BLOCK_N]
-    if FP8:
-        s = s * (ks * scale_log2)[None, :]
-    else:
-        s = s * scale_log2
-    if R == 1:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    else:
-        s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if R > 1:  # a row may have seen no key yet (this split's keys are its future)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_ref = m_new
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if FP8:
-        p = p * vs[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PREC)
-    return acc, m_new, l_i
-
-
-@jit
-def _attend_keys(q, k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, start, end,
-                 visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
-                 stride_vs_b, scale_log2, block_size, R: tl.constexpr, BLOCK_G: tl.constexpr,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, FIRST_LOADED: tl.constexpr,
-                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr):
-    """Online softmax of the rows q [BLOCK_G, D] over keys [start, end) of one KV head:
-    returns (acc [BLOCK_G, D] unnormalised, m [BLOCK_G] running max in log2 units, l [BLOCK_G]
-    sum of weights). Row g sees keys < visible[g] (causal rows of a verify step). With
-    FIRST_LOADED the first tile's keys/values k_first/v_first [BLOCK_N, D] come in loaded;
-    otherwise the (software-pipelined) loop loads every tile."""
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    loop_start = start
-    if FIRST_LOADED:
-        if start < end:
-            n = start + tl.arange(0, BLOCK_N)
-            ks, vs = scale_log2, scale_log2  # unused unless FP8
-            if FP8:  # after the prologue's write: a fresh block's scale is set there
-                ks, vs = _load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b,
-                                      stride_vs_b, block_size)
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_first, v_first, n, end, visible,
-                                         scale_log2, ks, vs, R, PREC, DOT_DTYPE, FP8)
-        loop_start = start + BLOCK_N
-    for n0 in range(loop_start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        k, v = _load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o,
-                          stride_vc_b, stride_vc_o, block_size, D)
-        ks, vs = scale_log2, scale_log2
-        if FP8:
-            ks, vs = _load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b,
-                                  block_size)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks,
-                                     vs, R, PREC, DOT_DTYPE, FP8)
-    return acc, m_i, l_i
-
-
-@jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob, stride_oh, HQ,
-                  num_splits, GROUP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                  BLOCK_S: tl.constexpr, RC: tl.constexpr):
-    """The last split program of (sequence b, KV head kvh) merges the n_active partial results
-    of its R * GROUP rows, RC rows per step ([RC, BLOCK_S, D] tiles). Loads skip L1 (.cg):
-    the partials were written by other SMs."""
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, D)
-    s_ok = s < n_active
-    for i0 in range(0, R * GROUP, RC):
-        i = i0 + tl.arange(0, RC)
-        i_ok = i < R * GROUP
-        qrow = b * R + i // GROUP
-        head = kvh * GROUP + i % GROUP
-        row = (qrow * HQ + head) * num_splits  # [RC] first split's row of mid_*
-        m2 = i_ok[:, None] & s_ok[None, :]
-        lse = tl.load(mid_lse_ptr + row[:, None] + s[None, :], mask=m2, other=float("-inf"),
-                      cache_modifier=".cg")
-        m = tl.max(lse, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)  # a row with no keys: weights 0, output 0
-        w = tl.exp2(lse - m[:, None])  # [RC, BLOCK_S]
-        total = tl.sum(w, axis=1)
-        o = tl.load(mid_o_ptr + (row[:, None, None] + s[None, :, None]) * D + d[None, None, :],
-                    mask=m2[:, :, None], other=0.0, cache_modifier=".cg")
-        res = tl.sum(o * w[:, :, None], axis=1) / tl.where(total > 0.0, total, 1.0)[:, None]
-        tl.store(out_ptr + qrow[:, None] * stride_ob + head[:, None] * stride_oh + d[None, :],
-                 res, mask=i_ok[:, None])
+MERGE_TILE = 16384  # fp32 elements of one [rows, splits, D] tile when merging partials
 
 
 @jit
@@ -193,10 +78,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    stride_bt, stride_ob, stride_oh, scale_log2, eps, block_size, HQ, HKV,
                    num_splits, GROUP: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
                    RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_S: tl.constexpr, RC: tl.constexpr, PROLOGUE: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SC: tl.constexpr,
+                   PROLOGUE: tl.constexpr,
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
+                   V_WORDS: tl.constexpr = 0):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -236,7 +123,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         c = tl.load(cos_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     if PREFETCH:  # small grids (split-K): their programs wait on few SMs, registers spare
-        k_first, v_first = _load_tile(k_base, v_base, bt_row, n_first, end, stride_kc_b,
+        k_first, v_first = load_tile(k_base, v_base, bt_row, n_first, end, stride_kc_b,
                                       stride_kc_o, stride_vc_b, stride_vc_o, block_size, D)
     else:  # placeholders; the loop loads every tile
         k_first = tl.zeros([BLOCK_N, D], dtype=kc_ptr.dtype.element_ty)
@@ -267,11 +154,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         else:  # the cache may come from the kernel just before: read only after the wait
             q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
         visible = seq_len - (R - 1) + g // GROUP  # causal: keys < visible for each row
-        acc, m_i, l_i = _attend_keys(
+        if FP8:  # fp16 operands (decode_attention_tiles.py): keep |q| in fp16's range
+            q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX)
+        acc, m_i, l_i = attend_keys(
             q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, start,
             end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
             stride_vs_b, scale_log2, block_size, R, BLOCK_G, D, BLOCK_N, PREFETCH, PREC,
-            DOT_DTYPE, FP8)
+            DOT_DTYPE, FP8, V_WORDS)
         has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         if n_active <= 1:  # one split: its result is final
@@ -286,34 +175,98 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
             counter = count_ptr + b * HKV + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel") == n_active - 1:
                 tl.store(counter, 0)  # all have arrived: reset for the next launch
-                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
-                              stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_S, RC)
+                merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
+                              stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
-                      device: torch.device) -> int:
-    """About one wave of (sequence, KV head, split) programs on the GPU, never more splits
-    than key tiles. With the merge inside the kernel, more splits cost: at batch 1 on an H100
-    (Qwen3-8B, 640-token context), 64 splits took 0.61 ms per step in attention, 32 took
-    0.47, 16 0.36 and 8 0.41 (bench/results/diag_decode_h100_2026-11-23_run5.json, _run6).
-    A power of 2 computed from host shapes only: a CUDA graph replays the same choice, and
-    few distinct values reach the kernel's BLOCK_S specialisation."""
+                      device: torch.device, waves: int = 1) -> int:
+    """About `waves` waves of (sequence, KV head, split) programs on the GPU, never more
+    splits than key tiles. With the merge inside the kernel, more splits cost: at batch 1 on
+    an H100 (Qwen3-8B, 640-token context), 64 splits took 0.61 ms per step in attention, 32
+    took 0.47, 16 0.36 and 8 0.41 (bench/results/diag_decode_h100_2026-11-23_run5.json,
+    _run6). A power of 2 computed from host shapes only: a CUDA graph replays the same choice,
+    and few distinct values reach the kernel's specialisations."""
     if device.type == "cuda":
         sms = num_sms(torch.cuda.current_device() if device.index is None else device.index)
     else:
         sms = 32  # interpreter: the choice only has to be valid
-    want = triton.cdiv(sms, max(1, batch * num_kv_heads))
+    want = triton.cdiv(sms * waves, max(1, batch * num_kv_heads))
     tiles = triton.cdiv(max(1, max_context), block_n)
     n = max(1, min(want, tiles, MAX_SPLITS))
     return 1 << (n.bit_length() - 1)
 
 
-def _tile_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). 64-key tiles at bf16/D=128 (32 KB of K+V per
-    step); fp32 and D=256 halve the tile. Swept on an H200 (batch 1-8, 2K-10K contexts):
-    2 stages beat 3-4 by up to 20% -- the many split programs already keep loads in flight."""
-    block_n = 64 if dtype != torch.float32 and head_dim <= 128 else 32
-    return block_n, 4, 2
+FP8_LOADS = ("cast", "v_words", "kv_words")
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """The decode kernel's launch shape: keys per tile, warps per program, pipeline stages,
+    waves of split programs at small batch (choose_num_splits), and how an fp8 cache's tiles
+    become fp16 tl.dot operands (decode_attention_tiles.py): "cast" (tl's conversion of the
+    fp8 tile), "v_words" / "kv_words" (V, or K and V, read as int32 words and converted by
+    PTX in the loaded layout)."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: int = 1
+    fp8_loads: str = "cast"
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps", "waves"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"tiles.{name}: {value!r} must be a power of 2 >= 1")
+        if self.block_n < 16:
+            raise ValueError(f"tiles.block_n: {self.block_n} must be >= 16 (tl.dot)")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"tiles.num_stages: {self.num_stages!r} must be an int >= 1")
+        if self.fp8_loads not in FP8_LOADS:
+            raise ValueError(f"tiles.fp8_loads: {self.fp8_loads!r} not in {FP8_LOADS}")
+
+
+def decode_tiles(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                 prefetch: bool = False) -> DecodeTiles:
+    """Tile shape by the cache's dtype (its bytes per tile), not q's. bf16/fp16 at D=128:
+    64-key tiles (32 KB of K+V per step); fp32 and D=256 halve the tile. Swept on an H200
+    (batch 1-8, 2K-10K contexts): 2 stages beat 3-4 by up to 20% -- the many split programs
+    already keep loads in flight. fp8 at D <= 128: 128-key tiles (the same 32 KB), K and V
+    read as words (155 registers; ~38 warp instructions per key against ~77 for
+    bf16-converted tiles), 3 stages (faster than 2 at batch 64 and 256 on the H200 though
+    it leaves 2 programs per SM), and two waves of split programs at small batch (a program
+    converting fp8 is issue-bound; a second program per SM hides its latency). With
+    `prefetch` (the fused prologue at small batch holds a split's first tile in registers
+    across the PDL wait) 64-key tiles: 128 would spill. The sweep behind these is in
+    bench/results/attention_h200_2026-11-25.json."""
+    if cache_dtype == FP8 and q_dtype != torch.float32 and head_dim <= 128:
+        if prefetch:
+            return DecodeTiles(64, 4, 2, waves=2, fp8_loads="kv_words")
+        return DecodeTiles(128, 4, 3, waves=2, fp8_loads="kv_words")
+    block_n = 64 if q_dtype != torch.float32 and head_dim <= 128 else 32
+    return DecodeTiles(block_n, 4, 2)
+
+
+def _operand_dtype(q_dtype: torch.dtype, fp8: bool) -> tuple[tl.dtype, str]:
+    """tl.dot operand type and precision: an fp8 cache's tiles go to fp16 (one conversion
+    instruction per pair on Hopper; decode_attention_tiles.py) unless q is fp32."""
+    if fp8 and q_dtype != torch.float32 and not interpreting():
+        return tl.float16, dot_precision(torch.float16)
+    return dot_dtype(q_dtype), dot_precision(q_dtype)
+
+
+def _word_loads(tiles: DecodeTiles, fp8: bool, op_dtype: tl.dtype, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> int:
+    """The kernel's V_WORDS: 0 (cast), 1 (V as words), 2 (K and V). Words need fp16 operands
+    (compiled) and 4-byte aligned rows: every stride and base a multiple of 4 bytes (any
+    engine layout; other views take the cast path)."""
+    if not fp8 or interpreting() or op_dtype != tl.float16 or tiles.fp8_loads == "cast":
+        return 0  # the interpreter has no PTX
+    for t in (k_cache, v_cache):
+        if t.data_ptr() % 4 or any(st % 4 for st in t.stride()[:3]):
+            return 0
+    return 2 if tiles.fp8_loads == "kv_words" else 1
 
 
 def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -338,7 +291,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None,
                            max_seq_len: int | None = None, rows_per_seq: int = 1,
-                           kv_scales: KVScales | None = None) -> torch.Tensor:
+                           kv_scales: KVScales | None = None,
+                           tiles: DecodeTiles | None = None) -> torch.Tensor:
     """out [B, Hq, D] = softmax(q k^T * scale) v over each sequence's seq_lens[b] cached keys.
 
     q [B * R, Hq, D] (R = rows_per_seq tokens per sequence, the last R of its seq_lens[b],
@@ -347,18 +301,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens [B] int32 (0 gives a zero row, for padded CUDA-graph batches). num_splits
     defaults to choose_num_splits(B, Hkv, max_seq_len or the block table's capacity); pass
     it (or keep the table width fixed) to keep one choice across CUDA-graph replays. An fp8
-    cache comes with its kv_scales [NB, Hkv] (kernels/kv_quant.py).
+    cache comes with its kv_scales [NB, Hkv] (kernels/kv_quant.py). tiles overrides
+    decode_tiles' launch shape (benchmark sweeps).
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
     return _launch(q, None, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                   max_seq_len, rows_per_seq, kv_scales)
+                   max_seq_len, rows_per_seq, kv_scales, tiles)
 
 
 def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                           rows_per_seq: int = 1,
-                           kv_scales: KVScales | None = None) -> torch.Tensor:
+                           rows_per_seq: int = 1, kv_scales: KVScales | None = None,
+                           tiles: DecodeTiles | None = None) -> torch.Tensor:
     """paged_decode_attention with the attention prologue folded in: q [B * R, Hq, D] is the
     raw projection (before QK-norm and RoPE), and the same kernel normalises and rotates q
     and the new k and writes k/v into the cache (as fused_qk_norm_rope_kv would) before
@@ -367,13 +322,13 @@ def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.T
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
     check_prologue(q, prologue, k_cache.shape[2])
     return _launch(q, prologue, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                   None, rows_per_seq, kv_scales)
+                   None, rows_per_seq, kv_scales, tiles)
 
 
 def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
             num_splits: int | None, max_seq_len: int | None, R: int,
-            kv_scales: KVScales | None) -> torch.Tensor:
+            kv_scales: KVScales | None, tiles: DecodeTiles | None) -> torch.Tensor:
     fp8 = cache_is_fp8(k_cache, kv_scales)
     sc = kv_scales if fp8 else KVScales(q, q)  # placeholders: never read without FP8
     T, HQ, D = q.shape
@@ -381,10 +336,14 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    block_n, num_warps, num_stages = _tile_config(q.dtype, D)
+    small = B * HKV < (num_sms(q.device.index or 0) if q.is_cuda else 32)  # split-K regime
+    tiles = tiles or decode_tiles(q.dtype, k_cache.dtype, D, prefetch=p is not None and small)
+    block_n = tiles.block_n
+    op_dtype, prec = _operand_dtype(q.dtype, fp8)
+    words = _word_loads(tiles, fp8, op_dtype, k_cache, v_cache)
     if num_splits is None:
         context = max_seq_len or block_tables.shape[1] * bs
-        num_splits = choose_num_splits(B, HKV, context, block_n, q.device)
+        num_splits = choose_num_splits(B, HKV, context, block_n, q.device, tiles.waves)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     mid_o = mid_lse = counters = out  # unused when one split writes `out` directly
@@ -407,12 +366,12 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         out.stride(0), out.stride(1), float(scale) * LOG2E, 1e-6 if p is None else float(p.eps),
         bs, HQ, HKV, num_splits, GROUP=group, R=R, BLOCK_G=max(16, next_pow2(R * group)),
         RP=next_pow2(R), D=D,
-        BLOCK_N=block_n, BLOCK_S=block_s,
-        RC=max(1, min(next_pow2(R * group), MERGE_TILE // (block_s * D))),
+        BLOCK_N=block_n, BLOCK_R=next_pow2(R * group), BLOCK_S=block_s,
+        SC=max(1, min(block_s, MERGE_TILE // (next_pow2(R * group) * D))),
         PROLOGUE=p is not None, PREFETCH=p is not None and num_splits > 1,
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
-        HAS_POS=p is not None and p.positions is not None, PREC=dot_precision(q.dtype),
-        DOT_DTYPE=dot_dtype(q.dtype), FP8=fp8, num_warps=num_warps,
-        num_stages=1 if interpreting() else num_stages, **pdl_launch(q))
+        HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
+        FP8=fp8, V_WORDS=words, num_warps=tiles.num_warps,
+        num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
     return out

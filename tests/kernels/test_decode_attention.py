@@ -167,3 +167,17 @@ def test_attention_entry_point_for_verify_steps(query_lens, device, paged_cache,
     ref = paged_attention_ref(q, cache.k, cache.v, qsl, cache.seq_lens, cache.block_tables,
                               64 ** -0.5)
     close(attention(q, cache.k, cache.v, meta, 64 ** -0.5), ref, torch.float32)
+
+
+def test_merge_of_many_rows_in_split_chunks(device, paged_cache, close):
+    """R * GROUP = 64 rows at D = 128: the merge takes 2 splits per step ([64, 2, 128] tiles,
+    an online rescale across steps), 7 active splits of 8 (one past the context)."""
+    hkv, group, R, d = 2, 16, 4, 128
+    cache = paged_cache([400, 437], 16, hkv, d, torch.float32)
+    q = torch.randn(2 * R, hkv * group, d, generator=torch.Generator().manual_seed(9)).to(device)
+    out = paged_decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
+                                 d ** -0.5, num_splits=8, rows_per_seq=R)
+    qsl = torch.arange(3, dtype=torch.int32, device=device) * R
+    ref = paged_attention_ref(q, cache.k, cache.v, qsl, cache.seq_lens, cache.block_tables,
+                              d ** -0.5)
+    close(out, ref, torch.float32)

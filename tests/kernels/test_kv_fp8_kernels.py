@@ -11,6 +11,8 @@ from pdserve.engine.core.config import ModelConfig
 from pdserve.engine.exec.kv_cache import allocate_kv_cache, layer_views
 from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
 from pdserve.kernels.decode_attention import (
+    FP8_LOADS,
+    DecodeTiles,
     Prologue,
     fused_decode_attention,
     paged_decode_attention,
@@ -197,3 +199,40 @@ def test_fp8_cache_without_scales_is_refused(device) -> None:
     k = torch.zeros(1, 1, 16, device=device)
     with pytest.raises(ValueError, match="kv_scales"):
         write_kv(k, k, views.k, views.v, torch.zeros(1, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("loads", FP8_LOADS)
+@pytest.mark.parametrize("block_n,warps,splits", [(128, 4, 3), (64, 2, 1), (16, 4, 5)])
+def test_decode_fp8_tile_loads(loads, block_n, warps, splits, device) -> None:
+    """Every way of reading fp8 tiles (decode_attention_tiles.py: tl's cast, V or K and V as
+    int32 words converted by PTX) and tile shape gives the reference's result: odd lengths,
+    tiles that cross blocks, splits. Values of 1e-4 in some blocks next to 20 in others: the
+    fp16 weights are normalised per tile, so the small blocks keep their precision. On CPU
+    every variant is the cast (the interpreter has no PTX)."""
+    bs, hkv, group, d = 8, 2, 4, 64
+    kv, views = _cache(64, bs, hkv, d, device, seed=3)
+    small = torch.arange(64, device=device) % 3 == 0
+    views.scales.v[small] *= 1e-5  # those blocks' values ~1e-4
+    seq_lens = [1, 130, 77, 203]
+    bt = _tables(seq_lens, bs, 64, device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(seq_lens), hkv * group, d,
+                    generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+    tiles = DecodeTiles(block_n, warps, 2, fp8_loads=loads)
+    out = paged_decode_attention(q, views.k, views.v, bt, lens, d ** -0.5, num_splits=splits,
+                                 kv_scales=views.scales, tiles=tiles)
+    k, v = _dequant(views)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=device)
+    ref = paged_attention_ref(q.float(), k, v, qsl, lens, bt, d ** -0.5)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert rel < 8e-3  # bf16 output rounding, not fp16 weights underflowing
+
+
+def test_decode_tiles_are_checked() -> None:
+    with pytest.raises(ValueError, match="tiles.block_n"):
+        DecodeTiles(48)
+    with pytest.raises(ValueError, match="tiles.fp8_loads"):
+        DecodeTiles(64, fp8_loads="bytes")
+    with pytest.raises(ValueError, match="tiles.num_stages"):
+        DecodeTiles(64, 4, 0)
