@@ -4,20 +4,37 @@
     [out] = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))
     print(out.outputs[0].text)
     LLM(speculative="mtp", num_speculative_tokens=2)  # MTP drafting with the trained head
+    LLM(tensor_parallel_size=3)  # this process and 2 spawned ones, each 1/3 of the model
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.core.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.dist.config import ParallelConfig
+from pdserve.engine.dist.group import TPGroup
+from pdserve.engine.dist.heads import check_model_split
+from pdserve.engine.dist.lockstep import Follower
+from pdserve.engine.dist.parallel import TPContext
+from pdserve.engine.dist.rank import LocalRanks, check_tp_args
+from pdserve.engine.dist.shard import shard_model
+from pdserve.engine.exec.kv_cache import engine_kv_cache
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8_convert import check_fp8_kernels
-from pdserve.engine.model.loader import load_model, resolve_model
+from pdserve.engine.model.loader import load_model, load_tokenizer_and_config, resolve_model
 from pdserve.engine.model.weights import as_dtype
 from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
 from pdserve.kernels.triton_mode import select_triton_mode
@@ -44,19 +61,31 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> LLMEngine:
-    """Load a model and wrap it in an engine: build_engine(EngineArgs(...)), or as a shorthand
-    build_engine(model, **EngineArgs fields) (a model path, preset name, or None = the
-    embedded default). Fields are validated by EngineArgs, which names a bad one.
+@dataclass
+class RankParts:
+    """What one rank loaded: its Model (the shard with TP), the EngineConfig (model = the
+    FULL config: the compat hash is the same at every TP size), and the group (None: TP 1)."""
 
-    With speculation (args.speculative) the MTP head comes from `mtp_head` (a train-mtp file),
-    the checkpoint's MTP layers, random weights for presets, or the trained head shipped for
-    the default model (engine/spec/mtp_head.py resolve_mtp_head)."""
-    if not isinstance(args, EngineArgs):
-        args = EngineArgs(model=args, **fields)  # type: ignore[arg-type]
-    elif fields:
-        args = args.replace(**fields)
-    device = args.device or default_device()
+    net: Model
+    config: EngineConfig
+    tokenizer: object
+    spec: SpecConfig | None
+    head: torch.nn.Module | None
+    head_id: str
+    group: TPGroup | None
+
+    def follower(self) -> Follower:
+        """A follower rank's loop over its own KV cache (same blocks as the leader's)."""
+        kv = engine_kv_cache(self.config, self.net.config.num_kv_heads)
+        return Follower(self.group, self.net, kv)
+
+
+def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,
+              join: Callable[[], TPGroup] | None = None) -> RankParts:
+    """Load the model for one rank. With TP (a follower passes its ParallelConfig, rank 0
+    its `join`): the full checkpoint loads, the group is joined, and the rank keeps its shard
+    (engine/dist/shard.py; peak memory: the full model once per rank, for now)."""
+    device = parallel.device if parallel is not None else (args.device or default_device())
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     source = resolve_model(args.model)
     backend = None
@@ -67,6 +96,14 @@ def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> L
         backend = TritonAttentionBackend()
     net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=args.seed,
                                            backend=backend, quantization=args.quantization)
+    group = None
+    if parallel is not None and parallel.tp_size > 1:
+        group = TPGroup(parallel)
+    elif join is not None:
+        group = join()
+    if group is not None:
+        ctx = TPContext(group, model_cfg.vocab_size)
+        net = shard_model(net, group.size, group.rank, net.backend, ctx=ctx)
     check_fp8_kernels(net, args.use_triton)
     net.use_fused_ops(args.use_triton)
     spec = args.spec_config()
@@ -84,7 +121,41 @@ def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> L
         drafts = spec.num_speculative_tokens if spec is not None else 0
         net.rotary.reserve(max_len + drafts + 1, torch.device(device))
     config = _engine_config(args, model_cfg, device, dtype, max_len)
-    return LLMEngine(config, net, tokenizer, spec=spec, mtp_head=head, mtp_head_id=head_id)
+    return RankParts(net, config, tokenizer, spec, head, head_id, group)
+
+
+def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> LLMEngine:
+    """Load a model and wrap it in an engine: build_engine(EngineArgs(...)), or as a shorthand
+    build_engine(model, **EngineArgs fields) (a model path, preset name, or None = the
+    embedded default). Fields are validated by EngineArgs, which names a bad one.
+
+    With speculation (args.speculative) the MTP head comes from `mtp_head` (a train-mtp file),
+    the checkpoint's MTP layers, random weights for presets, or the trained head shipped for
+    the default model (engine/spec/mtp_head.py resolve_mtp_head).
+
+    tensor_parallel_size N > 1: this process is rank 0 and N - 1 spawned processes follow
+    its steps (engine/dist/rank.py); engine.close() stops them."""
+    if not isinstance(args, EngineArgs):
+        args = EngineArgs(model=args, **fields)  # type: ignore[arg-type]
+    elif fields:
+        args = args.replace(**fields)
+    check_tp_args(args)
+    ranks = None
+    if args.tensor_parallel_size > 1:  # every split checked (naming the field) before spawning
+        check_model_split(load_tokenizer_and_config(args.model)[1], args.tensor_parallel_size)
+        ranks = LocalRanks.start(args, args.device or default_device())
+    try:
+        parts = load_rank(args, join=ranks.join if ranks is not None else None)
+        engine = LLMEngine(parts.config, parts.net, parts.tokenizer, spec=parts.spec,
+                           mtp_head=parts.head, mtp_head_id=parts.head_id,
+                           leader=ranks.leader if ranks is not None else None)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    if ranks is not None:  # close() or, at the latest, the engine's collection or exit
+        engine.on_close(weakref.finalize(engine, ranks.close))
+    return engine
 
 
 def _engine_config(args: EngineArgs, model_cfg: ModelConfig, device: str, dtype: str,
@@ -111,6 +182,16 @@ class LLM:
     def __init__(self, model: EngineArgs | str | None = None, **fields: object) -> None:
         self.engine = build_engine(model, **fields)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's follower ranks (tensor_parallel_size > 1); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

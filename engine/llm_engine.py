@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.core.config import EngineConfig, SpecConfig, compat_payload
@@ -25,6 +25,7 @@ from pdserve.engine.core.detokenizer import DetokResult, IncrementalDetokenizer
 from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.dist.lockstep import Leader
 from pdserve.engine.exec.runner import ModelRunner, StepResult
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.spec.spec_decoder import SpecStats
@@ -64,14 +65,17 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model, tokenizer=None,
                  spec: SpecConfig | None = None, mtp_head: object | None = None,
-                 mtp_head_id: str = "") -> None:
+                 mtp_head_id: str = "", leader: Leader | None = None) -> None:
         """spec + mtp_head (engine.spec.mtp_head.MTPHead; config.model.num_mtp_layers >= 1) turn MTP
-        speculation on; mtp_head_id names the head's weights in the compatibility hash."""
+        speculation on; mtp_head_id names the head's weights in the compatibility hash.
+        leader: rank 0 of a tensor-parallel engine (engine/dist/lockstep.py); the model is
+        then its shard and config.model the full model."""
         self.config = config
         self.tokenizer = tokenizer
         self.spec = spec
         self.mtp_head_id = mtp_head_id
-        self.runner = ModelRunner(config, model, spec=spec, mtp_head=mtp_head)
+        self.runner = ModelRunner(config, model, spec=spec, mtp_head=mtp_head, leader=leader)
+        self._on_close: Callable[[], None] | None = None
         # slots reserved past a step's tokens: the MTP chain writes k - 1 ahead, and a verify
         # launched before the host read the drafts (runner._ahead_verify) reaches k + 1 ahead.
         # Overlapped decode launches the next step before the scheduler runs again, so the
@@ -92,6 +96,15 @@ class LLMEngine:
         self._remote_hidden: dict = {}  # decode role: request -> prefill's last hidden [H]
         self._grammars: GrammarCompiler | None = None  # made on the first grammar request
         self._grammars_lock = threading.Lock()  # worker services compile on their threads
+
+    def on_close(self, fn: Callable[[], None] | None) -> None:
+        """What close() runs once (the offline engine's follower ranks: stop and join)."""
+        self._on_close = fn
+
+    def close(self) -> None:
+        fn, self._on_close = self._on_close, None
+        if fn is not None:
+            fn()
 
     @property
     def spec_stats(self) -> SpecStats | None:

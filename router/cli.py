@@ -116,6 +116,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 2
     from pdserve.engine.core.config import ConfigError
     from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+    from pdserve.engine.dist.group import GroupError
     from pdserve.engine.llm import LLM
 
     try:
@@ -130,6 +131,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ConfigError as e:  # e.g. a head trained for another model, a model without one
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
+    except GroupError as e:  # tensor parallel ranks that did not join in time
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _stream(llm, args, params)
+    finally:
+        llm.close()  # the follower ranks of --tensor-parallel-size N
+
+
+def _stream(llm: object, args: argparse.Namespace, params: object) -> int:
+    from pdserve.engine.core.sampling_params import InvalidRequestError
+    from pdserve.engine.dist.group import GroupError
+
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
@@ -140,6 +154,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except InvalidRequestError as e:
         print(f"\npdserve generate: {e}", file=sys.stderr)
         return 2
+    except GroupError as e:  # a rank died mid-generation
+        print(f"\npdserve generate: {e}", file=sys.stderr)
+        return 1
     sys.stdout.write("\n")
     return 0
 

@@ -45,6 +45,12 @@ class WorkerConfig:
             raise ValueError(f"lease_ttl_s: must be > 0, got {self.lease_ttl_s}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s: must be > 0, got {self.transfer_timeout_s}")
+        if self.engine.tensor_parallel_size > 1:  # refused rather than moving wrong KV
+            raise ValueError(
+                f"engine.tensor_parallel_size: {self.engine.tensor_parallel_size}: serving "
+                f"workers run one rank until their KV transfer pulls every rank's head slices "
+                f"(docs/tensor_parallel.md); the offline engine (LLM, pdserve generate) runs "
+                f"tensor parallel")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport: must be one of {sorted(TRANSPORTS)}, "
                              f"got {self.kv_transport!r}")

@@ -1,7 +1,7 @@
 """A tensor-parallel worker: N rank actors in one Ray placement group, packed on one node.
 
     group = launch_tp_group("decode-0", tp=2, generation=0, num_gpus=1)
-    group.call(0, "load", model_cfg)   # every rank: its shard (phase 2: build_engine)
+    group.call(None, "load_engine", engine_args)  # every rank: its shard; rank 0 the engine
     group.alive()                      # False once any rank died: relaunch the whole group
 
 Placement: one bundle per rank, STRICT_PACK (all on one node: NCCL over NVLink, and a rank
@@ -77,25 +77,65 @@ class RankActor:
         the engine here instead: build_engine(args, parallel=...)."""
         import torch
 
-        from pdserve.engine.dist.forward import TPContext
         from pdserve.engine.dist.lockstep import Follower, Leader, LeaderModel
+        from pdserve.engine.dist.parallel import TPContext
         from pdserve.engine.dist.shard import shard_model
         from pdserve.engine.exec.kv_cache import allocate_kv_cache
         from pdserve.engine.model.weights import random_model
 
-        local = shard_model(random_model(cfg, seed=seed, std=0.1), self.tp, self.rank)
-        kv = allocate_kv_cache(local.config, 64, 4, torch.float32, "cpu")
         ctx = TPContext(self.group, cfg.vocab_size)
+        local = shard_model(random_model(cfg, seed=seed, std=0.1), self.tp, self.rank, ctx=ctx)
+        kv = allocate_kv_cache(local.config, 64, 4, torch.float32, "cpu")
         if self.rank == 0:
             self.leader = Leader(self.group)
-            self._model = LeaderModel(self.leader, local, kv, ctx)
+            self._model = LeaderModel(self.leader, local, kv)
             target = self._keep_alive
         else:
-            self._model = Follower(self.group, local, kv, ctx)
+            self._model = Follower(self.group, local, kv)
             target = self._follow
         threading.Thread(target=target, name=f"tp-rank{self.rank}", daemon=True).start()
         return {"rank": self.rank, "num_heads": local.config.num_heads,
                 "num_kv_heads": local.config.num_kv_heads}
+
+    def load_engine(self, args: object) -> dict:
+        """Phase 2: every rank loads the checkpoint of `args` (EngineArgs) and keeps its
+        shard (engine/llm.py load_rank); rank 0 builds the engine (scheduler, sampler) with
+        a Leader, the others follow on a thread until STOP or a GroupError."""
+        from pdserve.engine.dist.lockstep import Leader
+        from pdserve.engine.llm import load_rank
+        from pdserve.engine.llm_engine import LLMEngine
+
+        parts = load_rank(args, join=lambda: self.group)
+        if self.rank == 0:
+            self.leader = Leader(self.group)
+            self._model = LLMEngine(parts.config, parts.net, parts.tokenizer,
+                                    leader=self.leader)
+            target = self._keep_alive
+        else:
+            self._model = parts.follower()
+            target = self._follow
+        threading.Thread(target=target, name=f"tp-rank{self.rank}", daemon=True).start()
+        return {"rank": self.rank, "num_heads": parts.net.config.num_heads,
+                "num_kv_heads": parts.net.config.num_kv_heads}
+
+    def generate_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Rank 0 with load_engine: greedy completions of token-id prompts through the engine
+        (tests; serving goes through the Worker's gRPC, docs/tensor_parallel.md)."""
+        from pdserve.engine.core.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        engine = self._model
+        rids = [engine.add_request(p, params)[0] for p in prompts]
+        out: dict[str, list[int]] = {rid: [] for rid in rids}
+        from pdserve.engine.dist.group import GroupError
+
+        try:
+            with self._lock:
+                for o in engine.generate_until_done(deadline_s=self.timeout_s * 10):
+                    out[o.request_id] += o.new_token_ids
+        except GroupError as e:  # a follower died: this rank cannot go on either
+            self._die(e)
+        return [out[rid] for rid in rids]
 
     def _follow(self) -> None:
         try:
@@ -106,8 +146,7 @@ class RankActor:
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.leader.keepalive_s / 2):
             try:
-                with self._lock:
-                    self.leader.tick()
+                self.leader.tick()  # the Leader serializes its sends
             except Exception as e:  # noqa: BLE001
                 self._die(e)
 

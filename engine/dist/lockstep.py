@@ -10,35 +10,55 @@ leader is gone (GroupError) and its process ends: the group is restarted whole.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
 
 from pdserve.engine.dist import protocol as proto
-from pdserve.engine.dist.forward import TPContext, compute_logits, model_forward
 from pdserve.engine.dist.group import TPGroup
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
 
 
 class Leader:
-    """Rank 0's sending end; the engine loop calls forward() per step and tick() when idle."""
+    """Rank 0's sending end: the runner calls forward() per step; tick() (or the thread of
+    start_keepalive) sends a keep-alive when idle. Sends are serialized by a lock, so the
+    keep-alive thread and the engine thread never interleave a message's two broadcasts."""
 
     def __init__(self, group: TPGroup, keepalive_s: float | None = None) -> None:
         self.group = group
         self.seq = 0
         self.keepalive_s = keepalive_s if keepalive_s is not None else group.cfg.timeout_s / 4
         self._last_send = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None  # what ended the keep-alive thread
 
     def send(self, kind: proto.Kind, fields: dict[str, list[int]], flags: int = 0) -> None:
         if self.group.size == 1:
             return
         header, payload = proto.encode(kind, self.seq, fields, flags)
-        self.group.broadcast_control(header)
-        if payload.numel():
-            self.group.broadcast_control(payload)
-        self.seq += 1
-        self._last_send = time.monotonic()
+        with self._lock:
+            self.group.broadcast_control(header)
+            if payload.numel():
+                self.group.broadcast_control(payload)
+            self.seq += 1
+            self._last_send = time.monotonic()
+
+    def start_keepalive(self) -> threading.Thread:
+        """A daemon thread calling tick() until stop(); a failed keep-alive (a follower died)
+        ends it and is kept in .error (the engine's next step fails on the group anyway)."""
+        def loop() -> None:
+            while not self._stop.wait(self.keepalive_s / 2):
+                try:
+                    self.tick()
+                except Exception as e:  # noqa: BLE001 - GroupError: a follower is gone
+                    self.error = e
+                    return
+        t = threading.Thread(target=loop, name="tp-keepalive", daemon=True)
+        t.start()
+        return t
 
     def forward(self, batch: HostBatch, logits_rows: list[int], return_prenorm: bool) -> None:
         """Announce a forward of `batch` whose logits the leader computes for logits_rows."""
@@ -55,15 +75,15 @@ class Leader:
             self.send(proto.Kind.KEEPALIVE, {})
 
     def stop(self) -> None:
+        self._stop.set()
         self.send(proto.Kind.STOP, {})
 
 
 class Follower:
     """A rank > 0: receive, run, repeat until STOP (or a GroupError ends the process)."""
 
-    def __init__(self, group: TPGroup, model: Model, kv_cache: torch.Tensor,
-                 ctx: TPContext) -> None:
-        self.group, self.model, self.kv_cache, self.ctx = group, model, kv_cache, ctx
+    def __init__(self, group: TPGroup, model: Model, kv_cache: torch.Tensor) -> None:
+        self.group, self.model, self.kv_cache = group, model, kv_cache
         self.device = kv_cache.device
         self.seq = 0
         self.steps = 0  # forwards run (tests and metrics)
@@ -95,10 +115,11 @@ class Follower:
     def forward(self, msg: proto.Message) -> None:
         batch = proto.batch_of(msg)
         ids, positions, meta = batch.to_device(self.device)
-        hidden = model_forward(self.model, self.ctx, ids, positions, meta, self.kv_cache)
+        hidden = self.model(ids, positions, meta, self.kv_cache)
         rows = msg.fields["logits_rows"]
         if rows:  # the leader's LM head all-gather needs this rank's part for these rows
-            compute_logits(self.model, self.ctx, hidden[torch.tensor(rows, device=self.device)])
+            self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
+                                      as_float=False)
         self.steps += 1
 
 
@@ -106,18 +127,17 @@ class LeaderModel:
     """Rank 0's forward in lockstep: announce, then run its own shard (what ModelRunner's
     _forward and _sample call in phase 2)."""
 
-    def __init__(self, leader: Leader, model: Model, kv_cache: torch.Tensor,
-                 ctx: TPContext) -> None:
-        self.leader, self.model, self.kv_cache, self.ctx = leader, model, kv_cache, ctx
+    def __init__(self, leader: Leader, model: Model, kv_cache: torch.Tensor) -> None:
+        self.leader, self.model, self.kv_cache = leader, model, kv_cache
 
     @torch.inference_mode()
     def step(self, batch: HostBatch, logits_rows: list[int]) -> torch.Tensor:
         """One forward of `batch` -> logits [len(logits_rows), V] float32."""
         self.leader.forward(batch, logits_rows, return_prenorm=False)
         ids, positions, meta = batch.to_device(self.kv_cache.device)
-        hidden = model_forward(self.model, self.ctx, ids, positions, meta, self.kv_cache)
+        hidden = self.model(ids, positions, meta, self.kv_cache)
         rows = torch.tensor(logits_rows, device=hidden.device)
-        return compute_logits(self.model, self.ctx, hidden[rows])
+        return self.model.compute_logits(hidden[rows])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every rank's cache (each holds its heads)."""

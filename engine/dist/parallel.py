@@ -29,6 +29,23 @@ class VocabRange:
         self.start, self.valid, self.rows = vocab_shard(vocab_size, tp, rank)
 
 
+class TPContext:
+    """What a rank's Model needs beside its shard (engine/model/decoder.py Model(tp=...)):
+    the group and its vocabulary rows."""
+
+    def __init__(self, group: TPGroup, vocab_size: int) -> None:
+        self.group = group
+        self.vocab = VocabRange(vocab_size, group.size, group.rank)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+
 def row_parallel(partial: Callable[[torch.Tensor | None], torch.Tensor],
                  add: torch.Tensor | None, group: TPGroup) -> torch.Tensor:
     """all_reduce(partial(add on rank 0, None elsewhere)): partial(add) is this rank's

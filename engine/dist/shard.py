@@ -36,6 +36,7 @@ from torch import nn
 
 from pdserve.engine.core.config import ConfigError, ModelConfig
 from pdserve.engine.dist.heads import HeadSplit, even_split, local_shapes, vocab_shard
+from pdserve.engine.dist.parallel import TPContext
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8 import Block, Fp8Linear
@@ -231,17 +232,20 @@ def _install(full: nn.Module, local: nn.Module, state: dict[str, torch.Tensor],
     return local.requires_grad_(False).eval()
 
 
-def shard_model(full: Model, tp: int, rank: int, backend: AttentionBackend | None = None
-                ) -> Model:
+def shard_model(full: Model, tp: int, rank: int, backend: AttentionBackend | None = None,
+                ctx: TPContext | None = None) -> Model:
     """Rank `rank`'s Model of a loaded full Model: built from the plan's local config,
-    holding the rank's tensors (tied embeddings stay tied)."""
+    holding the rank's tensors (tied embeddings stay tied). ctx: the rank's group, which the
+    Model's forward then uses for its collectives (engine/model/decoder.py)."""
     plan = ShardPlan(full.config, tp, rank)
     state, blocks = shard_state(full, plan)
     dtype = full.embed_tokens.weight.dtype
     with torch.device("meta"):
-        local = cast_model(Model(plan.local_config(), backend), dtype)
+        local = cast_model(Model(plan.local_config(), backend, tp=ctx), dtype)
     local = _install(full, local, state, blocks)
     local.tie_weights()
+    for mine, theirs in zip(local.layers, full.layers):  # an fp8 checkpoint's KV scales
+        mine.self_attn.kv_static_scales = theirs.self_attn.kv_static_scales
     return local
 
 

@@ -13,11 +13,18 @@ K/V [NB, BS, Hkv, D] and its scales [NB, Hkv] -- is computed here (layer_views).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
 
-from pdserve.engine.core.config import SCALE_BYTES, CacheConfig, ModelConfig, scale_layers
+from pdserve.engine.core.config import (
+    SCALE_BYTES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    scale_layers,
+)
 from pdserve.kernels.kv_quant import FP8, KVScales
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -42,6 +49,17 @@ def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int,
         layers += scale_layers(layers, block_size, model.head_dim)
     shape = (num_blocks, layers, 2, block_size, model.num_kv_heads, model.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def engine_kv_cache(config: EngineConfig, num_kv_heads: int | None = None) -> torch.Tensor:
+    """The engine's cache on its device: config.model's layers (MTP ones included) with
+    num_kv_heads heads per layer (a tensor-parallel rank's local count; None: the model's)."""
+    model = config.model
+    if num_kv_heads is not None:
+        model = dataclasses.replace(model, num_kv_heads=num_kv_heads)
+    cache = config.cache
+    return allocate_kv_cache(model, cache.num_blocks, cache.block_size, kv_torch_dtype(cache),
+                             torch.device(config.device))
 
 
 def data_layers(kv_cache: torch.Tensor) -> int:

@@ -23,9 +23,10 @@ import torch
 from pdserve.engine.core.config import EngineConfig, SpecConfig
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.engine.dist.lockstep import Leader
 from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.device_io import rows_of
-from pdserve.engine.exec.kv_cache import allocate_kv_cache, kv_torch_dtype
+from pdserve.engine.exec.kv_cache import engine_kv_cache
 from pdserve.engine.exec.overlap import DecodeAhead
 from pdserve.engine.exec.sampler import Sampler, SamplerState
 from pdserve.engine.model.attention import HostBatch
@@ -48,20 +49,31 @@ class StepResult:
 
 
 class ModelRunner:
+    """leader (tensor parallelism, rank 0): every forward and block copy is announced to the
+    follower ranks first (engine/dist/lockstep.py), which run the same on their shards; the
+    model's collectives meet theirs. config.model is the full model, model.config the
+    rank's shard (its KV heads size the cache)."""
+
     def __init__(self, config: EngineConfig, model: Model, kv_cache: torch.Tensor | None = None,
-                 spec: SpecConfig | None = None, mtp_head: torch.nn.Module | None = None):
+                 spec: SpecConfig | None = None, mtp_head: torch.nn.Module | None = None,
+                 leader: Leader | None = None):
         self.config = config
         self.model = model
+        self.leader = leader
         self.device = torch.device(config.device)
         cache = config.cache
         self.block_size = cache.block_size
-        self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(
-            config.model, cache.num_blocks, cache.block_size, kv_torch_dtype(cache), self.device)
+        self.kv_cache = kv_cache if kv_cache is not None else engine_kv_cache(
+            config, model.config.num_kv_heads)
         self.sampler = Sampler(config.seed, argmax=model.argmax)
         self._states: dict[str, SamplerState] = {}
         self.cuda_graphs = maybe_decode_graphs(config, model, self.kv_cache)  # decode steps
         overlap = config.overlap_decode == "on" or (
             config.overlap_decode == "auto" and self.cuda_graphs is not None)
+        if leader is not None and (overlap or self.cuda_graphs is not None or spec is not None):
+            # engine/dist/rank.py check_tp_args refuses these by field for the offline engine
+            raise ValueError("tensor_parallel_size: speculative, overlap_decode and CUDA "
+                             "graphs are not supported with tensor parallelism yet")
         self.ahead = DecodeAhead(model, self.kv_cache, self.cuda_graphs, self.block_size,
                                  config.scheduler.max_model_len) if overlap else None
         self.timing: dict[str, float] = {}  # the last step's host phases (see run)
@@ -136,12 +148,12 @@ class ModelRunner:
         join), so a decode step may launch the next forward early (engine/exec/overlap.py)."""
         t0 = time.perf_counter()
         batch = self.flatten(out)
-        hidden, prenorm = self._forward(out, batch)
-        t1 = time.perf_counter()
         # last row of each sequence that samples this step
         ends = list(itertools.accumulate(batch.query_lens))  # host-side: no device reads
         plain = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
                  if s.samples and not s.spec_token_ids]
+        hidden, prenorm = self._forward(out, batch, [row for _, row in plain])
+        t1 = time.perf_counter()
         verify = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
                   if s.samples and s.spec_token_ids]
         result = StepResult({}, {}, {})
@@ -179,10 +191,13 @@ class ModelRunner:
                 self.ahead.confirm(_verify_ids(out, nxt[1], result.drafts, num_spec))
         return result
 
-    def _forward(self, out: SchedulerOutput, batch: HostBatch
+    def _forward(self, out: SchedulerOutput, batch: HostBatch, logits_rows: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, prenorm) [T, H]: a captured graph for a decode step or a uniform verify
-        step (every request verifying the same k drafts), else the eager model."""
+        step (every request verifying the same k drafts), else the eager model. With a
+        leader, the followers are told first (they join the LM head for logits_rows)."""
+        if self.leader is not None:  # no graphs nor launched-ahead forwards with TP (yet)
+            self.leader.forward(batch, logits_rows, return_prenorm=True)
         if self.ahead is not None:
             # with speculation too: a launched forward is a plain decode batch, whose hidden
             # rows (graph outputs, valid until the next replay) the sampler and the catch-up
@@ -355,7 +370,10 @@ class ModelRunner:
             req.request_id, [])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (all layers, K and V) src -> dst; one region each."""
+        """Copy whole blocks (all layers, K and V) src -> dst; one region each (every rank in
+        its own cache with TP)."""
+        if self.leader is not None:
+            self.leader.copy_blocks(pairs)
         for src, dst in pairs:
             self.kv_cache[dst].copy_(self.kv_cache[src])
 

@@ -21,6 +21,12 @@ attention kernel: 5 kernels.
 Nothing in that path reads device values on the host, so it can be captured in a CUDA graph
 (engine/exec/cuda_graphs.py).
 
+Tensor parallelism (Model(tp=TPContext), docs/tensor_parallel.md): the Model holds one
+rank's shard (engine/dist/shard.py); an all-reduce follows o_proj and the MLP / MoE block
+(on the batch-1 GEMV path rank 0 alone adds the residual in those epilogues, so the sum holds
+it once), the embedding is vocabulary-parallel (masked lookup + all-reduce) and the LM head
+all-gathers the logits, or takes a cross-rank argmax for greedy.
+
 Parameter names follow Hugging Face's modules (minus the `model.` prefix), except that q/k/v
 and gate/up are merged into qkv_proj and gate_up_proj (one matmul each) and the experts are
 stacked (moe.py); engine/model/weights.py maps checkpoints onto them.
@@ -34,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.core.config import ModelConfig
+from pdserve.engine.dist import parallel
+from pdserve.engine.dist.parallel import TPContext
 from pdserve.engine.exec.kv_cache import layer_views
 from pdserve.engine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.model.layers import (
@@ -118,8 +126,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. The residual add is folded into the next norm: (x, residual) in and out
     (residual None: x is the whole residual stream, as for the first layer)."""
 
-    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, kv_layer: int, backend: AttentionBackend,
+                 tp: TPContext | None = None) -> None:
         super().__init__()
+        # the row-parallel sum after o_proj and after the MLP (identity without TP)
+        self.reduce = tp.group.all_reduce if tp is not None and tp.size > 1 else _identity
+        self.adds_residual = tp is None or tp.rank == 0  # GEMV epilogues: rank 0 adds it
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, kv_layer, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -135,9 +147,9 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, meta, kv_cache)
+        x = self.reduce(self.self_attn(x, cos, sin, meta, kv_cache))
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.reduce(self.mlp(x)), residual
 
     def _forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, meta: AttentionMetadata,
@@ -158,22 +170,34 @@ class DecoderLayer(nn.Module):
         # o_proj's programs ask L2 for its weight while the (latency-bound) attention runs:
         # batch-1 step 5.66-5.70 -> 5.49-5.57 ms on an H100; the attention kernel asking for
         # it instead was slower (bench/results/diag_decode_h100_2026-11-24_prefetch*.json)
-        h = linear_gemv(o, attn.o_proj, add=h, prefetch=True)
+        # with TP, rank 0 alone adds the residual: the all-reduce then holds it once
+        add = self.adds_residual
+        h = self.reduce(linear_gemv(o, attn.o_proj, add=h if add else None, prefetch=True))
         if not isinstance(mlp, SwiGLUMLP):
-            return mlp(ln2(h)), h
+            return self.reduce(mlp(ln2(h))), h
         gate_up, _ = linear_gemv(h, mlp.gate_up_proj, "norm", None, ln2.weight, ln2.eps)
-        return linear_gemv(gate_up, mlp.down_proj, "silu", add=h), None
+        return self.reduce(linear_gemv(gate_up, mlp.down_proj, "silu",
+                                       add=h if add else None)), None
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
+    """config: this rank's shape (with tp: its heads, MLP and vocabulary rows,
+    engine/dist/shard.py ShardPlan.local_config)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None,
+                 tp: TPContext | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.backend = backend if backend is not None else TorchAttentionBackend()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.backend) for i in range(config.num_layers))
+            DecoderLayer(config, i, self.backend, self.tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -195,7 +219,10 @@ class Model(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] -> [T, hidden]."""
+        """[T] -> [T, hidden] (with TP: the rank's vocabulary rows, summed over ranks)."""
+        if self.tp is not None:
+            return parallel.embed(input_ids, self.embed_tokens.weight, self.tp.vocab,
+                                  self.tp.group)
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -234,13 +261,22 @@ class Model(nn.Module):
         """[N, hidden] -> [N, vocab] float32 (only the rows that sample, to save the big matmul).
         as_float=False keeps the weights' dtype: enough for an argmax (greedy drafting and
         verifying), and it skips a conversion pass over the logits. weight [V', hidden]: other
-        head rows instead of lm_head's (a reduced draft vocabulary, engine/spec/mtp_head.py)."""
+        head rows instead of lm_head's (a reduced draft vocabulary, engine/spec/mtp_head.py).
+        With TP every rank calls it for the same rows: the ranks' [N, V / tp] logits are
+        all-gathered into the full rows (the sampler needs them: penalties, grammars)."""
+        logits = self._local_logits(hidden, weight)
+        if self.tp is not None:
+            logits = parallel.gather_logits(logits, self.tp.vocab, self.tp.group)
+        return logits.float() if as_float else logits
+
+    def _local_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """[N, hidden] -> [N, rows of weight] (this rank's vocabulary rows with TP)."""
+        if weight is not None and self.tp is not None:
+            raise ValueError("weight: a reduced draft vocabulary is not tensor-parallel yet")
         weight = self.lm_head.weight if weight is None else weight
         if self._head_is_gemv(hidden.shape[0]):
-            logits = fused_kernels().gemv(hidden, weight)
-        else:
-            logits = F.linear(hidden, weight)
-        return logits.float() if as_float else logits
+            return fused_kernels().gemv(hidden, weight)
+        return F.linear(hidden, weight)
 
     def argmax(self, logits: torch.Tensor, after_head: bool = False) -> torch.Tensor:
         """logits [N, V] -> int64 [N], torch.argmax(logits, -1). On the fused path a Triton
@@ -258,5 +294,9 @@ class Model(nn.Module):
 
     def greedy(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> int64 [N]: the argmax tokens (greedy drafting and verifying); with
-        `weight`, indices into its rows (see compute_logits)."""
+        `weight`, indices into its rows (see compute_logits). With TP a cross-rank argmax
+        (two values per row cross ranks instead of the logits)."""
+        if self.tp is not None:
+            return parallel.argmax(self._local_logits(hidden, weight), self.tp.vocab,
+                                   self.tp.group)
         return self.argmax(self.compute_logits(hidden, False, weight), after_head=True)

@@ -64,3 +64,45 @@ def test_rank_actors_step_together_and_a_dead_rank_restarts_the_group() -> None:
         again.call(None, "stop")
     finally:
         again.kill()
+
+
+def test_rank_actors_run_the_engine_and_come_back_after_a_rank_dies(tmp_path) -> None:
+    """Phase 2: each rank actor loads a real checkpoint through the engine's loader and keeps
+    its shard; rank 0's LLMEngine leads. Greedy equals the offline engine at TP 1; with rank 1
+    killed mid-run rank 0 fails (its actor ends, no hang), and generation 1 serves again."""
+    from pdserve.engine.core.engine_args import EngineArgs
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
+
+    from tests.dist.tp_models import save_tiny
+
+    start_ray()
+    path = str(save_tiny("qwen3", tmp_path / "qwen3"))
+    args = EngineArgs(model=path, device="cpu", dtype="float32", block_size=4, num_blocks=64)
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 50], [99, 1, 2, 3, 4, 5, 6, 7, 8]]
+    with LLM(args) as llm:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        want = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    group = launch_tp_group("tp-engine", 2, 0, num_cpus=0.5, timeout_s=6)
+    try:
+        loaded = group.call(None, "load_engine", args)
+        assert [(x["num_heads"], x["num_kv_heads"]) for x in loaded] == [(2, 1), (2, 1)]
+        assert group.call(0, "generate_ids", prompts, 8) == want
+        ray.kill(group.ranks[1], no_restart=True)
+        deadline = time.monotonic() + 90
+        while not _dead(group.leader):  # a step or a keep-alive fails: rank 0 ends itself
+            assert time.monotonic() < deadline, "rank 0 outlived its dead peer"
+            try:
+                group.call(0, "generate_ids", prompts[:1], 2, timeout_s=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        assert not group.alive()
+    finally:
+        group.kill()
+    again = launch_tp_group("tp-engine", 2, 1, num_cpus=0.5, timeout_s=6)
+    try:
+        again.call(None, "load_engine", args)
+        assert again.call(0, "generate_ids", prompts, 8) == want
+        again.call(None, "stop")
+    finally:
+        again.kill()

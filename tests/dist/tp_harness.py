@@ -16,6 +16,7 @@ from pdserve.engine.dist.group import TPGroup
 from pdserve.engine.dist.steps import greedy_batch, host_batch
 from pdserve.engine.exec.kv_cache import allocate_kv_cache
 from pdserve.engine.model.attention import HostBatch
+from pdserve.kernels.triton_mode import select_triton_mode
 
 BLOCK = 4
 BLOCKS_PER_SEQ = 12
@@ -30,6 +31,7 @@ def free_port() -> int:
 def _entry(fn: Callable, rank: int, tp: int, port: int, timeout_s: float, args: tuple,
            out: mp.Queue) -> None:
     torch.set_num_threads(1)
+    select_triton_mode()  # an entry point: kernels interpreted on CPU (the GEMV path)
     try:
         cfg = ParallelConfig(tp, rank, "gloo", f"tcp://127.0.0.1:{port}", timeout_s)
         group = TPGroup(cfg)

@@ -8,13 +8,12 @@ import time
 import torch
 
 from pdserve.engine.core.config import ModelConfig, MoEConfig
-from pdserve.engine.dist.forward import TPContext, compute_logits, greedy, model_forward
 from pdserve.engine.dist.group import GroupError, TPGroup
 from pdserve.engine.dist.lockstep import Follower, Leader, LeaderModel
+from pdserve.engine.dist.parallel import TPContext
 from pdserve.engine.dist.shard import shard_model
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.weights import random_model
-from pdserve.kernels.reference import gemv_ref
 
 from tests.dist import tp_harness as h
 
@@ -38,7 +37,8 @@ def prompts(cfg: ModelConfig) -> list[list[int]]:
 
 def _models(group: TPGroup, cfg: ModelConfig) -> tuple[Model, Model]:
     full = random_model(cfg, seed=0, std=0.1)
-    return full, shard_model(full, group.size, group.rank)
+    ctx = TPContext(group, cfg.vocab_size)
+    return full, shard_model(full, group.size, group.rank, ctx=ctx)
 
 
 def _full_step(full: Model, kv: torch.Tensor):
@@ -53,14 +53,13 @@ def sharded_equals_full(group: TPGroup, cfg: ModelConfig) -> dict:
     then one batch-1 decode step through the GEMV path (residual added by rank 0 only) and
     the cross-rank argmax; rank 0 compares with the full model."""
     full, local = _models(group, cfg)
-    ctx = TPContext(group, cfg.vocab_size)
     kv = h.kv_cache(local.config, 3)
     first: list[torch.Tensor] = []
 
     @torch.inference_mode()
     def tp_step(b, rows):
         ids, pos, meta = b.to_device(torch.device("cpu"))
-        logits = compute_logits(local, ctx, model_forward(local, ctx, ids, pos, meta, kv)[rows])
+        logits = local.compute_logits(local(ids, pos, meta, kv)[rows])
         first.append(logits)
         return logits
 
@@ -71,8 +70,10 @@ def sharded_equals_full(group: TPGroup, cfg: ModelConfig) -> dict:
     b = h.batch([seq0[-1:]], [len(seq0) - 1])
     with torch.inference_mode():
         ids, pos, meta = b.to_device(torch.device("cpu"))
-        hid = model_forward(local, ctx, ids, pos, meta, kv, gemv=gemv_ref)
-        tp_next = greedy(local, ctx, hid).tolist()
+        for layer in local.layers:  # the decoder's GEMV path (kernels.gemv, interpreted)
+            layer.fused = True
+        hid = local(ids, pos, meta, kv)
+        tp_next = local.greedy(hid).tolist()
     out = {"tokens": tp_tokens, "next": tp_next, "shapes": _shapes(local)}
     if group.rank == 0:
         kvf = h.kv_cache(cfg, 3)
@@ -100,13 +101,12 @@ def _shapes(model: Model) -> dict:
 def lockstep_equals_full(group: TPGroup, cfg: ModelConfig) -> dict:
     """Rank 0 leads (announces each step, then runs it), the others follow until STOP."""
     full, local = _models(group, cfg)
-    ctx = TPContext(group, cfg.vocab_size)
     kv = h.kv_cache(local.config, 3)
     if group.rank != 0:
-        steps = Follower(group, local, kv, ctx).run()
+        steps = Follower(group, local, kv).run()
         return {"steps": steps, "copied": bool(torch.equal(kv[30], kv[0]))}
     leader = Leader(group)
-    lm = LeaderModel(leader, local, kv, ctx)
+    lm = LeaderModel(leader, local, kv)
     tokens = h.greedy_loop(lm.step, prompts(cfg), NEW_TOKENS)
     lm.copy_blocks([(0, 30), (1, 31)])  # every rank copies in its own cache
     leader.tick()
@@ -119,14 +119,13 @@ def lockstep_equals_full(group: TPGroup, cfg: ModelConfig) -> dict:
 def dead_follower(group: TPGroup, cfg: ModelConfig) -> dict:
     """Rank 1 exits after the first step; rank 0's next forward must fail, not hang."""
     _, local = _models(group, cfg)
-    ctx = TPContext(group, cfg.vocab_size)
     kv = h.kv_cache(local.config, 3)
     if group.rank == 1:
-        f = Follower(group, local, kv, ctx)
+        f = Follower(group, local, kv)
         f.forward(f.receive())
         group.close()  # the process ends: its sockets close
         return {"left": True}
-    lm = LeaderModel(Leader(group), local, kv, ctx)
+    lm = LeaderModel(Leader(group), local, kv)
     lm.step(h.batch([[1, 2, 3]], [0]), [2])
     t0 = time.monotonic()
     try:
@@ -141,7 +140,6 @@ def silent_leader(group: TPGroup, cfg: ModelConfig) -> dict:
     """Rank 0 stops sending (hung) without closing; the follower's wait must end with a
     GroupError at the group's deadline. Rank 0 waits out its own deadline in a barrier."""
     _, local = _models(group, cfg)
-    ctx = TPContext(group, cfg.vocab_size)
     if group.rank == 0:
         try:
             group.barrier()  # never completes: the follower is in its receive
@@ -149,7 +147,7 @@ def silent_leader(group: TPGroup, cfg: ModelConfig) -> dict:
             return {"leader_error": str(e)[:200]}
         return {"leader_error": None}
     try:
-        Follower(group, local, h.kv_cache(local.config, 1), ctx).receive()
+        Follower(group, local, h.kv_cache(local.config, 1)).receive()
     except GroupError as e:
         return {"error": str(e)[:300]}
     return {"error": None}
