@@ -22,6 +22,7 @@ from pdserve.engine.model import fp8, fp8_convert
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.families import hf_model_config
+from pdserve.engine.model.kv_scales import KVScaleCollector
 from pdserve.engine.model.moe import cast_model
 from pdserve.engine.model.mtp_names import mtp_checkpoint_name
 from pdserve.engine.model.presets import param_count
@@ -131,6 +132,7 @@ class _Sink:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = [(0, q), (q, kv), (q + kv, kv)]  # rows of q, k and v in qkv_proj
         self.loaded: set[tuple[str, int]] = set()  # (parameter, slice index; -1: whole)
+        self.kv_scales = KVScaleCollector(source)  # FP8-KV checkpoints' static k/v scales
 
     def _slices(self, pname: str) -> list[Slice]:
         """The pieces that separate checkpoint tensors fill of parameter `pname`, in shard
@@ -175,6 +177,11 @@ class _Sink:
     def load(self, name: str, tensor: torch.Tensor) -> None:
         if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
             return  # some tied checkpoints store the head too; the embedding is the same matrix
+        try:
+            if self.kv_scales.take(name, tensor):
+                return
+        except ValueError as e:
+            raise WeightsError(str(e)) from e
         # block-wise checkpoints' weight_scale_inv multiplies, like compressed-tensors' weight_scale
         pname, shard = self._target(name.removesuffix("_inv") if name.endswith(
             ".weight_scale_inv") else name)
@@ -211,6 +218,10 @@ class _Sink:
         return fp8.scale_rows(tensor, rows, cols, src, self.blocks[pname])
 
     def finish(self) -> None:
+        try:
+            self.kv_scales.apply(self.model)
+        except ValueError as e:
+            raise WeightsError(str(e)) from e
         missing = []
         for pname in self.params:
             if (pname, -1) in self.loaded:
