@@ -5,9 +5,15 @@ contract; the pieces are kernels.moe_route, kernels.moe_align and kernels.moe_ge
 Launches per MoE layer and step: fused_moe 4 (route, align + counter zeroing, gate_up,
 down), 3 for decode-sized batches (route + align + counter zeroing in one launch:
 kernels.moe_route.route_aligns); fused_experts (routing precomputed, e.g. by torch for a
-prefill batch) 3 per chunk. gate_up and down are programmatic dependent launches (PDL)
-behind the pdserve kernel before them. H200, Qwen3-30B-A3B, batch 1, CUDA-graph replay of
-8 layers: 34.9 us per MoE block with 4 launches, 33.5 with 3. In the whole decode step
+prefill batch) 3 per chunk. Batches of one (and up to 4 tokens while pairs are few,
+kernels.moe_gemv.use_gemv) take the one-row expert GEMVs instead: route, gate_up, down, no
+alignment. H200, Qwen3-30B-A3B, batch 1, CUDA-graph replay of 8 layers: 35.4 us per MoE
+block with the grouped GEMMs, 30.2-30.4 with the GEMVs in bf16; FP8 experts 41.5 -> 19.8 us.
+Decode step: bf16 2.71 ms (355 tok/s), FP8 2.19 ms (431 tok/s)
+(bench/results/moe_h200_2026-11-25_b1.json).
+gate_up and down are programmatic dependent launches (PDL) behind the pdserve kernel before
+them. Grouped GEMMs, H200, Qwen3-30B-A3B, batch 1, CUDA-graph replay of 8 layers: 34.9 us
+per MoE block with 4 launches, 33.5 with 3. In the whole decode step
 (3.64 -> 3.48 ms) router + alignment went from 0.75 to 0.31 ms of the critical path, but
 gate_up's share rose from 0.74 to 0.97 ms (bench/results/moe_h200_2026-11-25.json,
 moe_h200_2026-11-25_tuned.json; not yet explained).
@@ -31,6 +37,7 @@ from pdserve.kernels._triton import FLOAT_DTYPES, check_launchable, check_tensor
 from pdserve.kernels.fp8_scales import FP8_DTYPE, Block, check_scales
 from pdserve.kernels.moe_align import moe_align
 from pdserve.kernels.moe_gemm import MoeConfig, down_counters, moe_down, moe_gate_up, pick_moe_config
+from pdserve.kernels.moe_gemv import GemvMoeConfig, moe_down_gemv, moe_gate_up_gemv, use_gemv
 from pdserve.kernels.moe_route import RouteConfig, moe_route, moe_route_align, route_aligns
 
 # The down GEMM's deterministic top-k sum keeps fp32 rows [T * top_k, H]; batches beyond this
@@ -91,16 +98,20 @@ def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  config: MoeConfig | None = None, max_chunk: int | None = None,
-                  fp8: Fp8Experts | None = None) -> torch.Tensor:
+                  config: MoeConfig | GemvMoeConfig | None = None,
+                  max_chunk: int | None = None, fp8: Fp8Experts | None = None) -> torch.Tensor:
     """moe_experts_ref(x, w13, w2, topk_weights, topk_ids) with Triton kernels: x [T, H] (rows
     may be strided), w13 [E, 2I, H], w2 [E, H, I] in x.dtype; topk_weights (any float dtype)
     and topk_ids (int32/int64, values in [0, E)) contiguous [T, top_k]. Returns a new [T, H]
     in x.dtype. max_chunk: tokens per chunk (default chunk_tokens(H, top_k)). fp8: the
-    scales of float8_e4m3fn w13 / w2 (the reference: their dequantized weights)."""
+    scales of float8_e4m3fn w13 / w2 (the reference: their dequantized weights). config: a
+    GemvMoeConfig takes the one-row GEMVs, a MoeConfig the grouped GEMMs, None picks by rows
+    (kernels.moe_gemv.use_gemv)."""
     _check_experts(x, w13, w2, topk_weights, topk_ids, fp8)
     T, H = x.shape
     E, top_k = w13.shape[0], topk_ids.shape[1]
+    if _gemv_path(config, T, top_k, E):
+        return _gemv_experts(x, w13, w2, topk_weights, topk_ids, config, fp8, pdl=False)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     step = max_chunk or chunk_tokens(H, top_k)
     for t0 in range(0, T, step):
@@ -120,6 +131,25 @@ def _experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counters = _counters(T, x.shape[1], top_k, cfg, x.device)
     sorted_ids, expert_ids, _ = moe_align(topk_ids, w13.shape[0], cfg.block_m, zero=counters)
     _gemms(x, w13, w2, topk_weights, sorted_ids, expert_ids, out, counters, cfg, fp8)
+
+
+def _gemv_path(config: MoeConfig | GemvMoeConfig | None, T: int, top_k: int, E: int) -> bool:
+    """The one-row GEMVs: asked for by their config, or chosen by rows when none is given."""
+    return isinstance(config, GemvMoeConfig) or (config is None and use_gemv(T, top_k, E))
+
+
+def _gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  config: GemvMoeConfig | None, fp8: Fp8Experts | None, pdl: bool
+                  ) -> torch.Tensor:
+    """kernels.moe_gemv's gate_up then down (2 launches, no alignment); pdl: gate_up is a
+    programmatic dependent launch (only behind a pdserve kernel), down always is."""
+    f = fp8 or Fp8Experts()
+    b13, b2 = f.blocks or (None, None)
+    act = moe_gate_up_gemv(x, w13, topk_ids, config, pdl=pdl, w13_scale=f.w13_scale,
+                           block=b13)
+    return moe_down_gemv(act, w2, topk_weights, topk_ids, config, pdl=True,
+                         w2_scale=f.w2_scale, block=b2)
 
 
 def _counters(T: int, H: int, top_k: int, cfg: MoeConfig, device: torch.device
@@ -147,13 +177,15 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, top_k: int, scoring: str = "softmax",
               correction_bias: torch.Tensor | None = None, n_group: int = 1,
               topk_group: int = 1, renormalize: bool = True, routed_scaling: float = 1.0,
-              config: MoeConfig | None = None, route_config: RouteConfig | None = None,
+              config: MoeConfig | GemvMoeConfig | None = None,
+              route_config: RouteConfig | None = None,
               max_chunk: int | None = None, fp8: Fp8Experts | None = None) -> torch.Tensor:
     """The MoE block's routed experts for x [T, H]: moe_route (router_weight [E, H] and the
     routing arguments as kernels.reference.moe_route_ref) then fused_experts. Returns a new
     [T, H] in x.dtype. 4 launches for a batch of up to chunk_tokens(H, top_k) tokens; 3 for
-    decode-sized batches (route_aligns: the router's launch aligns the pairs too). fp8: as
-    fused_experts'."""
+    decode-sized batches (route_aligns: the router's launch aligns the pairs too); 3 with no
+    alignment at all where the one-row GEMVs serve (kernels.moe_gemv.use_gemv). fp8 and
+    config: as fused_experts'."""
     check_tensor("router_weight", router_weight, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("w13", w13, ndim=3, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
     if router_weight.shape[0] != w13.shape[0]:
@@ -164,6 +196,11 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     T, H = x.shape if isinstance(x, torch.Tensor) and x.dim() == 2 else (0, 0)
     E = w13.shape[0]
     device = x.device if isinstance(x, torch.Tensor) else None
+    if T and _gemv_path(config, T, top_k, E):  # route (PDL trigger), gate_up, down
+        _check_weights(x, w13, w2, fp8)
+        wts, ids = moe_route(x, router_weight, top_k, config=route_config,
+                             trigger_dependents=True, **routing)
+        return _gemv_experts(x, w13, w2, wts, ids, config, fp8, pdl=True)
     if route_aligns(T, E, H, top_k, route_config, device) and \
             T <= (max_chunk or chunk_tokens(H, top_k)):
         return _fused_decode(x, router_weight, w13, w2, top_k, routing, config, route_config,

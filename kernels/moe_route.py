@@ -345,16 +345,18 @@ def _check_route_config(cfg: RouteConfig, e_p: int) -> None:
 def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring: str = "softmax",
               correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
               renormalize: bool = True, routed_scaling: float = 1.0,
-              config: RouteConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config: RouteConfig | None = None, trigger_dependents: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] (rows may be strided), router_weight [E, H] (any float dtype; fp32 math) ->
     (topk_weights [T, top_k] float32, topk_ids [T, top_k] int32), both new contiguous tensors,
     each row in descending order of choice, as kernels.reference.moe_route_ref computes them.
     correction_bias [E] and n_group > 1 (then topk_group) are for scoring "sigmoid" only.
     One kernel launch; no host synchronisation (CUDA-graph safe once warmed up: the split
-    path's scratch and counters are allocated on the first launch)."""
+    path's scratch and counters are allocated on the first launch). trigger_dependents: as
+    moe_route_align's (kernels.moe_gemv's launches behind it)."""
     _check_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group)
     routing = (scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling)
-    return _launch(x, router_weight, top_k, routing, config, None, False)[:2]
+    return _launch(x, router_weight, top_k, routing, config, None, trigger_dependents)[:2]
 
 
 def route_aligns(T: int, E: int, H: int, top_k: int, config: RouteConfig | None = None,

@@ -75,6 +75,7 @@ class Plan:
     hf_tokens: int = 12
     mtp_preset: str = "glm-4.5-air:12l"
     mtp_ks: tuple[int, ...] = (1, 3)
+    quantization: str | None = None  # "fp8" (--fp8): block-FP8 weights, experts included
 
 
 TINY = Plan(preset="tiny-qwen3-moe", device="cpu", decode_prompt=16, decode_tokens=6,
@@ -158,7 +159,7 @@ def kernels_per_moe_layer(engine, graphs: DecodeGraphs, plan: Plan) -> dict:
     idx = next(i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock))
     layer = model.layers[idx]
     with torch.inference_mode():
-        x = torch.randn(1, cfg.hidden_size, device=dev, dtype=layer.mlp.experts.w13.dtype)
+        x = torch.randn(1, cfg.hidden_size, device=dev, dtype=model.embed_tokens.weight.dtype)
         res = torch.randn_like(x)
         cos, sin, meta = model.rope(graphs.positions[:1], meta)
         whole = count_kernels(lambda: layer(x, res, cos, sin, meta, engine.runner.kv_cache), dev)
@@ -181,7 +182,8 @@ def run_fast(plan: Plan, dev: torch.device, bw: float, tflops: float, result: di
         plan.preset, device=plan.device, num_blocks=need // plan.block_size + 64,
         block_size=plan.block_size, max_num_seqs=max(plan.batch_sizes),
         max_num_batched_tokens=plan.max_num_batched_tokens, max_model_len=plan.max_model_len,
-        enable_prefix_caching=False, use_triton=True, use_cuda_graphs=dev.type == "cuda")
+        enable_prefix_caching=False, use_triton=True, use_cuda_graphs=dev.type == "cuda",
+        quantization=plan.quantization)
     runner, cfg = engine.runner, engine.config.model
     graphs = runner.cuda_graphs or DecodeGraphs(engine.config, runner.model, runner.kv_cache)
     sizes = moe_bytes(runner.model)
@@ -433,6 +435,132 @@ def sweep_experts(layers: list[dict], top_k: int, dev: torch.device) -> dict:
     return {"gate_up": up, "down": down, "experts": E}
 
 
+# kernels.moe_gemv tiles (block_n, block_k, num_warps); down's programs load all top_k slots
+# and num_stages. An earlier sweep (num_stages 1; moe_h200_2026-11-25_b1.json, after.
+# moe_paths): bf16 gate_up 16x256w4 16.9 us, 32x256w8 17.7, 8x1024w8 18.0, 16x512w8 18.5,
+# 32x128w4 25.6; down 4x128w4 10.5, 2x256w4 11.1, 8x128w8 11.2, 4x256w8 11.3, 2x512w8 12.3.
+# The fastest tiles here are not always the fastest in the decode step (kernels.moe_gemv's
+# pick_gemv_config): compare the engine runs too.
+GEMV_UP_TILES = ((16, 256, 4, 1), (16, 256, 4, 3), (16, 128, 4, 3), (8, 256, 4, 3),
+                 (16, 256, 2, 1))
+GEMV_DOWN_TILES = ((4, 128, 4, 1), (4, 128, 4, 3), (4, 256, 8, 3), (2, 128, 4, 3),
+                   (4, 128, 2, 1))
+
+
+def _quantize_layers(layers: list[dict]) -> None:
+    from pdserve.engine.model.fp8 import DEFAULT_BLOCK, quantize_blockwise
+    from pdserve.kernels.fused_moe import Fp8Experts
+
+    for l in layers:
+        (l["w13"], s13), (l["w2"], s2) = (quantize_blockwise(l["w13"]),
+                                          quantize_blockwise(l["w2"]))
+        l["fp8"] = Fp8Experts(s13, s2, (DEFAULT_BLOCK, DEFAULT_BLOCK))
+
+
+def _path_kernels(layers: list[dict], top_k: int, dev: torch.device) -> dict:
+    """Per-kernel and whole-block times of the grouped tensor-core path (route + align,
+    gate_up, down; the decode path before kernels.moe_gemv) and the one-row GEMV path (route,
+    gate_up, down), plus GEMV tiles, and fused_moe's default path against the reference."""
+    from pdserve.kernels.fused_moe import Fp8Experts, fused_moe
+    from pdserve.kernels.moe_gemm import moe_down, moe_gate_up, pick_moe_config
+    from pdserve.kernels.moe_gemv import GemvMoeConfig, moe_down_gemv, moe_gate_up_gemv, pick_gemv_config
+    from pdserve.kernels.moe_route import moe_route, moe_route_align
+    from pdserve.kernels.reference import fp8_dequant_ref, moe_experts_ref, moe_route_ref
+
+    E, H = layers[0]["router"].shape
+    w13 = layers[0]["w13"]
+    inter, size = layers[0]["w2"].shape[2], w13.element_size()
+    mc, gc = pick_moe_config(top_k, E, H, inter, size, dev), pick_gemv_config(E, H, inter, size)
+    for l in layers:
+        f = l.get("fp8") or Fp8Experts()
+        l["s"] = (f.w13_scale, f.w2_scale, (f.blocks or (None, None))[0])
+        l["wts"], l["ids"], l["sorted"], l["experts"], _ = moe_route_align(
+            l["x"], l["router"], top_k, mc.block_m)
+        l["act"] = moe_gate_up_gemv(l["x"], l["w13"], l["ids"], gc, w13_scale=l["s"][0],
+                                    block=l["s"][2])
+
+    def g(fn) -> dict:
+        return {"us": graph_us([lambda l=l: fn(l) for l in layers], dev)}
+
+    rows: dict = {"grouped_tiles": dataclasses.asdict(mc), "gemv_tiles": dataclasses.asdict(gc)}
+    _timed(rows, "before_route_align", lambda: g(lambda l: moe_route_align(
+        l["x"], l["router"], top_k, mc.block_m)))
+    _timed(rows, "before_gate_up", lambda: g(lambda l: moe_gate_up(
+        l["x"], l["w13"], l["sorted"], l["experts"], top_k, mc, w13_scale=l["s"][0],
+        block=l["s"][2])))
+    _timed(rows, "before_down_incl_counter_zeroing", lambda: g(lambda l: moe_down(
+        l["act"], l["w2"], l["wts"], l["sorted"], l["experts"], mc, w2_scale=l["s"][1],
+        block=l["s"][2])))
+    _timed(rows, "after_route", lambda: g(lambda l: moe_route(l["x"], l["router"], top_k)))
+    for bn, bk, w, st in GEMV_UP_TILES:
+        c = GemvMoeConfig(bn, bk, gc.block_n_down, gc.block_k_down, num_warps_up=w,
+                          num_stages_up=st)
+        _timed(rows, f"after_gate_up_{bn}x{bk}w{w}s{st}", lambda c=c: g(lambda l: moe_gate_up_gemv(
+            l["x"], l["w13"], l["ids"], c, w13_scale=l["s"][0], block=l["s"][2])))
+    for bn, bk, w, st in GEMV_DOWN_TILES:
+        c = GemvMoeConfig(gc.block_n_up, gc.block_k_up, bn, bk, num_warps_down=w,
+                          num_stages_down=st)
+        _timed(rows, f"after_down_{bn}x{bk}w{w}s{st}", lambda c=c: g(lambda l: moe_down_gemv(
+            l["act"], l["w2"], l["wts"], l["ids"], c, w2_scale=l["s"][1], block=l["s"][2])))
+    _timed(rows, "before_block_fused_moe_grouped", lambda: g(lambda l: fused_moe(
+        l["x"], l["router"], l["w13"], l["w2"], top_k, config=mc, fp8=l.get("fp8"))))
+    _timed(rows, "after_block_fused_moe_default_tiles", lambda: g(lambda l: fused_moe(
+        l["x"], l["router"], l["w13"], l["w2"], top_k, fp8=l.get("fp8"))))
+    best = _best_gemv(rows)
+    rows["best_gemv"] = dataclasses.asdict(best)
+    _timed(rows, "after_block_fused_moe_best_tiles", lambda: g(lambda l: fused_moe(
+        l["x"], l["router"], l["w13"], l["w2"], top_k, config=best, fp8=l.get("fp8"))))
+    l0, f0 = layers[0], layers[0].get("fp8")
+    d13, d2 = ((fp8_dequant_ref(l0["w13"], f0.w13_scale, f0.blocks[0]).to(torch.bfloat16),
+                fp8_dequant_ref(l0["w2"], f0.w2_scale, f0.blocks[1]).to(torch.bfloat16))
+               if f0 is not None else (l0["w13"], l0["w2"]))
+    wts, ids = moe_route_ref(l0["x"], l0["router"], top_k)
+    ref = moe_experts_ref(l0["x"], d13, d2, wts, ids).float()
+    got = fused_moe(l0["x"], l0["router"], l0["w13"], l0["w2"], top_k, fp8=f0).float()
+    rows["rel_err_vs_reference"] = float((got - ref).norm() / ref.norm())
+    rows["expert_bytes_per_layer"] = top_k * (w13[0].numel() + layers[0]["w2"][0].numel()) * size
+    return rows
+
+
+def _best_gemv(rows: dict):
+    """The fastest gate_up and down GEMV tiles of _path_kernels' rows, as one config."""
+    from pdserve.kernels.moe_gemv import GemvMoeConfig
+
+    def pick(prefix: str) -> list[int]:
+        ok = {k: v["us"] for k, v in rows.items() if k.startswith(prefix) and "us" in v}
+        return _tile(min(ok, key=ok.get)[len(prefix):])
+
+    (un, uk, uw, us_), (dn, dk, dw, ds) = pick("after_gate_up_"), pick("after_down_")
+    return GemvMoeConfig(un, uk, dn, dk, num_warps_up=uw, num_warps_down=dw,
+                         num_stages_up=us_, num_stages_down=ds)
+
+
+def run_paths(plan: Plan, dev: torch.device, result: dict, save) -> None:
+    """--paths: _path_kernels for bf16 experts, then the same layers quantized to FP8; the
+    fastest GEMV tiles of each are installed in kernels.moe_gemv.DEVICE_TILES for the engine
+    runs after (as --apply-sweep does for the other tables)."""
+    from pdserve.engine.model.presets import get_preset
+    from pdserve.kernels import moe_gemv
+
+    cfg = get_preset(plan.preset)
+    layers = _moe_layers(cfg, dev)
+    out = result["moe_paths"] = {"method": "CUDA-graph replay of 8 layers' launches (distinct "
+                                           "weights, one decode token each), median of 30"}
+    moe = cfg.moe
+    for kind, size in (("bf16", 2), ("fp8", 1)):
+        if kind == "fp8":
+            _quantize_layers(layers)
+        out[kind] = rows = _path_kernels(layers, moe.top_k, dev)
+        key = (moe.num_experts, cfg.hidden_size, moe.intermediate_size, size)
+        try:
+            moe_gemv.DEVICE_TILES.setdefault("H200", {})[key] = _best_gemv(rows)
+            out.setdefault("applied", {})[str(key)] = rows["best_gemv"]
+        except (KeyError, ValueError) as e:
+            out[f"{kind}_apply_error"] = str(e)
+        save()
+    free(layers)
+
+
 def _tile(key: str) -> list[int]:
     return [int(v) for v in re.findall(r"\d+", key)]
 
@@ -578,17 +706,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on tiny MoE presets")
     ap.add_argument("--skip", default="",
-                    help="comma list of: fast,reference,hf,mtp (parts); throughput,ttft (of fast)")
+                    help="comma list of: fast,fast_fp8,reference,hf,mtp (parts); throughput,"
+                         "ttft (of fast)")
     ap.add_argument("--sweep", action="store_true",
                     help="first: decode-kernel tiles on this device (GEMV, router, MoE GEMMs)")
     ap.add_argument("--apply-sweep", action="store_true",
                     help="run the benchmark with the sweep's winning tiles installed")
+    ap.add_argument("--paths", action="store_true",
+                    help="first: per-kernel times of the grouped-GEMM and one-row GEMV MoE "
+                         "paths at batch 1, bf16 and FP8 experts")
+    ap.add_argument("--fp8", action="store_true",
+                    help="after the bf16 engine, the same with block-FP8 weights "
+                         "(--quantization fp8), its results under fp8_engine")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     plan = TINY if device == "cpu" else Plan()
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     skip = set(filter(None, args.skip.split(",")))
+    if not args.fp8:
+        skip.add("fast_fp8")
     result: dict = {"device": name, "command": " ".join([sys.executable] + sys.argv),
                     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     "plan": dataclasses.asdict(plan), "torch": torch.__version__}
@@ -608,9 +745,21 @@ def main(argv: list[str] | None = None) -> None:
             log(f"sweep failed: {result['sweep_error']}")
         free()
         save()
+    if args.paths and dev.type == "cuda":
+        try:
+            run_paths(plan, dev, result, save)
+        except Exception as e:  # keep what was measured; the benchmark still runs
+            result["paths_error"] = f"{type(e).__name__}: {e}"
+            log(f"paths failed: {result['paths_error']}")
+        free()
+        save()
     for part, run in (("fast", lambda: run_fast(plan, dev, rates["copy_GBps"],
                                                 rates["matmul_bf16_TFLOPs"], result, save,
                                                 frozenset(skip))),
+                      ("fast_fp8", lambda: run_fast(
+                          dataclasses.replace(plan, quantization="fp8"), dev,
+                          rates["copy_GBps"], rates["matmul_bf16_TFLOPs"],
+                          result.setdefault("fp8_engine", {}), save, frozenset(skip))),
                       ("reference", lambda: run_reference(plan, result)),
                       ("hf", lambda: run_hf(plan, dev, result)),
                       ("mtp", lambda: run_mtp(plan, result))):

@@ -99,8 +99,9 @@ class MoEBlock(nn.Module):
             ex = self.experts
             fp8 = None if ex.w13_scale is None else fused_kernels().Fp8Experts(
                 ex.w13_scale, ex.w2_scale, ex.blocks)  # FP8 experts: their scales too
+            extra = {"fp8": fp8} if fp8 is not None else {}  # float experts: routing only
             return kernel(x, self.gate.weight, ex.w13, ex.w2, self.top_k, correction_bias=bias,
-                          fp8=fp8, **self.routing)
+                          **extra, **self.routing)
         weights, ids = moe_route_ref(x, self.gate.weight, self.top_k, correction_bias=bias,
                                      **self.routing)  # [T, top_k] each
         return moe_experts_ref(x, *self.experts.dense(x.dtype), weights, ids)
