@@ -14,6 +14,17 @@ instead of divisions). A program applies the scales one of two ways (SCALE):
   2  each BLOCK_K step lies in one K block (S_BK % BLOCK_K == 0): one scale per output row,
      a 1-D gather along N per step, multiplied into the weight tile.
 Per-row blocks (1, bk) take 2 with BLOCK_K <= bk; 128 x 128 blocks take either.
+
+Decoding e4m3 (fp8_bits_f32): Triton's e4m3 -> fp32 is two conversion instructions per
+element (e4m3x2 -> f16x2, then f16 -> f32) on a unit that does 16 per clock per SM on Hopper,
+which bounds a GEMV near 2.8e12 weights/s. Moving the byte's bits into an fp32 word instead
+takes integer ops only and is exact: the word reads as the e4m3 value times 2^-120
+(subnormals as fp32 denormals, which Triton's fp32 multiplies keep), and the kernels fold the
+2^120 into the scales (BITS_HI x BITS_LO, split so that neither a scaled activation nor a
+partial sum leaves fp32's range). Measured on an H200 at Qwen3-8B's shapes with the 4 x 2048
+one-row tile it was neutral (-2% to +2% per shape: the conversion unit was not what held the
+FP8 GEMV at 2.0-2.3 TB/s); the 8 x 1024 tile that now wins was measured with it only
+(bench/results/fp8_h200_2026-11-25_qwen3-8b.json gemv_sweep).
 """
 from __future__ import annotations
 
@@ -25,6 +36,10 @@ from pdserve.kernels._triton import check_tensor, is_pow2, jit, next_pow2
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 Block = tuple[int, int]
+# fp8_bits_f32's words are the weight times 2^-120: the kernels multiply the scales by
+# BITS_HI = 2^64 and the fp32 result by BITS_LO = 2^56 (powers of two: exact)
+BITS_HI = tl.constexpr(2.0 ** 64)
+BITS_LO = tl.constexpr(2.0 ** 56)
 
 
 def kernel_block(block: Block, N: int, K: int) -> Block:
@@ -77,17 +92,28 @@ def check_scales(weight: torch.Tensor, scales: torch.Tensor | None, block: Block
 
 
 @jit
-def fp8_scale_k(t, s_ptr, row_block, k0, K, stride_s, ROWS: tl.constexpr,
+def fp8_bits_f32(w):
+    """A W8 tile loaded as int8 (the e4m3 bytes) -> fp32 words that read as the e4m3 values
+    times 2^-120, by integer ops alone (see the module doc). The sign-extended byte shifted
+    left 20 puts the sign at bit 31 (and copies at 27..30, masked off) and exponent and
+    mantissa at 26..20, right under fp32's exponent bias. e4m3's NaN (0x7f) becomes 480
+    (quantizers never write it)."""
+    b = w.to(tl.int32)
+    return ((b << 20) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
+
+
+@jit
+def fp8_scale_k(t, s_ptr, row_block, k0, K, stride_s, mult, ROWS: tl.constexpr,
                 BLOCK_K: tl.constexpr, S_BK: tl.constexpr):
     """SCALE 1: t [ROWS, BLOCK_K] (the K lanes k0 ..) times the scales of row block
-    `row_block`, fp32. The BLOCK_K // S_BK scales of the step are loaded once and broadcast
-    over a [ROWS, G, BLOCK_K // G] view: a gather per K lane cost one scalar load per element
-    a thread holds (FP8 GEMV at 2.1 TB/s on an H200 where bf16 read 3.9)."""
+    `row_block` times `mult`, fp32. The BLOCK_K // S_BK scales of the step are loaded once and
+    broadcast over a [ROWS, G, BLOCK_K // G] view: a gather per K lane cost one scalar load
+    per element a thread holds (FP8 GEMV at 2.1 TB/s on an H200 where bf16 read 3.9)."""
     G: tl.constexpr = BLOCK_K // S_BK if BLOCK_K > S_BK else 1
     g = tl.arange(0, G)
     s = tl.load(s_ptr + row_block * stride_s + k0 // S_BK + g, mask=k0 + g * S_BK < K, other=0.0)
     t3 = tl.reshape(t.to(tl.float32), [ROWS, G, BLOCK_K // G])
-    return tl.reshape(t3 * s[None, :, None], [ROWS, BLOCK_K])
+    return tl.reshape(t3 * (s * mult)[None, :, None], [ROWS, BLOCK_K])
 
 
 @jit
@@ -100,7 +126,11 @@ def fp8_n_scales(s_ptr, offs_n, N, k0, stride_s, S_BN: tl.constexpr, S_BK: tl.co
 def fp8_dequant_tile(w, s_ptr, offs_n, N, K, k0, stride_s, row_block, SCALE: tl.constexpr,
                      S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
-    """A loaded W8 tile [BLOCK_N, BLOCK_K] times its scales, fp32 (for a 16-bit tl.dot)."""
+    """A W8 tile [BLOCK_N, BLOCK_K] loaded as int8, times its scales: the real weights, fp32
+    (for a 16-bit tl.dot)."""
+    wb = fp8_bits_f32(w)
     if SCALE == 1:
-        return fp8_scale_k(w, s_ptr, row_block, k0, K, stride_s, BLOCK_N, BLOCK_K, S_BK)
-    return w.to(tl.float32) * fp8_n_scales(s_ptr, offs_n, N, k0, stride_s, S_BN, S_BK)[:, None]
+        wb = fp8_scale_k(wb, s_ptr, row_block, k0, K, stride_s, BITS_HI, BLOCK_N, BLOCK_K, S_BK)
+    else:
+        wb = wb * (fp8_n_scales(s_ptr, offs_n, N, k0, stride_s, S_BN, S_BK) * BITS_HI)[:, None]
+    return wb * BITS_LO

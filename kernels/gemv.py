@@ -50,10 +50,13 @@ from pdserve.kernels._triton import (
     scratch_fp32,
 )
 from pdserve.kernels.fp8_scales import (
+    BITS_HI,
+    BITS_LO,
     FP8_DTYPE,
     Block,
     check_scales,
     fit_block_k,
+    fp8_bits_f32,
     fp8_dequant_tile,
     fp8_n_scales,
     fp8_scale_k,
@@ -122,6 +125,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, s_p
                  S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr, PF_LINES: tl.constexpr,
                  PF_LINE: tl.constexpr, USE_PDL: tl.constexpr):
+    """FP8 (SCALE > 0): w_ptr holds the e4m3 bytes as int8, decoded by fp8_bits_f32 to the
+    value times 2^-120; the scales are taken times BITS_HI and y times BITS_LO."""
     pid = tl.program_id(0)
     rows = tl.arange(0, TP)
     row_ok = rows < T
@@ -148,7 +153,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, s_p
         offs_k = k0 + offs_k0
         m = row_ok[:, None] & (offs_k < K)[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
-                    other=0.0, eviction_policy=W_EVICT)
+                    other=0, eviction_policy=W_EVICT)
         x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m, other=0.0)
         if PROLOGUE == 1:
             if HAS_RESIDUAL:  # h = x + residual, rounded as stored; program 0 stores it
@@ -161,12 +166,18 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, s_p
             ss += hf * hf
         a = _activation(x, x_ptr, nw_ptr, rows, row_ok, offs_k, K, stride_x, PROLOGUE)
         if SCALE == 1:  # FP8, one row block per program: the K lanes' scales scale a
-            a = fp8_scale_k(a, s_ptr, pid * BLOCK_N // S_BN, k0, K, stride_s, TP, BLOCK_K, S_BK)
-        wf = w.to(tl.float32)
+            a = fp8_scale_k(a, s_ptr, pid * BLOCK_N // S_BN, k0, K, stride_s, BITS_HI, TP,
+                            BLOCK_K, S_BK)
+        if SCALE != 0:  # FP8: integer-op decode (Triton's conversion: 2 cvt per element)
+            wf = fp8_bits_f32(w)
+        else:
+            wf = w.to(tl.float32)
         if SCALE == 2:  # FP8, one K block per step: each row's scale scales its weights
-            wf = wf * fp8_n_scales(s_ptr, offs_n, N, k0, stride_s, S_BN, S_BK)[:, None]
+            wf = wf * (fp8_n_scales(s_ptr, offs_n, N, k0, stride_s, S_BN, S_BK) * BITS_HI)[:, None]
         acc += a[:, None, :] * wf[None, :, :]
     y = tl.sum(acc, axis=2)
+    if SCALE != 0:
+        y = y * BITS_LO
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
         y = y * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     out_mask = row_ok[:, None] & n_ok[None, :]
@@ -215,11 +226,11 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, s_ptr, N
     for k0 in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + offs_k0
         k_ok = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0,
                     eviction_policy=W_EVICT)
         x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALE != 0:  # FP8: dequantize the tile in registers (fp32 product, then DOT_DTYPE)
+        if SCALE != 0:  # FP8 (int8 bytes): dequantize in registers (fp32, then DOT_DTYPE)
             w = fp8_dequant_tile(w, s_ptr, offs_n, N, K, k0, stride_s, pid * BLOCK_N // S_BN,
                                  SCALE, S_BN, S_BK, BLOCK_N, BLOCK_K)
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PREC)
@@ -303,11 +314,13 @@ def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = Fal
     elif interpreting():
         cfg = GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
     else:
-        # FP8 (elem_size 1): twice the K step (a step reads as many bytes) and 4 rows: on an
-        # H200 4 x 2048 on 4 warps beat 8 x 2048 on 8 by 4-9% at each Qwen3-8B shape
-        # (bench/results/fp8_h200_2026-11-25_qwen3-8b.json gemv_sweep; still only ~2.3 TB/s)
-        block_k = min(1024 if elem_size > 1 else 2048, next_pow2(K))
-        block_n = 8 if N * K >= (32 << 20) and elem_size > 1 else 4
+        # FP8 (elem_size 1): 8 x 1024 on 4 warps beat 4 x 2048 by 1-12% at each Qwen3-8B
+        # shape on an H200 (qkv 12.6 -> 12.4 us, o 8.9 -> 8.2, gate_up 43.3 -> 38.8, down
+        # 22.0 -> 20.5; 8 x 2048, 16 x 512, 16 x 1024, 8 x 4096 and 2 x 4096 were slower;
+        # bench/results/fp8_h200_2026-11-25_qwen3-8b.json gemv_sweep). Still 2.0-2.6 TB/s,
+        # against 3.2-4.0 for bf16.
+        block_k = min(1024, next_pow2(K))
+        block_n = 8 if N * K >= (32 << 20) or elem_size == 1 else 4
         while block_n > 1 and triton.cdiv(N, block_n) < 264:
             block_n //= 2
         cfg = GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
@@ -414,7 +427,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     nw = norm_weight if norm_weight is not None else weight
     out = y if add is None else add
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, res, nw, weight, y, res_out, out, fp8["s"], N, K, x.stride(0), res.stride(0),
+        x, res, nw, fp8["w"], y, res_out, out, fp8["s"], N, K, x.stride(0), res.stride(0),
         weight.stride(0), y.stride(0), res_out.stride(0), out.stride(0), fp8["stride"],
         float(eps), T=T, TP=next_pow2(T),
         PROLOGUE=PROLOGUES[prologue], HAS_RESIDUAL=residual is not None,
@@ -427,15 +440,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
 
 def _fp8_args(cfg: GemvConfig, weight: torch.Tensor, scales: torch.Tensor | None,
               block: Block | None) -> dict:
-    """The kernels' scale arguments: s (pointer), stride, block_k (the config's, shrunk where
-    the scales need it) and the constexprs SCALE, S_BN, S_BK (kernels/fp8_scales.py)."""
+    """The kernels' weight and scale arguments: w (the weight; FP8 bytes as int8), s
+    (pointer), stride, block_k (the config's, shrunk where the scales need it) and the
+    constexprs SCALE, S_BN, S_BK (kernels/fp8_scales.py)."""
     if scales is None:
-        return {"s": weight, "stride": 0, "block_k": cfg.block_k,
+        return {"w": weight, "s": weight, "stride": 0, "block_k": cfg.block_k,
                 "consts": {"SCALE": 0, "S_BN": 1, "S_BK": 1}}
     N, K = weight.shape
     block_k = fit_block_k(block, N, K, cfg.block_n, cfg.block_k)
     s_bn, s_bk = kernel_block(block, N, K)
-    return {"s": scales, "stride": scales.stride(0), "block_k": block_k,
+    return {"w": weight.view(torch.int8), "s": scales, "stride": scales.stride(0),
+            "block_k": block_k,
             "consts": {"SCALE": scale_mode(block, N, K, cfg.block_n, block_k), "S_BN": s_bn,
                        "S_BK": s_bk}}
 
@@ -470,7 +485,7 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, prologue: str,
         parts = scratch_fp32(x.device, cfg.split_k * 16 * N)
         counts = arrival_counters(x.device, grid_n)
     _gemv_dot_kernel[(grid_n, cfg.split_k)](
-        x, weight, y, out, parts, counts, fp8["s"], N, K, T, x.stride(0), weight.stride(0),
+        x, fp8["w"], y, out, parts, counts, fp8["s"], N, K, T, x.stride(0), weight.stride(0),
         y.stride(0), out.stride(0), fp8["stride"], HAS_ADD=add is not None, **fp8["consts"],
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=fp8["block_k"], SPLIT_K=cfg.split_k,
         PREC=dot_precision(x.dtype), DOT_DTYPE=dot_dtype(x.dtype),

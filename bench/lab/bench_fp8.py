@@ -79,8 +79,8 @@ def build(plan: Plan, quant: str | None, spec: SpecConfig | None = None, num_blo
         enable_prefix_caching=False, use_triton=True, use_cuda_graphs=cuda, speculative=spec)
 
 
-def free(*objs: object) -> None:
-    del objs
+def free() -> None:
+    """Collect garbage (engines hold reference cycles) and return cached device memory."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -123,7 +123,10 @@ def run_format(plan: Plan, quant: str | None, rates: dict, out: dict, save) -> N
     save()
     if plan.preset.startswith("glm") or plan.device == "cpu":
         out["kv_capacity"] = kv_capacity(engine, kvb)
-    free(engine, runner, graphs)
+    # the engine holds reference cycles: drop every name, then collect, before the next
+    # build (two GLM-4.5-Air engines do not fit one H200)
+    del engine, runner, graphs
+    free()
 
 
 def kv_capacity(engine, kvb: int) -> dict:
@@ -153,7 +156,8 @@ def run_mtp(plan: Plan, ks: tuple[int, ...]) -> dict:
         if k:
             rows[f"k{k}"]["speedup"] = rows[f"k{k}"]["tok_s"] / rows["k0"]["tok_s"]
         log(f"MTP k={k}: {rows[f'k{k}']}")
-        free(engine)
+        del engine  # before the next build, not when it replaces this name
+        free()
     return rows
 
 
@@ -166,12 +170,15 @@ def sweep_gemv(cfg, dev: torch.device) -> dict:
 
     H, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"qkv": (q + 2 * kv, H), "o": (H, q), "gate_up": (2 * cfg.intermediate_size, H),
-              "down": (H, cfg.intermediate_size)}
-    tiles = {"bf16": ((4, 1024, 4), (8, 1024, 4), (8, 2048, 8), (16, 1024, 8)),
-             "fp8": ((8, 2048, 8), (8, 2048, 4), (16, 1024, 8), (16, 2048, 8), (4, 2048, 4))}
+              "down": (H, cfg.intermediate_size), "lm_head": (cfg.vocab_size, H)}
+    tiles = {"bf16": ((4, 1024, 4), (8, 1024, 4)),  # (block_n, block_k, warps)
+             "fp8": ((4, 2048, 4), (8, 2048, 4), (8, 1024, 4), (4, 1024, 4), (16, 1024, 4),
+                     (16, 1024, 8), (16, 2048, 8), (8, 4096, 8), (32, 512, 4))}
     out: dict = {}
     for fmt, fmt_tiles in tiles.items():
         for name, (N, K) in shapes.items():
+            if name == "lm_head" and fmt == "fp8":  # the LM head stays bf16
+                continue
             esize = 1 if fmt == "fp8" else 2
             copies = min(32, max(2, -(-(400 << 20) // (esize * N * K))))
             w = torch.randn(copies, N, K, device=dev, dtype=torch.bfloat16) * 0.02
@@ -196,7 +203,8 @@ def sweep_gemv(cfg, dev: torch.device) -> dict:
                 _timed(rows, f"{bn}x{bk}w{warps}", one)
             rows["best"] = _best(rows)
             out[f"{fmt}_{name}"] = rows
-            free(w, s)
+            del w, s
+            free()
     return out
 
 
@@ -230,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on tiny presets")
     ap.add_argument("--tiny-preset", default="tiny-qwen3", help="with --tiny")
     ap.add_argument("--skip-sweep", action="store_true", help="leave out the GEMV tile sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="only the GEMV tile sweep")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     plan = PLANS[args.model] if cuda else dataclasses.replace(TINY, preset=args.tiny_preset)
@@ -252,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     if cuda and args.model == "qwen3-8b" and not args.skip_sweep:
         result["gemv_sweep"] = sweep_gemv(get_preset(plan.preset), dev)
         save()
+        if args.sweep_only:
+            return
     for fmt in FORMATS.get(args.model, ("bf16", "fp8")) if cuda else ("bf16", "fp8"):
         out = result["formats"].setdefault(fmt, {})
         try:

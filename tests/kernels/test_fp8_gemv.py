@@ -96,3 +96,23 @@ def test_bad_scales_are_refused_by_name(device):
         gemv(x, w8, scales=s.double(), block=(16, 32))
     with pytest.raises(ValueError, match="must be a power of two"):
         gemv(x, w8, scales=torch.ones(3, 2, device=device), block=(16, 48))
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_every_e4m3_value_decodes_exactly(tensor_cores, device):
+    """The kernels decode e4m3 with integer ops (fp8_scales.fp8_bits_f32): each of the 254
+    finite byte values (zeros, subnormals, both signs, +-448) times a one-hot x gives back
+    float(W8) x scale exactly (scales are powers of two, float32 accumulate)."""
+    codes = [c for c in range(256) if c & 0x7F != 0x7F]  # 0x7f / 0xff are e4m3's NaNs
+    N, K = len(codes), 32
+    w8 = torch.zeros(N, K, dtype=torch.uint8)
+    w8[:, 5] = torch.tensor(codes, dtype=torch.uint8)
+    w8 = w8.view(FP8_DTYPE).to(device)
+    s = torch.full((1, 1), 2.0 ** -5, device=device)
+    T = 2 if tensor_cores else 1
+    x = torch.zeros(T, K, device=device)
+    x[:, 5] = 1.0
+    cfg = GemvConfig(16, 32, tensor_cores=True) if tensor_cores else GemvConfig(16, 32)
+    y = gemv(x, w8, config=cfg, scales=s, block=(N, K))
+    want = w8[:, 5].float() * 2.0 ** -5
+    assert torch.equal(y, want.expand(T, N))  # tf32 / bf16 tl.dot keep e4m3's 3 mantissa bits
