@@ -233,6 +233,19 @@ def fp8_launch(w: torch.Tensor, scales: torch.Tensor | None, block: Block | None
              "SCALED": True, "S_BN": s_bn, "S_BK": s_bk}, block_k)
 
 
+def check_gate_up(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
+                  block: Block | None) -> None:
+    """The gate_up launchers' shared checks: x [T, H] float rows, w13 [E, 2I, H] in x's dtype
+    or FP8 (with its scales for `block`), gate rows over up rows."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_launchable("x", x)
+    check_tensor("w13", w13, shape=(None, None, x.shape[1]), dtypes=(x.dtype, FP8_DTYPE),
+                 device=x.device, last_contiguous=True)
+    check_scales(w13, w13_scale, block, "w13")
+    if w13.shape[1] % 2:
+        raise ValueError(f"w13: {w13.shape[1]} rows per expert; expected [gate | up], 2 * I")
+
+
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
                 expert_ids: torch.Tensor, top_k: int, config: MoeConfig, pdl: bool = False,
                 w13_scale: torch.Tensor | None = None, block: Block | None = None
@@ -244,13 +257,7 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
     cuBLAS GEMM, PDL broke CUDA-graph captures, see kernels.rmsnorm). FP8: w13
     float8_e4m3fn with w13_scale [E, ceil(2I / bn), ceil(H / bk)] for block (bn, bk),
     dequantized tile by tile in registers (activations stay in x.dtype)."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
-    check_launchable("x", x)
-    check_tensor("w13", w13, shape=(None, None, x.shape[1]), dtypes=(x.dtype, FP8_DTYPE),
-                 device=x.device, last_contiguous=True)
-    check_scales(w13, w13_scale, block, "w13")
-    if w13.shape[1] % 2:
-        raise ValueError(f"w13: {w13.shape[1]} rows per expert; expected [gate | up], 2 * I")
+    check_gate_up(x, w13, w13_scale, block)
     if top_k < 1:
         raise ValueError(f"top_k: must be >= 1, got {top_k}")
     config.check()

@@ -64,6 +64,7 @@ from pdserve.kernels.fp8_scales import (
     kernel_block,
 )
 from pdserve.kernels.gemv import device_entry
+from pdserve.kernels.moe_gemm import check_gate_up
 
 MAX_TOKENS = 4  # beyond this the grouped GEMMs read each shared expert once (kernels.moe_gemm)
 
@@ -267,13 +268,7 @@ def moe_gate_up_gemv(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
     rows; FP8 with w13_scale for block, as kernels.moe_gemm.moe_gate_up). One launch; pdl: a
     programmatic dependent launch behind the pdserve kernel before it. Ids must lie in
     [0, E) (the router's are)."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
-    check_launchable("x", x)
-    check_tensor("w13", w13, shape=(None, None, x.shape[1]), dtypes=(x.dtype, FP8_DTYPE),
-                 device=x.device, last_contiguous=True)
-    check_scales(w13, w13_scale, block, "w13")
-    if w13.shape[1] % 2:
-        raise ValueError(f"w13: {w13.shape[1]} rows per expert; expected [gate | up], 2 * I")
+    check_gate_up(x, w13, w13_scale, block)
     _check_ids(topk_ids, None, x.shape[0], x.device)
     T, H = x.shape
     top_k, inter = topk_ids.shape[1], w13.shape[1] // 2
