@@ -148,8 +148,9 @@ class Frontend:
 def load_frontend(model: str | None, max_model_len: int | None = None,
                   served_name: str | None = None, tool_call_parser: str = "") -> Frontend:
     """Read the model's config and tokenizer only (no weights)."""
+    from pdserve.engine.model.gguf_weights import config_from_gguf, open_gguf
     from pdserve.engine.model.presets import get_preset
-    from pdserve.engine.model.weights import config_from_gguf, open_gguf, read_hf_config
+    from pdserve.engine.model.weights import read_hf_config
 
     source: ModelSource = resolve_model(model)
     tokenizer: Tokenizer | None = None

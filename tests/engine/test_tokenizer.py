@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.engine.model.gguf_weights import open_gguf
 from pdserve.engine.model.loader import embedded_gguf_path
 from pdserve.engine.model.tokenizer import Tokenizer, TokenizerError, byte_alphabet
-from pdserve.engine.model.weights import open_gguf
 
 transformers = pytest.importorskip("transformers")
 

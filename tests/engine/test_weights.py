@@ -14,6 +14,7 @@ import torch
 from pdserve.engine.core.config import ConfigError
 from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.model.decoder import Model
+from pdserve.engine.model.gguf_weights import load_gguf
 from pdserve.engine.model.loader import (
     EMBEDDED_MODEL,
     embedded_gguf_path,
@@ -21,7 +22,7 @@ from pdserve.engine.model.loader import (
     resolve_model,
 )
 from pdserve.engine.model.presets import get_preset, param_count, preset_names
-from pdserve.engine.model.weights import WeightsError, load_gguf, load_hf, random_model
+from pdserve.engine.model.weights import WeightsError, load_hf, random_model
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
