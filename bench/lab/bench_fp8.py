@@ -166,7 +166,7 @@ def sweep_gemv(cfg, dev: torch.device) -> dict:
     microseconds per call (CUDA graph of weight copies that overflow L2) and GB/s of weight."""
     from pdserve.kernels.gemv import GemvConfig, gemv, pick_config
 
-    from bench.lab.bench_moe import _best, _timed, graph_us
+    from bench.lab.moe_sweeps import _best, _timed, graph_us
 
     H, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"qkv": (q + 2 * kv, H), "o": (H, q), "gate_up": (2 * cfg.intermediate_size, H),
