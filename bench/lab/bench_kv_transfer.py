@@ -90,12 +90,12 @@ def _kv_setup(args: argparse.Namespace, device: str) -> tuple[Any, dict]:
     import torch
 
     from pdserve.engine.core.config import CacheConfig, compat_payload
+    from pdserve.engine.exec.kv_cache import allocate_kv_cache
     model = model_config(args.preset)
     num_blocks = math.ceil(args.tokens / args.block_size)
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_blocks, kv_dtype=args.dtype)
-    shape = (num_blocks, model.num_kv_layers, 2, args.block_size, model.num_kv_heads,
-             model.head_dim)
-    kv = torch.zeros(shape, dtype=getattr(torch, args.dtype), device=device)
+    # the engine's own layout (heads outermost in a block), so the compat check applies
+    kv = allocate_kv_cache(model, num_blocks, args.block_size, getattr(torch, args.dtype), device)
     return kv, compat_payload(model, cache)
 
 
