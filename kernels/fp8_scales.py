@@ -15,16 +15,16 @@ instead of divisions). A program applies the scales one of two ways (SCALE):
      a 1-D gather along N per step, multiplied into the weight tile.
 Per-row blocks (1, bk) take 2 with BLOCK_K <= bk; 128 x 128 blocks take either.
 
-Decoding e4m3 (fp8_bits_f32): Triton's e4m3 -> fp32 is two conversion instructions per
-element (e4m3x2 -> f16x2, then f16 -> f32) on a unit that does 16 per clock per SM on Hopper,
-which bounds a GEMV near 2.8e12 weights/s. Moving the byte's bits into an fp32 word instead
-takes integer ops only and is exact: the word reads as the e4m3 value times 2^-120
-(subnormals as fp32 denormals, which Triton's fp32 multiplies keep), and the kernels fold the
-2^120 into the scales (BITS_HI x BITS_LO, split so that neither a scaled activation nor a
-partial sum leaves fp32's range). Measured on an H200 at Qwen3-8B's shapes with the 4 x 2048
-one-row tile it was neutral (-2% to +2% per shape: the conversion unit was not what held the
-FP8 GEMV at 2.0-2.3 TB/s); the 8 x 1024 tile that now wins was measured with it only
-(bench/results/fp8_h200_2026-11-25_qwen3-8b.json gemv_sweep).
+Decoding e4m3, two ways. The one-row GEMV (kernels/gemv_row.py) uses Triton's conversion:
+in sm_90 SASS one F2FP per two weights (e4m3x2 -> f16x2) and one HADD2.F32 per weight
+(f16 -> f32, on the FMA pipe, not a conversion unit), no integer ops. The 1..4-row GEMV and
+the tensor-core dequantization (fp8_dequant_tile) use fp8_bits_f32: the byte's bits moved
+into an fp32 word by integer ops, exact, reading as the e4m3 value times 2^-120 (subnormals
+as fp32 denormals, which Triton's fp32 multiplies keep), with the 2^120 folded into the scales
+(BITS_HI x BITS_LO, split so that neither a scaled activation nor a partial sum leaves fp32's
+range). In the 1..4-row kernel's SASS that is ~4.4 integer instructions per weight (byte
+extracts, shifts, masks; 283 per 64 weights at 8 x 1024): with its shared-memory round trip
+per tile, what held the FP8 GEMV at 1.9-2.5 TB/s on an H200 (kernels/gemv_row.py's doc).
 """
 from __future__ import annotations
 

@@ -18,16 +18,14 @@ and, optionally, an epilogue that adds the residual stream (o_proj and down_proj
 residual branches), so a decoder layer's batch-1 decode step is 4 of these + one attention
 kernel (prologue included, kernels/decode_attention.py): 5 kernels, where it was 12.
 
-Tile choice: one program owns BLOCK_N output columns for all T rows and walks K in BLOCK_K
-steps, accumulating a [T, BLOCK_N, BLOCK_K] fp32 tile that is reduced once at the end (no
-cross-lane shuffles inside the loop). Enough programs must be in flight to cover HBM latency,
-so BLOCK_N shrinks for narrow matrices (see pick_config; the table comes from a sweep on an
-H100, bench/results/gemv_sweep_*.json).
+Kernels: one row (batch-1 decode) runs kernels/gemv_row.py's kernel; 2..4 rows on the CUDA
+cores the kernel here, where one program owns BLOCK_N output columns for all T rows and walks
+K in BLOCK_K steps, accumulating a [T, BLOCK_N, BLOCK_K] fp32 tile that is reduced once at
+the end (no cross-lane shuffles inside the loop); 2..16 rows the tensor-core kernel here.
+Enough programs must be in flight to cover HBM latency, so BLOCK_N shrinks for narrow
+matrices (tile choice: kernels/gemv_configs.py).
 """
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -63,6 +61,17 @@ from pdserve.kernels.fp8_scales import (
     kernel_block,
     scale_mode,
 )
+from pdserve.kernels.gemv_configs import (  # noqa: F401  (re-exported: kernels.gemv's API)
+    DEVICE_TILES,
+    FP8_DEVICE_TILES,
+    PREFETCH_SHARE,
+    GemvConfig,
+    device_entry,
+    device_tile,
+    pick_config,
+    pick_dot_config,
+)
+from pdserve.kernels.gemv_row import gemv_one_row
 from pdserve.kernels.rmsnorm import fused_add_rmsnorm
 from pdserve.kernels.silu_mul import silu_and_mul
 
@@ -73,29 +82,6 @@ CUDA_CORE_ROWS = 4  # the CUDA-core kernel keeps a [T, BLOCK_N, BLOCK_K] fp32 ac
 # with separate norm / SiLU kernels between them.
 MODEL_ROWS = 4
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
-# gemv(prefetch=True): the share of each program's weight slice asked into L2 before its PDL
-# wait (see gemv)
-PREFETCH_SHARE = 1.0
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 1
-    # 2+ rows: tl.dot on the tensor cores (prologue as its own kernel) instead of the
-    # CUDA-core kernel with the prologue fused (which 1 row always takes)
-    tensor_cores: bool = False
-    # weights are read once per step: loaded evict-first so they do not push the activation
-    # rows (read by every program) out of the caches
-    stream_weights: bool = True
-    # tensor-core kernel: K split over this many programs per output tile, the last to finish
-    # summing the fp32 partials (more programs in flight for narrow, deep matrices)
-    split_k: int = 1
-    # share of each program's weight slice asked into L2 before the PDL wait (0: none); set
-    # by gemv(prefetch=True) for a launch behind a latency-bound kernel
-    l2_prefetch: float = 0.0
 
 
 @jit
@@ -254,103 +240,6 @@ def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, add_ptr, part_ptr, count_ptr, s_ptr, N
         tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], acc, mask=out_mask)
 
 
-# One-row (CUDA-core kernel) tiles measured on a device at given shapes, where they beat
-# pick_config's H100 rule by >= 3%: {device name fragment: {(N, K): (block_n, block_k,
-# num_warps)}}. Shapes not listed keep the rule (Qwen3-8B's were swept on the H100 and are
-# not listed). Re-measure with `python -m bench.lab.bench_moe --sweep` ("sweep" -> "gemv").
-# H200 at Qwen3-30B-A3B's shapes (bench/results/moe_h200_2026-11-25_tuned.json, 7 tiles
-# each): o_proj 2048 x 4096 8.33 -> 6.96 us with whole-row-half K steps; qkv 5120 x 2048
-# kept the rule's 4 x 1024 (8.58 us; 2048-wide steps 10.6); lm_head 151936 x 2048 within 3%
-# (4 x 1024: 144.8 us = 4.3 TB/s, the rule's 8 x 1024: 148.1).
-DEVICE_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
-    "H200": {(2048, 4096): (4, 2048, 4)},
-}
-# The same for FP8 weights (kernels/fp8_scales.py), where they beat pick_config's FP8 rule.
-FP8_DEVICE_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
-    "H200": {},
-}
-
-
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def device_entry(tables: dict[str, dict], device: torch.device | None, key: object):
-    """tables[fragment][key] for the first fragment in this CUDA device's name, else None
-    (no device, the interpreter, another device, a key not listed). The per-device tile
-    tables of the decode kernels (here, kernels.moe_route, kernels.moe_gemm) use it."""
-    if device is None or device.type != "cuda" or interpreting():
-        return None
-    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
-    return next((t.get(key) for frag, t in tables.items() if frag in name), None)
-
-
-def device_tile(N: int, K: int, device: torch.device | None, elem_size: int = 2
-                ) -> GemvConfig | None:
-    """The measured one-row tile of DEVICE_TILES (16-bit weights) or FP8_DEVICE_TILES (FP8)
-    for this device and shape, if any."""
-    tables = {2: DEVICE_TILES, 1: FP8_DEVICE_TILES}.get(elem_size)
-    tile = None if tables is None else device_entry(tables, device, (N, K))
-    return None if tile is None else GemvConfig(tile[0], tile[1], num_warps=tile[2])
-
-
-def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False,
-                device: torch.device | None = None) -> GemvConfig:
-    """Tile for y[T, N] = a[T, K] @ W[N, K]^T. One row (the CUDA-core kernel), from a sweep on
-    an H100 at Qwen3-8B's shapes (bench/results/gemv_sweep_h100_2026-11-22.json): 1024-wide K
-    steps and 4 warps won everywhere, pipelining stages made no difference, 8 output columns
-    per program won on the big matrices (gate_up, down, lm_head) and 4 on the small (q/k/v,
-    o); narrow matrices shrink BLOCK_N so at least ~2 programs per SM exist. Two or more rows
-    (the tensor-core kernel): see pick_dot_config.
-    The CPU interpreter runs one program at a time, so there few big tiles are fastest.
-    prefetch: the launch follows a latency-bound kernel (see gemv); the interpreter has no L2.
-    device: one row takes that device's DEVICE_TILES entry for (N, K) where there is one."""
-    tile = device_tile(N, K, device, elem_size) if T == 1 else None
-    if T > 1:
-        cfg = pick_dot_config(N, K, elem_size)
-    elif tile is not None:
-        cfg = tile
-    elif interpreting():
-        cfg = GemvConfig(min(64, next_pow2(N)), min(256, next_pow2(K)))
-    else:
-        # FP8 (elem_size 1): 8 x 1024 on 4 warps beat 4 x 2048 by 1-12% at each Qwen3-8B
-        # shape on an H200 (qkv 12.6 -> 12.4 us, o 8.9 -> 8.2, gate_up 43.3 -> 38.8, down
-        # 22.0 -> 20.5; 8 x 2048, 16 x 512, 16 x 1024, 8 x 4096 and 2 x 4096 were slower;
-        # bench/results/fp8_h200_2026-11-25_qwen3-8b.json gemv_sweep). Still 2.0-2.6 TB/s,
-        # against 3.2-4.0 for bf16.
-        block_k = min(1024, next_pow2(K))
-        block_n = 8 if N * K >= (32 << 20) or elem_size == 1 else 4
-        while block_n > 1 and triton.cdiv(N, block_n) < 264:
-            block_n //= 2
-        cfg = GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
-    if prefetch and not interpreting():
-        cfg = replace(cfg, l2_prefetch=PREFETCH_SHARE)
-    return cfg
-
-
-def pick_dot_config(N: int, K: int, elem_size: int = 2) -> GemvConfig:
-    """Tile of the tensor-core kernel (2..16 rows), from a sweep at 2 rows on an H100 over
-    output widths, K steps, pipeline depths and K splits at Qwen3-8B's shapes
-    (bench/results/gemv_dot_split_sweep_h100_2026-11-24.json): 64 columns per program where
-    that still leaves >= 264 programs (gate_up 70.8 -> 70.0 us, lm_head 406 -> 400), else 32;
-    narrow matrices (< 192 programs) split K so that >= 256 programs run: o_proj in 2
-    (14.2 -> 13.7 us), down_proj (K = 12288) in 4 with 128-wide K steps (39.2 -> 37.4).
-    fp32 (elem_size 4) halves the K step: 4 stages of 64 x 256 fp32 tiles exceed an H100's
-    shared memory."""
-    if interpreting():
-        return GemvConfig(min(64, max(16, next_pow2(N))), min(128, max(16, next_pow2(K))),
-                          tensor_cores=True)
-    block_n = 64 if triton.cdiv(N, 64) >= 264 else 32
-    grid_n = triton.cdiv(N, block_n)
-    wide = 2 if elem_size <= 2 else 1  # 256- or 128-wide K steps
-    if grid_n >= 192 or K < 1024:
-        return GemvConfig(block_n, min(128 * wide, next_pow2(K)), num_warps=4, num_stages=4,
-                          tensor_cores=True)
-    split = 4 if K >= 8192 else 2
-    return GemvConfig(block_n, 64 * wide, num_warps=4, num_stages=3 if split == 4 else 4,
-                      tensor_cores=True, split_k=split)
-
 
 def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, residual: torch.Tensor | None,
            norm_weight: torch.Tensor | None, eps: float, add: torch.Tensor | None,
@@ -397,8 +286,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     norm_weight [K]; returns (y, new_residual) where new_residual = x + residual (a new tensor)
     or x itself when residual is None. Rows of x may be strided; the last dims must be
     contiguous. add [T, N] (the residual stream) is summed in fp32 before y is rounded.
-    y is a new contiguous [T, N] tensor in x.dtype. One row runs on the CUDA cores, 2..16 on
-    the tensor cores.
+    y is a new contiguous [T, N] tensor in x.dtype. One row runs on the CUDA cores
+    (kernels/gemv_row.py), 2..16 on the tensor cores (or 2..4 on the CUDA cores here, by
+    config).
 
     prefetch=True is for a launch right behind a latency-bound kernel (o_proj behind the decode
     attention, which reads a few MB in ~7 us and leaves HBM idle): the programs that PDL
@@ -419,6 +309,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none",
     if T > CUDA_CORE_ROWS:
         raise ValueError(f"config: the CUDA-core kernel takes 1..{CUDA_CORE_ROWS} rows, got {T} "
                          f"(set tensor_cores=True)")
+    if T == 1 and cfg.one_row:
+        y, res_out = gemv_one_row(x, weight, PROLOGUES[prologue], residual, norm_weight, eps,
+                                  add, cfg, fp8, _prefetch_args(cfg, K, 1, weight))
+        return (y, res_out) if prologue == "norm" else y
     res_out = x
     if prologue == "norm" and residual is not None:
         res_out = torch.empty((T, K), dtype=x.dtype, device=x.device)

@@ -4,6 +4,9 @@
     python -m bench.lab.bench_fp8 --model qwen3-30b-a3b --out $OUT/fp8_qwen3-30b.json
     python -m bench.lab.bench_fp8 --model glm-4.5-air --out $OUT/fp8_glm.json
     python -m bench.lab.bench_fp8 --tiny --out /tmp/fp8_tiny.json     # CPU smoke test
+    python -m bench.lab.bench_fp8 --model qwen3-8b --skip-sweep --batch1-only --out F
+        # batch-1 decode only, bf16 and FP8 (issue 22's two roofline lines)
+    ... --gemv-stages: first time pipelined one-row GEMV tiles and install the winners
 
 Each run measures the device's copy bandwidth first (the roofline's denominator, in the same
 run), then per weight format (bf16, fp8; GLM-4.5-Air only fp8: 106B parameters fit one H200
@@ -15,7 +18,8 @@ Triton kernels and CUDA graphs over random weights of the preset's shape:
   - TTFT of a 10K-token prompt (dense models);
   - decode throughput at 64 and 256 sequences (MoE: 64) against the bandwidth bound;
   - GLM-4.5-Air: forced-acceptance MTP speedups at k = 1 and 3, the free KV capacity;
-  - qwen3-8b: the one-row GEMV per weight shape, bf16 and FP8, tile sweep (device tables).
+  - qwen3-8b: the one-row GEMV per weight shape, bf16 and FP8, tile sweep (device tables;
+    bench.lab.bench_gemv.one_row_sweep, each projection with the decoder's fusions).
 Writes the JSON after every stage and prints progress.
 """
 from __future__ import annotations
@@ -86,7 +90,8 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def run_format(plan: Plan, quant: str | None, rates: dict, out: dict, save) -> None:
+def run_format(plan: Plan, quant: str | None, rates: dict, out: dict, save,
+               batch1_only: bool = False) -> None:
     t0 = time.perf_counter()
     engine = build(plan, quant)
     runner, cfg = engine.runner, engine.config.model
@@ -103,6 +108,10 @@ def run_format(plan: Plan, quant: str | None, rates: dict, out: dict, save) -> N
         log(f"[{quant or 'bf16'}] batch 1: {out['decode_batch1']['tok_s']:.1f} tok/s = "
             f"{out['decode_batch1']['pct_of_roofline']:.1f}% of roofline "
             f"{out['decode_batch1']['roofline_tok_s']:.1f}")
+        if batch1_only:
+            del engine, runner, graphs
+            free()
+            return
         head = cfg.vocab_size * cfg.hidden_size
         flops_tok = 2 * (sum(p.numel() for p in runner.model.parameters()) - 2 * head)
         out["ttft"] = bench_ttft(engine, plan, flops_tok, lambda n: 4 * n * n / 2 * cfg.num_heads
@@ -161,49 +170,28 @@ def run_mtp(plan: Plan, ks: tuple[int, ...]) -> dict:
     return rows
 
 
-def sweep_gemv(cfg, dev: torch.device) -> dict:
-    """One-row GEMV at each decoder weight shape, bf16 and FP8 (128 x 128 blocks), over tiles:
-    microseconds per call (CUDA graph of weight copies that overflow L2) and GB/s of weight."""
-    from pdserve.kernels.gemv import GemvConfig, gemv, pick_config
-
-    from bench.lab.moe_sweeps import _best, _timed, graph_us
-
+def gemv_shapes(cfg) -> list[tuple[str, int, int, str]]:
+    """(name, N, K, prologue) of each decoder projection and the LM head of `cfg`."""
     H, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"qkv": (q + 2 * kv, H), "o": (H, q), "gate_up": (2 * cfg.intermediate_size, H),
-              "down": (H, cfg.intermediate_size), "lm_head": (cfg.vocab_size, H)}
-    tiles = {"bf16": ((4, 1024, 4), (8, 1024, 4)),  # (block_n, block_k, warps)
-             "fp8": ((4, 2048, 4), (8, 2048, 4), (8, 1024, 4), (4, 1024, 4), (16, 1024, 4),
-                     (16, 1024, 8), (16, 2048, 8), (8, 4096, 8), (32, 512, 4))}
+    return [("qkv_proj", q + 2 * kv, H, "norm"), ("o_proj", H, q, "none"),
+            ("gate_up_proj", 2 * cfg.intermediate_size, H, "norm"),
+            ("down_proj", H, cfg.intermediate_size, "silu"), ("lm_head", cfg.vocab_size, H, "none")]
+
+
+def sweep_gemv(cfg, dev: torch.device) -> dict:
+    """One-row GEMV at each decoder weight shape of `cfg`, bf16 and FP8 (128 x 128 blocks),
+    each called as the decoder calls it: bench.lab.bench_gemv.one_row_sweep (the one-row
+    kernel over its tiles, the former 1..4-row kernel, the default tile, the error)."""
+    from bench.lab.bench_gemv import one_row_sweep
+
     out: dict = {}
-    for fmt, fmt_tiles in tiles.items():
-        for name, (N, K) in shapes.items():
+    for fmt in ("fp8", "bf16"):
+        for name, N, K, prologue in gemv_shapes(cfg):
             if name == "lm_head" and fmt == "fp8":  # the LM head stays bf16
                 continue
-            esize = 1 if fmt == "fp8" else 2
-            copies = min(32, max(2, -(-(400 << 20) // (esize * N * K))))
-            w = torch.randn(copies, N, K, device=dev, dtype=torch.bfloat16) * 0.02
-            s = None
-            if fmt == "fp8":
-                w, s = (w * 448 / 0.1).clamp(-448, 448).to(torch.float8_e4m3fn), torch.full(
-                    (copies, -(-N // 128), -(-K // 128)), 0.1 / 448, device=dev)
-            x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-            fp8 = [{} if s is None else {"scales": s[i], "block": (128, 128)}
-                   for i in range(copies)]
-            d = pick_config(N, K, 1, esize, False, dev)
-            rows: dict = {"N": N, "K": K, "copies": copies,
-                          "default": [d.block_n, d.block_k, d.num_warps]}
-            for bn, bk, warps in {tuple(rows["default"]), *fmt_tiles}:
-                tile = GemvConfig(bn, bk, num_warps=warps)
-
-                def one(tile=tile) -> dict:
-                    us = graph_us([lambda i=i: gemv(x, w[i], config=tile, **fp8[i])
-                                   for i in range(copies)], dev)
-                    return {"us": us, "GBps": esize * N * K / us / 1e3}
-
-                _timed(rows, f"{bn}x{bk}w{warps}", one)
-            rows["best"] = _best(rows)
-            out[f"{fmt}_{name}"] = rows
-            del w, s
+            out[f"{fmt}_{name}"] = row = one_row_sweep(name, N, K, prologue, fmt, dev)
+            log(f"gemv {fmt} {name}: default {row['default']} best {row['best']} "
+                f"{row['tiles'][row['best']]}")
             free()
     return out
 
@@ -239,6 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny-preset", default="tiny-qwen3", help="with --tiny")
     ap.add_argument("--skip-sweep", action="store_true", help="leave out the GEMV tile sweep")
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMV tile sweep")
+    ap.add_argument("--gemv-stages", action="store_true",
+                    help="first time pipelined one-row GEMV tiles (bench_gemv.stage_sweep) "
+                         "and install the winners for this run's engines")
+    ap.add_argument("--batch1-only", action="store_true",
+                    help="dense models: batch-1 decode only (no TTFT, no batched throughput)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     plan = PLANS[args.model] if cuda else dataclasses.replace(TINY, preset=args.tiny_preset)
@@ -263,10 +256,19 @@ def main(argv: list[str] | None = None) -> None:
         save()
         if args.sweep_only:
             return
+    if cuda and args.gemv_stages:
+        from bench.lab.bench_gemv import apply_stage_sweep, stage_sweep
+
+        result["gemv_stages"] = stage_sweep(gemv_shapes(get_preset(plan.preset)), dev, log)
+        result["gemv_applied"] = apply_stage_sweep(result["gemv_stages"], dev)
+        log(f"one-row tiles installed for this run: {result['gemv_applied']}")
+        free()
+        save()
     for fmt in FORMATS.get(args.model, ("bf16", "fp8")) if cuda else ("bf16", "fp8"):
         out = result["formats"].setdefault(fmt, {})
         try:
-            run_format(plan, "fp8" if fmt == "fp8" else None, rates, out, save)
+            run_format(plan, "fp8" if fmt == "fp8" else None, rates, out, save,
+                       args.batch1_only)
         except Exception as e:  # keep what was measured; the next format still runs
             out["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             log(f"[{fmt}] failed: {out['error']}")

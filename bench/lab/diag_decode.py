@@ -27,8 +27,9 @@ from bench.lab.bench_engine import Plan, drive, fill_static
 from bench.lab.engine_probes import random_prompts, time_ms
 
 LAYER = ["qkv", "attn", "o", "gate_up", "down"]
-NAMES = {"qkv": "_gemv_kernel", "attn": "_decode_kernel", "o": "_gemv_kernel",
-         "gate_up": "_gemv_kernel", "down": "_gemv_kernel"}
+GEMV = ("_gemv_row_kernel", "_gemv_kernel")  # one row / 1..4 rows (kernels/gemv_row.py, gemv.py)
+# kernel name prefixes per layer position (str.startswith takes a tuple)
+NAMES = {"qkv": GEMV, "attn": "_decode_kernel", "o": GEMV, "gate_up": GEMV, "down": GEMV}
 QKV, O_PROJ = (6144, 4096), (4096, 4096)  # Qwen3-8B's (N, K) of q/k/v and o_proj
 
 

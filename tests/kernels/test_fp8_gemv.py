@@ -72,6 +72,12 @@ def test_silu_prologue(T, device, close):
 @pytest.mark.parametrize("T,cfg,block", [
     (1, GemvConfig(16, 256), (32, 64)),  # rows in one row block: SCALE 1, K step > bk
     (1, GemvConfig(64, 256), (32, 64)),  # rows span row blocks: SCALE 2, K step cut to 64
+    (1, GemvConfig(16, 256, one_row=False), (32, 64)),  # the same on the 1..4-row kernel
+    (1, GemvConfig(64, 256, one_row=False), (32, 64)),
+    (1, GemvConfig(4, 512, num_warps=8), (1, 16)),  # per-row blocks, K step cut to 16 < 8 x 4
+    (1, GemvConfig(8, 64), (200, 16)),  # K blocks narrower than the step, rows in one block
+    (1, GemvConfig(8, 32, num_stages=4), (16, 32)),  # pipelined K loop, SCALE 1
+    (1, GemvConfig(32, 64, num_stages=2), (1, 200)),  # per channel, pipelined: SCALE 2
     (2, GemvConfig(8, 128), (1, 32)),  # CUDA-core kernel with 2 rows, K step cut to 32
     (3, GemvConfig(16, 128, tensor_cores=True), (32, 64)),
     (3, GemvConfig(64, 64, tensor_cores=True, split_k=3), (32, 32)),
@@ -98,21 +104,22 @@ def test_bad_scales_are_refused_by_name(device):
         gemv(x, w8, scales=torch.ones(3, 2, device=device), block=(16, 48))
 
 
-@pytest.mark.parametrize("tensor_cores", [False, True])
-def test_every_e4m3_value_decodes_exactly(tensor_cores, device):
-    """The kernels decode e4m3 with integer ops (fp8_scales.fp8_bits_f32): each of the 254
-    finite byte values (zeros, subnormals, both signs, +-448) times a one-hot x gives back
-    float(W8) x scale exactly (scales are powers of two, float32 accumulate)."""
+@pytest.mark.parametrize("kernel", ["one_row", "rows", "tensor_cores"])
+def test_every_e4m3_value_decodes_exactly(kernel, device):
+    """Each kernel's e4m3 decode (the one-row kernel: Triton's e4m3 -> f16 -> f32 conversion;
+    the others: integer ops, fp8_scales.fp8_bits_f32): each of the 254 finite byte values
+    (zeros, subnormals, both signs, +-448) times a one-hot x gives back float(W8) x scale
+    exactly (scales are powers of two, float32 accumulate)."""
     codes = [c for c in range(256) if c & 0x7F != 0x7F]  # 0x7f / 0xff are e4m3's NaNs
     N, K = len(codes), 32
     w8 = torch.zeros(N, K, dtype=torch.uint8)
     w8[:, 5] = torch.tensor(codes, dtype=torch.uint8)
     w8 = w8.view(FP8_DTYPE).to(device)
     s = torch.full((1, 1), 2.0 ** -5, device=device)
-    T = 2 if tensor_cores else 1
+    T = 2 if kernel == "tensor_cores" else 1
     x = torch.zeros(T, K, device=device)
     x[:, 5] = 1.0
-    cfg = GemvConfig(16, 32, tensor_cores=True) if tensor_cores else GemvConfig(16, 32)
+    cfg = GemvConfig(16, 32, tensor_cores=kernel == "tensor_cores", one_row=kernel == "one_row")
     y = gemv(x, w8, config=cfg, scales=s, block=(N, K))
     want = w8[:, 5].float() * 2.0 ** -5
     assert torch.equal(y, want.expand(T, N))  # tf32 / bf16 tl.dot keep e4m3's 3 mantissa bits

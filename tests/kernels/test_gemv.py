@@ -1,6 +1,8 @@
 """gemv (decode-sized matmul with a fused prologue) against kernels.reference.gemv_ref."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -126,6 +128,30 @@ def test_cuda_core_rows_equal_tensor_core_rows(prologue, T, device, close):
     ref = gemv_ref(x, w, prologue, **kw)
     for cfg in (GemvConfig(4, 32), GemvConfig(16, 32, tensor_cores=True)):
         out = gemv(x, w, prologue, config=cfg, **kw)
+        for got, want in zip(out if prologue == "norm" else (out,),
+                             ref if prologue == "norm" else (ref,)):
+            close(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("prologue", ["none", "norm", "silu"])
+@pytest.mark.parametrize("cfg", [GemvConfig(8, 64), GemvConfig(4, 32, num_warps=8),
+                                 GemvConfig(16, 256), GemvConfig(2, 16, num_warps=1),
+                                 GemvConfig(8, 32, num_stages=3)])
+def test_one_row_kernel_equals_rows_kernel(prologue, cfg, device, close):
+    """Batch 1 runs kernels/gemv_row.py's kernel (one_row=True, the default) whatever the
+    tile: K steps wider than K, narrower than a thread's 8 columns, ragged N and K, the K
+    loop pipelined through shared memory (num_stages 3), both residual fusions; the 1..4-row
+    kernel (one_row=False) gives the same, each against the reference."""
+    K, N = 203, 37
+    x, w, gen = _data(1, N, K, torch.bfloat16, device, k_in=2 * K if prologue == "silu" else K,
+                      stride_pad=5)
+    kw: dict = {"add": torch.randn(1, N, generator=gen).to(device, torch.bfloat16)}
+    if prologue == "norm":
+        kw = {"residual": torch.randn(1, K, generator=gen).to(device, torch.bfloat16),
+              "norm_weight": (torch.rand(K, generator=gen) + 0.5).to(device, torch.bfloat16)}
+    ref = gemv_ref(x, w, prologue, **kw)
+    for one_row in (True, False):
+        out = gemv(x, w, prologue, config=replace(cfg, one_row=one_row), **kw)
         for got, want in zip(out if prologue == "norm" else (out,),
                              ref if prologue == "norm" else (ref,)):
             close(got, want, torch.bfloat16)
