@@ -66,14 +66,14 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
                      kc_ptr, vc_ptr, slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                      stride_vt, stride_vh, stride_cos, stride_sin, stride_ot, stride_oh,
                      stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                     ks_ptr, vs_ptr, stride_ks_b, stride_vs_b, T, static_k, static_v,
-                     dyn_factor, GROUP, block_size, eps, HALF: tl.constexpr,
+                     ks_ptr, vs_ptr, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, T,
+                     static_k, static_v, dyn_factor, GROUP, block_size, eps, HALF: tl.constexpr,
                      BLOCK_G: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
                      HAS_POS: tl.constexpr, FP8: tl.constexpr, BS: tl.constexpr,
                      USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)  # KV head g and its query heads g * GROUP .. (g + 1) * GROUP - 1
+    g = tl.program_id(1).to(tl.int64)  # KV head g and its query heads g * GROUP .. (g + 1) * GROUP - 1
     if HAS_POS:  # cos/sin are tables indexed by position
         pos = tl.load(pos_ptr + t).to(tl.int64)
     else:  # cos/sin already hold one row per token
@@ -90,8 +90,9 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
         _write_run_fp8(k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr, ks_ptr,
                        vs_ptr, slot_ptr, t, g, T, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cos, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
-                       stride_vc_o, stride_vc_h, stride_ks_b, stride_vs_b, static_k, static_v,
-                       dyn_factor, block_size, eps, HALF, K_NORM, HAS_POS, BS)
+                       stride_vc_o, stride_vc_h, stride_ks_b, stride_ks_h, stride_vs_b,
+                       stride_vs_h, static_k, static_v, dyn_factor, block_size, eps, HALF,
+                       K_NORM, HAS_POS, BS)
         return
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # slot < 0: padding token, nothing to cache
@@ -108,8 +109,8 @@ def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
 def _write_run_fp8(k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr, ks_ptr,
                    vs_ptr, slot_ptr, t, g, T, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_cos, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o,
-                   stride_vc_h, stride_ks_b, stride_vs_b, static_k, static_v, dyn_factor,
-                   block_size, eps, HALF: tl.constexpr, K_NORM: tl.constexpr,
+                   stride_vc_h, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, static_k,
+                   static_v, dyn_factor, block_size, eps, HALF: tl.constexpr, K_NORM: tl.constexpr,
                    HAS_POS: tl.constexpr, BS: tl.constexpr):
     """KV head g of the run that token t leads (if it leads one): its rows' k normed and
     rotated, v, quantized to the block's scale (set here when the run starts the block)."""
@@ -128,8 +129,10 @@ def _write_run_fp8(k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_p
                       kn_ptr, eps, HALF, K_NORM)
         v = tl.load(v_ptr + rows[:, None] * stride_vt + g * stride_vh + d, mask=m,
                     other=0.0).to(tl.float32)
-        kq, _ = quantize_run(k, m, off, ks_ptr + blk * stride_ks_b + g, static_k, dyn_factor)
-        vq, _ = quantize_run(v, m, off, vs_ptr + blk * stride_vs_b + g, static_v, dyn_factor)
+        ks = ks_ptr + blk * stride_ks_b + g * stride_ks_h  # scales [NB, Hkv], any strides
+        vs = vs_ptr + blk * stride_vs_b + g * stride_vs_h
+        kq, _ = quantize_run(k, m, off, ks, static_k, dyn_factor)
+        vq, _ = quantize_run(v, m, off, vs, static_v, dyn_factor)
         o = off + (rows - t)[:, None]
         tl.store(kc_ptr + blk * stride_kc_b + o * stride_kc_o + g * stride_kc_h + d,
                  kq.to(kc_ptr.dtype.element_ty), mask=m)
@@ -195,7 +198,7 @@ def fused_qk_norm_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), sc.k, sc.v, sc.k.stride(0),
-        sc.v.stride(0), T, float(sc.static_k), float(sc.static_v), DYN_FACTOR,
+        sc.k.stride(1), sc.v.stride(0), sc.v.stride(1), T, float(sc.static_k), float(sc.static_v), DYN_FACTOR,
         HQ // HKV, k_cache.shape[1], float(eps), HALF=D // 2, BLOCK_G=next_pow2(HQ // HKV),
         Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
         HAS_POS=positions is not None, FP8=fp8, BS=k_cache.shape[1], num_warps=4,
@@ -299,9 +302,9 @@ def write_new_kv_fp8(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_rows_r,
                      vc_ptr, ks_ptr, vs_ptr, k_first, v_first, n_first, b, kvh, seq_len, start,
                      end, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_kc_b,
                      stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                     stride_ks_b, stride_vs_b, static_k, static_v, dyn_factor, block_size, eps,
-                     R: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
-                     K_NORM: tl.constexpr, PATCH: tl.constexpr):
+                     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, static_k, static_v,
+                     dyn_factor, block_size, eps, R: tl.constexpr, RP: tl.constexpr,
+                     HALF: tl.constexpr, K_NORM: tl.constexpr, PATCH: tl.constexpr):
     """write_new_kv for an fp8 cache: the R new rows [RP, D] at once, quantized by the
     kv_quant rule. A row's run is the new rows in its block; every program computes the
     same run amax and freshness from all R rows (not only its split's), so when a fresh
@@ -325,10 +328,10 @@ def write_new_kv_fp8(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_rows_r,
     off = slot % block_size
     same = (blk[:, None] == blk[None, :]) & valid[None, :]  # [RP, RP]: row r' in r's run
     first = tl.min(tl.where(same, off[None, :], block_size), axis=1) == 0
-    kq = _quantize_rows(k, m, same, first, valid, mine, ks_ptr + blk * stride_ks_b + kvh,
-                        static_k, dyn_factor)
-    vq = _quantize_rows(v, m, same, first, valid, mine, vs_ptr + blk * stride_vs_b + kvh,
-                        static_v, dyn_factor)
+    ks = ks_ptr + blk * stride_ks_b + kvh * stride_ks_h  # [RP] scale addresses, any strides
+    vs = vs_ptr + blk * stride_vs_b + kvh * stride_vs_h
+    kq = _quantize_rows(k, m, same, first, valid, mine, ks, static_k, dyn_factor)
+    vq = _quantize_rows(v, m, same, first, valid, mine, vs, static_v, dyn_factor)
     kq = kq.to(kc_ptr.dtype.element_ty)
     vq = vq.to(vc_ptr.dtype.element_ty)
     wm = mine[:, None] & (d < 2 * HALF)

@@ -74,10 +74,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, count_ptr,
                    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
                    stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                   ks_ptr, vs_ptr, stride_ks_b, stride_vs_b, static_k, static_v, dyn_factor,
-                   stride_bt, stride_ob, stride_oh, scale_log2, eps, block_size, HQ, HKV,
-                   num_splits, GROUP: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
-                   RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ks_ptr, vs_ptr, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, static_k,
+                   static_v, dyn_factor, stride_bt, stride_ob, stride_oh, scale_log2, eps,
+                   block_size: tl.constexpr, HQ, HKV, num_splits, GROUP: tl.constexpr,
+                   R: tl.constexpr,
+                   BLOCK_G: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SC: tl.constexpr,
                    PROLOGUE: tl.constexpr,
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
@@ -101,10 +102,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
     start = split * per_split * BLOCK_N
     end = tl.minimum(start + per_split * BLOCK_N, seq_len)
     bt_row = bt_ptr + b * stride_bt
-    k_base = kc_ptr + kvh * stride_kc_h
-    v_base = vc_ptr + kvh * stride_vc_h
-    ks_base = ks_ptr + kvh  # fp8: the blocks' scales of this KV head
-    vs_base = vs_ptr + kvh
+    kvh_64 = kvh.to(tl.int64)  # heads-outer caches: a head stride of a whole head region
+    k_base = kc_ptr + kvh_64 * stride_kc_h
+    v_base = vc_ptr + kvh_64 * stride_vc_h
+    ks_base = ks_ptr + kvh_64 * stride_ks_h  # fp8: the blocks' scales of this KV head
+    vs_base = vs_ptr + kvh_64 * stride_vs_h
     n_first = start + tl.arange(0, BLOCK_N)
     g = tl.arange(0, BLOCK_G)  # row g: query row g // GROUP, head g % GROUP of the group
     d = tl.arange(0, D)
@@ -141,8 +143,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                     ks_ptr, vs_ptr, k_first, v_first, n_first, b, kvh, seq_len, start, end,
                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_kc_b,
                     stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                    stride_ks_b, stride_vs_b, static_k, static_v, dyn_factor, block_size, eps,
-                    R, RP, D // 2, K_NORM, PREFETCH)
+                    stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, static_k, static_v,
+                    dyn_factor, block_size, eps, R, RP, D // 2, K_NORM, PREFETCH)
             else:
                 k_first, v_first = write_new_kv(
                     k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_r, kc_ptr, vc_ptr,
@@ -156,10 +158,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         visible = seq_len - (R - 1) + g // GROUP  # causal: keys < visible for each row
         if FP8:  # fp16 operands (decode_attention_tiles.py): keep |q| in fp16's range
             q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX)
+        clear_end = tl.minimum(end, seq_len - (R - 1))  # keys every row of the split sees
         acc, m_i, l_i = attend_keys(
             q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, start,
-            end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
-            stride_vs_b, scale_log2, block_size, R, BLOCK_G, D, BLOCK_N, PREFETCH, PREC,
+            end, clear_end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o,
+            stride_ks_b, stride_vs_b, scale_log2, block_size, R, BLOCK_G, D, BLOCK_N, PREFETCH, PREC,
             DOT_DTYPE, FP8, V_WORDS)
         has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -203,16 +206,18 @@ FP8_LOADS = ("cast", "v_words", "kv_words")
 @dataclass(frozen=True)
 class DecodeTiles:
     """The decode kernel's launch shape: keys per tile, warps per program, pipeline stages,
-    waves of split programs at small batch (choose_num_splits), and how an fp8 cache's tiles
+    waves of split programs at small batch (choose_num_splits), how an fp8 cache's tiles
     become fp16 tl.dot operands (decode_attention_tiles.py): "cast" (tl's conversion of the
     fp8 tile), "v_words" / "kv_words" (V, or K and V, read as int32 words and converted by
-    PTX in the loaded layout)."""
+    PTX in the loaded layout), and an optional per-thread register cap for ptxas (max_regs:
+    more programs per SM at the price of a few spills)."""
 
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
     waves: int = 1
     fp8_loads: str = "cast"
+    max_regs: int | None = None  # ptxas register cap per thread (more programs per SM)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps", "waves"):
@@ -225,6 +230,9 @@ class DecodeTiles:
             raise ValueError(f"tiles.num_stages: {self.num_stages!r} must be an int >= 1")
         if self.fp8_loads not in FP8_LOADS:
             raise ValueError(f"tiles.fp8_loads: {self.fp8_loads!r} not in {FP8_LOADS}")
+        if self.max_regs is not None and not (isinstance(self.max_regs, int)
+                                              and 64 <= self.max_regs <= 255):
+            raise ValueError(f"tiles.max_regs: {self.max_regs!r} must be an int in [64, 255]")
 
 
 def decode_tiles(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
@@ -233,17 +241,19 @@ def decode_tiles(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
     64-key tiles (32 KB of K+V per step); fp32 and D=256 halve the tile. Swept on an H200
     (batch 1-8, 2K-10K contexts): 2 stages beat 3-4 by up to 20% -- the many split programs
     already keep loads in flight. fp8 at D <= 128: 128-key tiles (the same 32 KB), K and V
-    read as words (155 registers; ~38 warp instructions per key against ~77 for
-    bf16-converted tiles), 3 stages (faster than 2 at batch 64 and 256 on the H200 though
-    it leaves 2 programs per SM), and two waves of split programs at small batch (a program
-    converting fp8 is issue-bound; a second program per SM hides its latency). With
-    `prefetch` (the fused prologue at small batch holds a split's first tile in registers
-    across the PDL wait) 64-key tiles: 128 would spill. The sweep behind these is in
-    bench/results/attention_h200_2026-11-25.json."""
+    read as words, 1 stage and at most 128 registers: 41 KB of shared memory, 4 programs
+    (16 warps) per SM. An fp8 program is bound by latency, so occupancy beats the software
+    pipeline: at batch 256 x 4K (Qwen3-8B, heads-outer cache, H200) 0.874 ms plain / 0.886
+    fused against 0.91-1.05 / 0.94-0.96 with 2-3 stages (2-3 programs per SM) and 1.07-1.43
+    for the other shapes tried (bench/results/attention_fp8_sweep_h200_2026-11-25.json).
+    Two waves of split programs at small batch (a second program per SM hides a program's
+    latency). With `prefetch` (the fused prologue at small batch holds a split's first tile
+    in registers across the PDL wait) 64-key tiles and 2 stages: 128 would spill. The
+    earlier sweep is in bench/results/attention_h200_2026-11-25.json."""
     if cache_dtype == FP8 and q_dtype != torch.float32 and head_dim <= 128:
         if prefetch:
             return DecodeTiles(64, 4, 2, waves=2, fp8_loads="kv_words")
-        return DecodeTiles(128, 4, 3, waves=2, fp8_loads="kv_words")
+        return DecodeTiles(128, 4, 1, waves=2, fp8_loads="kv_words", max_regs=128)
     block_n = 64 if q_dtype != torch.float32 and head_dim <= 128 else 32
     return DecodeTiles(block_n, 4, 2)
 
@@ -361,7 +371,7 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         mid_lse, counters, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), sc.k, sc.v, sc.k.stride(0),
-        sc.v.stride(0), float(sc.static_k), float(sc.static_v), DYN_FACTOR,
+        sc.k.stride(1), sc.v.stride(0), sc.v.stride(1), float(sc.static_k), float(sc.static_v), DYN_FACTOR,
         block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale) * LOG2E, 1e-6 if p is None else float(p.eps),
         bs, HQ, HKV, num_splits, GROUP=group, R=R, BLOCK_G=max(16, next_pow2(R * group)),
@@ -372,6 +382,6 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
-        FP8=fp8, V_WORDS=words, num_warps=tiles.num_warps,
+        FP8=fp8, V_WORDS=words, num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
         num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
     return out

@@ -18,6 +18,23 @@ bench/results/attention_h200_2026-11-25.json):
 - The scales never touch the [BLOCK_N, D] tiles: the key scales multiply the [rows, BLOCK_N]
   scores, and the value scales the softmax weights, normalised by the tile's largest value
   scale (that factor moves onto the [rows, D] product) so the fp16 weights stay in [0, 1].
+
+Per-tile overhead (issue 23, session 13; SASS of local sm_90 builds, H200 timings in
+bench/results/attention_fp8_sweep_h200_2026-11-25.json). An fp8 program at batch 256 issued
+~1.3 of 4 instructions per cycle per SM: bound by latency and per-tile overhead, not by the
+conversions. So the loop does less per tile: whole tiles below the keys every row sees run
+without masks (the masked loop takes the last one or two), the block size is a constexpr
+(shifts, not integer division per key) and word addresses use word strides (no int64 division
+per row): the fp8 loop went from 1234 to 1022 instructions per warp per 128-key tile (bf16:
+594 -> 408 per 64 keys). What paid most is occupancy: no software pipelining and a
+128-register cap (decode_tiles) fit 4 programs per SM instead of 2-3. Tried and dropped:
+(1) tl.join in the word conversion makes Triton pick kWidth 4 dot operands (AccelerateMatmul
+halves the original bit width at a join), so q's operand is re-read from shared memory with
+LDS.64 and ~230 register moves per tile; an identity asm not marked pure after the reshape
+restores kWidth 2 (816 instructions per tile), but then K is staged through shared memory as
+fp16 too: 105 KB and 190 registers, 2 programs per SM, 1.19-1.35 ms against 0.92; (2) e4m3 ->
+fp16 by integer ops instead of cvt (more instructions, slower); (3) bytes converted four per
+asm (Triton then transposes the fp8 tile byte by byte again).
 """
 from __future__ import annotations
 
@@ -41,18 +58,28 @@ def _e4m3x4_to_f16(w):
 
 
 @jit
+def _load(ptr, mask, other, MASK: tl.constexpr):
+    """tl.load under `mask` (`other` where false), or unmasked when MASK is off (whole
+    tiles)."""
+    if MASK:
+        return tl.load(ptr, mask=mask, other=other)
+    return tl.load(ptr)
+
+
+@jit
 def load_values_f16(v_base, bt_row, n, end, stride_vc_b, stride_vc_o, block_size,
-                    D: tl.constexpr):
+                    D: tl.constexpr, MASK: tl.constexpr = True):
     """An fp8 cache's values [BLOCK_N, D] at positions n as fp16, read as int32 words of four
     e4m3 each (strides in bytes, multiples of 4) and converted in the loaded layout: the
     tl.dot operand is then an fp16 tile (ldmatrix-transposable), where fp8 tiles were
     transposed byte by byte out of shared memory (LDS.U8: ~200 instructions per tile)."""
     c = tl.arange(0, D // 4)[None, :]
     valid = (n < end)[:, None]
-    blk = tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)[:, None]
+    blk = _load(bt_row + n // block_size, n < end, 0, MASK).to(tl.int64)[:, None]
     off = (n % block_size)[:, None]
     words = v_base.to(tl.pointer_type(tl.int32), bitcast=True)
-    w = tl.load(words + (blk * stride_vc_b + off * stride_vc_o) // 4 + c, mask=valid, other=0)
+    # strides in words (multiples of 4 bytes, checked by the launcher): no int64 division
+    w = _load(words + blk * (stride_vc_b // 4) + off * (stride_vc_o // 4) + c, valid, 0, MASK)
     b0, b1, b2, b3 = _e4m3x4_to_f16(w)  # [BLOCK_N, D / 4] each
     # join's new dim is the minor one: [BLOCK_N, D / 4, k, i] holds byte 2 k + i of word c,
     # the value at d = 4 c + 2 k + i
@@ -62,55 +89,60 @@ def load_values_f16(v_base, bt_row, n, end, stride_vc_b, stride_vc_o, block_size
 
 @jit
 def load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o, stride_vc_b,
-              stride_vc_o, block_size, D: tl.constexpr, V_WORDS: tl.constexpr = 0):
+              stride_vc_o, block_size, D: tl.constexpr, V_WORDS: tl.constexpr = 0,
+              MASK: tl.constexpr = True):
     """Keys and values [BLOCK_N, D] at positions n (< end) of one KV head's cache. An fp8
     cache with V_WORDS 1 (V) or 2 (K and V): those come as fp16 (load_values_f16)."""
     d = tl.arange(0, D)[None, :]
     valid = (n < end)[:, None]
     # Block ids are int32 in the table; widen before the (huge) block stride.
-    blk = tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)[:, None]
+    blk = _load(bt_row + n // block_size, n < end, 0, MASK).to(tl.int64)[:, None]
     off = (n % block_size)[:, None]
     if V_WORDS == 2:
-        k = load_values_f16(k_base, bt_row, n, end, stride_kc_b, stride_kc_o, block_size, D)
-        v = load_values_f16(v_base, bt_row, n, end, stride_vc_b, stride_vc_o, block_size, D)
+        k = load_values_f16(k_base, bt_row, n, end, stride_kc_b, stride_kc_o, block_size, D,
+                            MASK)
+        v = load_values_f16(v_base, bt_row, n, end, stride_vc_b, stride_vc_o, block_size, D,
+                            MASK)
     else:
-        k = tl.load(k_base + blk * stride_kc_b + off * stride_kc_o + d, mask=valid, other=0.0)
+        k = _load(k_base + blk * stride_kc_b + off * stride_kc_o + d, valid, 0.0, MASK)
         if V_WORDS == 1:
             v = load_values_f16(v_base, bt_row, n, end, stride_vc_b, stride_vc_o, block_size,
-                                D)
+                                D, MASK)
         else:
-            v = tl.load(v_base + blk * stride_vc_b + off * stride_vc_o + d, mask=valid,
-                        other=0.0)
+            v = _load(v_base + blk * stride_vc_b + off * stride_vc_o + d, valid, 0.0, MASK)
     return k, v
 
 
 @jit
-def load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b, block_size):
+def load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b, block_size,
+                MASK: tl.constexpr = True):
     """An fp8 cache's per-key scales [BLOCK_N] (their blocks' scales for this KV head)."""
-    blk = tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)
-    ks = tl.load(ks_base + blk * stride_ks_b, mask=n < end, other=0.0)
-    vs = tl.load(vs_base + blk * stride_vs_b, mask=n < end, other=0.0)
+    blk = _load(bt_row + n // block_size, n < end, 0, MASK).to(tl.int64)
+    ks = _load(ks_base + blk * stride_ks_b, n < end, 0.0, MASK)
+    vs = _load(vs_base + blk * stride_vs_b, n < end, 0.0, MASK)
     return ks, vs
 
 
 @jit
 def attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R: tl.constexpr,
-                PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr):
+                PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr,
+                MASK: tl.constexpr = True):
     """One online-softmax step over the keys k / values v [BLOCK_N, D] at positions n. An fp8
     tile is converted as is (exact in fp16) and its scales ks/vs [BLOCK_N] ride on the
-    [BLOCK_G, BLOCK_N] scores and weights, never on the [BLOCK_N, D] tiles."""
+    [BLOCK_G, BLOCK_N] scores and weights, never on the [BLOCK_N, D] tiles. Without MASK
+    every key of the tile is below `end` and visible to every row."""
     valid = n < end
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PREC)  # [BLOCK_G, BLOCK_N]
     if FP8:
         s = s * (ks * scale_log2)[None, :]
     else:
         s = s * scale_log2
-    if R == 1:
+    if MASK and R == 1:
         s = tl.where(valid[None, :], s, float("-inf"))
-    else:
+    elif MASK:
         s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if R > 1:  # a row may have seen no key yet (this split's keys are its future)
+    if R > 1 and MASK:  # a row may have seen no key yet (this split's keys are its future)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
@@ -129,16 +161,18 @@ def attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R: 
 
 @jit
 def attend_keys(q, k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, start, end,
-                visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b,
-                stride_vs_b, scale_log2, block_size, R: tl.constexpr, BLOCK_G: tl.constexpr,
+                clear_end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o,
+                stride_ks_b, stride_vs_b, scale_log2, block_size, R: tl.constexpr, BLOCK_G: tl.constexpr,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, FIRST_LOADED: tl.constexpr,
                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr,
                 V_WORDS: tl.constexpr = 0):
     """Online softmax of the rows q [BLOCK_G, D] over keys [start, end) of one KV head:
     returns (acc [BLOCK_G, D] unnormalised, m [BLOCK_G] running max in log2 units, l [BLOCK_G]
-    sum of weights). Row g sees keys < visible[g] (causal rows of a verify step). With
-    FIRST_LOADED the first tile's keys/values k_first/v_first [BLOCK_N, D] come in loaded;
-    otherwise the (software-pipelined) loop loads every tile."""
+    sum of weights). Row g sees keys < visible[g] (causal rows of a verify step); every row
+    sees the keys < clear_end (<= end). With FIRST_LOADED the first tile's keys/values
+    k_first/v_first [BLOCK_N, D] come in loaded; otherwise the (software-pipelined) loops
+    load every tile: whole tiles below clear_end unmasked, then the rest (one or two tiles)
+    masked."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
@@ -153,17 +187,38 @@ def attend_keys(q, k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, s
             acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k_first, v_first, n, end, visible,
                                         scale_log2, ks, vs, R, PREC, DOT_DTYPE, FP8)
         loop_start = start + BLOCK_N
-    for n0 in range(loop_start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        k, v = load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o,
-                         stride_vc_b, stride_vc_o, block_size, D, V_WORDS)
-        ks, vs = scale_log2, scale_log2
-        if FP8:
-            ks, vs = load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b,
-                                 block_size)
-        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks,
-                                    vs, R, PREC, DOT_DTYPE, FP8)
+    full_end = loop_start + tl.maximum(clear_end - loop_start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(loop_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _loop_tile(q, acc, m_i, l_i, n0, k_base, v_base, ks_base, vs_base,
+                                   bt_row, end, visible, stride_kc_b, stride_kc_o, stride_vc_b,
+                                   stride_vc_o, stride_ks_b, stride_vs_b, scale_log2,
+                                   block_size, R, D, BLOCK_N, PREC, DOT_DTYPE, FP8, V_WORDS,
+                                   False)
+    for n0 in range(tl.maximum(full_end, loop_start), end, BLOCK_N):
+        acc, m_i, l_i = _loop_tile(q, acc, m_i, l_i, n0, k_base, v_base, ks_base, vs_base,
+                                   bt_row, end, visible, stride_kc_b, stride_kc_o, stride_vc_b,
+                                   stride_vc_o, stride_ks_b, stride_vs_b, scale_log2,
+                                   block_size, R, D, BLOCK_N, PREC, DOT_DTYPE, FP8, V_WORDS,
+                                   True)
     return acc, m_i, l_i
+
+
+@jit
+def _loop_tile(q, acc, m_i, l_i, n0, k_base, v_base, ks_base, vs_base, bt_row, end, visible,
+               stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, stride_ks_b, stride_vs_b,
+               scale_log2, block_size, R: tl.constexpr, D: tl.constexpr,
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               FP8: tl.constexpr, V_WORDS: tl.constexpr, MASK: tl.constexpr):
+    """attend_keys' loop body: load the tile at n0 (and its scales) and attend to it."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    k, v = load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o, stride_vc_b,
+                     stride_vc_o, block_size, D, V_WORDS, MASK)
+    ks, vs = scale_log2, scale_log2
+    if FP8:
+        ks, vs = load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b,
+                             block_size, MASK)
+    return attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R, PREC,
+                       DOT_DTYPE, FP8, MASK)
 
 
 @jit

@@ -33,9 +33,10 @@ MIN_AMAX = 1e-6  # an all-zero first run still gets a usable (tiny) scale
 
 @dataclass(frozen=True)
 class KVScales:
-    """One layer's scales: k, v [num_blocks, Hkv] float32 (strided views into the cache's
-    blocks); static_k / static_v > 0: the checkpoint's per-tensor scales, used as every new
-    block's scale instead of the dynamic amax rule."""
+    """One layer's scales: k, v [num_blocks, Hkv] float32 views into the cache's blocks at
+    any strides (the kernels take both; a heads-outer cache keeps each head's scales in that
+    head's region); static_k / static_v > 0: the checkpoint's per-tensor scales, used as
+    every new block's scale instead of the dynamic amax rule."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -53,8 +54,8 @@ def check_scales(scales: KVScales, k_cache: torch.Tensor) -> None:
             raise TypeError(f"{name}: expected a float32 tensor")
         if tuple(t.shape) != (nb, hkv):
             raise ValueError(f"{name}: expected shape {(nb, hkv)}, got {tuple(t.shape)}")
-        if t.device != k_cache.device or (hkv > 1 and t.stride(1) != 1):
-            raise ValueError(f"{name}: must be on {k_cache.device} with a contiguous head dim")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name}: must be on {k_cache.device}, got {t.device}")
     for name in ("static_k", "static_v"):
         value = getattr(scales, name)
         if not (value >= 0.0 and value < float("inf")):

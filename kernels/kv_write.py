@@ -81,10 +81,10 @@ def run_rows(slot_ptr, t, T, block_size, BS: tl.constexpr):
 def _write_kv_fp8_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, stride_kt,
                          stride_kh, stride_vt, stride_vh, stride_kc_b, stride_kc_o,
                          stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, stride_ks_b,
-                         stride_vs_b, T, block_size, static_k, static_v, dyn_factor,
-                         D: tl.constexpr, BS: tl.constexpr):
+                         stride_ks_h, stride_vs_b, stride_vs_h, T, block_size, static_k,
+                         static_v, dyn_factor, D: tl.constexpr, BS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     lead, blk, off, rows, ok = run_rows(slot_ptr, t, T, block_size, BS)
     if lead:
         d = tl.arange(0, D)[None, :]
@@ -92,8 +92,11 @@ def _write_kv_fp8_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
         r = rows[:, None]
         k = tl.load(k_ptr + r * stride_kt + h * stride_kh + d, mask=m, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + r * stride_vt + h * stride_vh + d, mask=m, other=0.0).to(tl.float32)
-        kq, _ = quantize_run(k, m, off, ks_ptr + blk * stride_ks_b + h, static_k, dyn_factor)
-        vq, _ = quantize_run(v, m, off, vs_ptr + blk * stride_vs_b + h, static_v, dyn_factor)
+        # scales [NB, Hkv] at any strides (heads-outer caches keep them in each head's region)
+        ks = ks_ptr + blk * stride_ks_b + h * stride_ks_h
+        vs = vs_ptr + blk * stride_vs_b + h * stride_vs_h
+        kq, _ = quantize_run(k, m, off, ks, static_k, dyn_factor)
+        vq, _ = quantize_run(v, m, off, vs, static_v, dyn_factor)
         o = off + (rows - t)[:, None]
         tl.store(kc_ptr + blk * stride_kc_b + o * stride_kc_o + h * stride_kc_h + d,
                  kq.to(kc_ptr.dtype.element_ty), mask=m)
@@ -159,8 +162,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             k, v, k_cache, v_cache, sc.k, sc.v, slot_mapping, k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), sc.k.stride(0),
-            sc.v.stride(0), T, bs, float(sc.static_k), float(sc.static_v), DYN_FACTOR, D=D,
-            BS=bs, num_warps=4)
+            sc.k.stride(1), sc.v.stride(0), sc.v.stride(1), T, bs, float(sc.static_k),
+            float(sc.static_v), DYN_FACTOR, D=D, BS=bs, num_warps=4)
         return
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -94,7 +94,8 @@ def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 @jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
                     out_ptr, stride_qt, stride_qh, stride_kc_b, stride_kc_o, stride_kc_h,
-                    stride_vc_b, stride_vc_o, stride_vc_h, stride_ks_b, stride_vs_b, stride_bt,
+                    stride_vc_b, stride_vc_o, stride_vc_h, stride_ks_b, stride_ks_h,
+                    stride_vs_b, stride_vs_h, stride_bt,
                     stride_ot, stride_oh, scale_log2, block_size, num_seqs,
                     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -125,11 +126,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, seq_
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        k_base = kc_ptr + kvh * stride_kc_h
-        v_base = vc_ptr + kvh * stride_vc_h
+        kvh_64 = kvh.to(tl.int64)  # heads-outer caches: a head stride of a whole head region
+        k_base = kc_ptr + kvh_64 * stride_kc_h
+        v_base = vc_ptr + kvh_64 * stride_vc_h
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-        ks_base = ks_ptr + kvh
-        vs_base = vs_ptr + kvh
+        ks_base = ks_ptr + kvh_64 * stride_ks_h  # scales [NB, Hkv] at any strides
+        vs_base = vs_ptr + kvh_64 * stride_vs_h
         for n0 in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_base, v_base, ks_base, vs_base,
                                          bt_row, n0, kv_end, pos, block_size, stride_kc_b,
@@ -203,7 +205,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, sc.k, sc.v, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), sc.k.stride(0),
-        sc.v.stride(0), block_tables.stride(0),
+        sc.k.stride(1), sc.v.stride(0), sc.v.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale) * LOG2E, bs, B,
         GROUP=group, G_PAD=next_pow2(group), BLOCK_Q=block_q,
         BLOCK_M=block_q * next_pow2(group), D=D, BLOCK_N=block_n,

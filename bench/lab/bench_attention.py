@@ -25,7 +25,7 @@ import datetime
 import importlib.util
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -225,6 +225,39 @@ def sweep(p: Plan, dev) -> list[dict]:
     return rows
 
 
+# (block_n, warps, stages, fp8_loads, max_regs) timed by --fp8-sweep at batch 256 x 4K
+# (the measured sweep also had "kv_fp16" and "kv_bits" loads, since removed: all slower;
+# bench/results/attention_fp8_sweep_h200_2026-11-25.json)
+FP8_SWEEP = ((128, 4, 1, "kv_words", 128), (128, 4, 3, "kv_words", None),
+             (128, 4, 2, "kv_words", None), (128, 4, 1, "kv_words", None),
+             (64, 2, 1, "kv_words", 128), (128, 4, 1, "v_words", 128))
+
+
+def fp8_sweep(p: Plan, dev, top: int = 3) -> dict:
+    """Plain decode attention over an FP8 cache (Qwen3-8B, batch 256 x 4K) for each FP8_SWEEP
+    launch shape, its result checked against the float32 reference; then the fused kernel
+    (what the engine runs) for the `top` fastest. Returns the rows and the fastest fused."""
+    rows = []
+    batch, ctx = (256, 4096) if dev.type == "cuda" else (3, 33)
+    c = Case(p, 32, 8, batch, ctx, FP8, dev)
+    for bn, nw, ns, loads, regs in FP8_SWEEP if dev.type == "cuda" else FP8_SWEEP[:1]:
+        t = after_mod.DecodeTiles(bn, nw, ns, waves=2, fp8_loads=loads, max_regs=regs)
+        err = c.reference(c.call(after_mod, False, 0, tiles=t).float())
+        ms = time_case(c, after_mod, False, p.reps, dev, tiles=t)
+        rows.append({"batch": batch, "ctx": ctx, "tiles": asdict(t), "plain_ms": ms,
+                     "rel_err": err, "plain_gbps": batch * (ctx + 1) * 8 * p.d * 2 / ms / 1e6})
+        print(json.dumps(rows[-1]), flush=True)
+    ok = sorted((r for r in rows if r["rel_err"] < 1e-2), key=lambda r: r["plain_ms"])
+    for r in ok[:top]:
+        t = after_mod.DecodeTiles(**r["tiles"])
+        r["fused_ms"] = time_case(c, after_mod, True, p.reps, dev, tiles=t)
+        print(json.dumps(r), flush=True)
+    fused = [r for r in ok if "fused_ms" in r]
+    best = min(fused, key=lambda r: r["fused_ms"]) if fused else None
+    del c
+    return {"rows": rows, "best_fused": best["tiles"] if best else None}
+
+
 def linear_ms(dev, reps: int) -> float:
     """One Qwen3-8B decode step's projections at batch 256 (36 x qkv, o, gate_up, down + the
     LM head; bf16 torch.matmul, graph-replayed): with 36 x the fused attention time, the
@@ -274,9 +307,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (interpreter)")
     ap.add_argument("--baseline", help="folder with the committed kernels, timed as 'before'")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--fp8-sweep", action="store_true",
+                    help="only: Qwen3-8B cases of --cases, then the FP8 launch-shape sweep")
+    ap.add_argument("--cases", default=None,
+                    help="batch x ctx list, e.g. 256x4096,1x32768 (default: the plan's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     plan = TINY if args.tiny else Plan()
+    if args.cases:
+        plan = replace(plan, cases=tuple(tuple(int(x) for x in c.split("x"))
+                                         for c in args.cases.split(",")))
     dev = torch.device("cpu" if args.tiny else "cuda")
     impls = {"after": after_mod}
     if args.baseline:
@@ -285,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                     "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                     "torch": torch.__version__, "plan": asdict(plan), "cases": []}
     act = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    for shape in SHAPES:
+    for shape in ["qwen3-8b"] if args.fp8_sweep else SHAPES:
         for batch, ctx in plan.cases:
             for dtype in (act, FP8):
                 row = run_case(plan, shape, batch, ctx, dtype, dev, impls)
@@ -296,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(result["summary"], indent=1), flush=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2, default=str)
+    if args.fp8_sweep:
+        result["fp8_sweep"] = fp8_sweep(plan, dev)
     if args.sweep:
         result["sweep"] = sweep(plan, dev)
         for row in result["sweep"]:

@@ -11,8 +11,8 @@ For a Qwen3-8B-shaped cache (36 layers, 8 KV heads, head_dim 128, 32 query heads
   contexts, and batch 1 at 32K, FP8 vs bf16 in the same run. 36 layers x the per-layer time
   is the attention part of a decode step; the FP8 / bf16 ratio at 256 x 4K is where the
   halved KV read pays.
-Engine-level decode throughput needs ModelRunner to allocate with the KV dtype (see the issue's
-report); this script times the kernels that change.
+Engine-level decode throughput (256 x 4K, FP8 vs bf16 KV in the same run) is
+bench/lab/bench_kv_fp8_engine.py; this script times the kernels that change.
 """
 from __future__ import annotations
 

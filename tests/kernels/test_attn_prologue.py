@@ -115,3 +115,25 @@ def test_bad_arguments_name_the_field(device, paged_cache):
         fused_qk_norm_rope_kv(q, k, v, **{**args, "positions": pos.float()})
     with pytest.raises(ValueError, match="v_cache"):
         write_kv(k, v, cache.k, cache.v[:, :8], slots)
+
+
+@pytest.mark.parametrize("T,hkv,bs", [(7, 3, 8), (1, 1, 16)])
+def test_heads_outer_views_are_written_the_same(T, hkv, bs, device, paged_cache):
+    """A heads-outer copy [NB, Hkv, L, 2, BS, D] of the cache (docs/tensor_parallel.md): the
+    prologue and write_kv through its views [NB, BS, Hkv, D] (head stride: a whole head
+    region) write the same bytes as through the engine's views."""
+    d = 64
+    _, q, k, v = _qkv_views(T, 2 * hkv, hkv, d, torch.bfloat16, device, seed=T)
+    cache = paged_cache([bs * 3], bs, hkv, d, torch.bfloat16)
+    ho = cache.kv.permute(0, 4, 1, 2, 3, 5).contiguous()
+    kh, vh = ho[:, :, 1, 0].transpose(1, 2), ho[:, :, 1, 1].transpose(1, 2)
+    cos, sin = _tables(d, device)
+    pos = torch.arange(T, device=device) * 7
+    slots = _slots(T, cache.kv.shape[0] * bs, device, seed=T)
+    want = fused_qk_norm_rope_kv(q, k, v, pos, cos, sin, cache.k, cache.v, slots)
+    out = fused_qk_norm_rope_kv(q, k, v, pos, cos, sin, kh, vh, slots)
+    assert torch.equal(out, want)
+    slots2 = _slots(T, cache.kv.shape[0] * bs, device, seed=T + 1)
+    write_kv(v, k, cache.k, cache.v, slots2)
+    write_kv(v, k, kh, vh, slots2)
+    assert torch.equal(ho, cache.kv.permute(0, 4, 1, 2, 3, 5))

@@ -181,3 +181,24 @@ def test_merge_of_many_rows_in_split_chunks(device, paged_cache, close):
     ref = paged_attention_ref(q, cache.k, cache.v, qsl, cache.seq_lens, cache.block_tables,
                               d ** -0.5)
     close(out, ref, torch.float32)
+
+
+def _heads_outer(cache, layer: int = 1):
+    """A heads-outer copy [NB, Hkv, L, 2, BS, D] of cache.kv (docs/tensor_parallel.md) and its
+    layer views [NB, BS, Hkv, D]: the head stride is a whole head region."""
+    ho = cache.kv.permute(0, 4, 1, 2, 3, 5).contiguous()
+    return ho, ho[:, :, layer, 0].transpose(1, 2), ho[:, :, layer, 1].transpose(1, 2)
+
+
+@pytest.mark.parametrize("R,splits", [(1, 3), (2, 1)])
+def test_heads_outer_views_give_the_same_result(R, splits, device, paged_cache):
+    """The same values behind heads-outer views: bitwise the same output."""
+    hkv, group, d = 3, 2, 64
+    cache = paged_cache([37, 5, 64], 8, hkv, d, torch.bfloat16)
+    _, k, v = _heads_outer(cache)
+    q = torch.randn(3 * R, group * hkv, d,
+                    generator=torch.Generator().manual_seed(9)).to(device, torch.bfloat16)
+    args = (cache.block_tables, cache.seq_lens, d ** -0.5)
+    want = paged_decode_attention(q, cache.k, cache.v, *args, num_splits=splits, rows_per_seq=R)
+    out = paged_decode_attention(q, k, v, *args, num_splits=splits, rows_per_seq=R)
+    assert torch.equal(out, want)

@@ -126,3 +126,22 @@ def test_rope_tables_indexed_by_positions_equal_per_token_rows(R, splits, device
                                            positions=positions[:-1]),
                                cache.k, cache.v, cache.block_tables, cache.seq_lens, 1.0,
                                rows_per_seq=R)
+
+
+@pytest.mark.parametrize("R,splits", [(1, 4), (2, 1)])
+def test_heads_outer_views_write_and_read_the_same(R, splits, device, paged_cache):
+    """A heads-outer copy [NB, Hkv, L, 2, BS, D] of the cache (docs/tensor_parallel.md): its
+    views [NB, BS, Hkv, D] have a head stride of a whole head region; same output and the
+    same new rows written, bitwise."""
+    hkv, group, d = 3, 2, 64
+    cache = paged_cache([33, 9, 64], 8, hkv, d, torch.bfloat16)
+    ho = cache.kv.permute(0, 4, 1, 2, 3, 5).contiguous()
+    q, p = _case(cache, R, group * hkv, d, torch.bfloat16, device, qk_norm=True)
+    args = (cache.block_tables, cache.seq_lens, d ** -0.5)
+    want = fused_decode_attention(q, p, cache.k, cache.v, *args, num_splits=splits,
+                                  rows_per_seq=R)
+    out = fused_decode_attention(q, p, ho[:, :, 1, 0].transpose(1, 2),
+                                 ho[:, :, 1, 1].transpose(1, 2), *args, num_splits=splits,
+                                 rows_per_seq=R)
+    assert torch.equal(out, want)
+    assert torch.equal(ho, cache.kv.permute(0, 4, 1, 2, 3, 5))

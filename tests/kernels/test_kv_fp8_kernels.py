@@ -1,14 +1,17 @@
 """FP8 KV cache kernels against kernels/kv_quant.py's references: quantize-on-write (kv_write,
 the attention prologue, the fused decode kernel's write) and the attention kernels that read
 e4m3 values with their per-(block, head) scales. Odd sizes, runs that start mid-block and
-cross block boundaries, padding tokens, a block whose scale was set by an earlier write."""
+cross block boundaries, padding tokens, a block whose scale was set by an earlier write.
+Each runs on the engine's cache layout and on a heads-outer one built here (docs/
+tensor_parallel.md: [NB, Hkv, L + S, 2, BS, D], each head's scales in its own region), whose
+K/V and scale views have head strides of a whole head region."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pdserve.engine.core.config import ModelConfig
-from pdserve.engine.exec.kv_cache import allocate_kv_cache, layer_views
+from pdserve.engine.exec.kv_cache import LayerKV, allocate_kv_cache, layer_views
 from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
 from pdserve.kernels.decode_attention import (
     FP8_LOADS,
@@ -17,21 +20,38 @@ from pdserve.kernels.decode_attention import (
     fused_decode_attention,
     paged_decode_attention,
 )
-from pdserve.kernels.kv_quant import FP8, KVScales, write_kv_fp8_ref
+from pdserve.kernels.kv_quant import FP8, KVScales, check_scales, write_kv_fp8_ref
 from pdserve.kernels.kv_write import write_kv
 from pdserve.kernels.prefill_attention import paged_prefill_attention
 from pdserve.kernels.reference import paged_attention_ref, qk_norm_rope_cache_ref
 
 LAYER = 1
+LAYERS = 2  # data layers of the test caches
+LAYOUTS = ("engine", "heads_outer")
 
 
-def _cache(nb: int, bs: int, hkv: int, d: int, device, seed: int = 0):
-    """The engine's fp8 cache layout (2 layers + scale layers), every block filled by one
+def _views(kv: torch.Tensor, layout: str) -> LayerKV:
+    """Layer LAYER's views of a cache built by _cache: K/V [NB, BS, Hkv, D], scales [NB, Hkv].
+    heads_outer: kv [NB, Hkv, L + 1, 2, BS, D]; head h's fp32 scales [L, 2] open its scale
+    layer, so the scale views' head stride is a head region / 4 (never 1)."""
+    if layout == "engine":
+        return layer_views(kv, LAYER)
+    k, v = kv[:, :, LAYER, 0].transpose(1, 2), kv[:, :, LAYER, 1].transpose(1, 2)
+    sc = kv[:, :, LAYERS:].flatten(2).view(torch.float32)  # [NB, Hkv, 2 * BS * D / 4]
+    return LayerKV(k, v, KVScales(sc[:, :, 2 * LAYER], sc[:, :, 2 * LAYER + 1]))
+
+
+def _cache(nb: int, bs: int, hkv: int, d: int, device, seed: int = 0,
+           layout: str = "engine"):
+    """An fp8 cache (2 layers + scale layers) in `layout`, every block filled by one
     whole-block write of random rows whose magnitude varies per block; layer LAYER's views."""
-    cfg = ModelConfig(arch="llama", vocab_size=8, hidden_size=8, num_layers=2, num_heads=hkv,
-                      num_kv_heads=hkv, head_dim=d, intermediate_size=8)
-    kv = allocate_kv_cache(cfg, nb, bs, FP8, device)
-    views = layer_views(kv, LAYER)
+    if layout == "engine":
+        cfg = ModelConfig(arch="llama", vocab_size=8, hidden_size=8, num_layers=LAYERS,
+                          num_heads=hkv, num_kv_heads=hkv, head_dim=d, intermediate_size=8)
+        kv = allocate_kv_cache(cfg, nb, bs, FP8, device)
+    else:
+        kv = torch.zeros(nb, hkv, LAYERS + 1, 2, bs, d, dtype=FP8, device=device)
+    views = _views(kv, layout)
     gen = torch.Generator().manual_seed(seed)
     mag = torch.rand(nb, 1, 1, 1, generator=gen) * 20 + 0.1
     rows = (torch.randn(nb, bs, hkv, d, generator=gen) * mag).flatten(0, 1).to(device)
@@ -53,13 +73,14 @@ def _runs_slots(bs: int, device) -> torch.Tensor:
     return torch.tensor(s, dtype=torch.int64, device=device)
 
 
-def _assert_fp8_close(kv_a: torch.Tensor, kv_b: torch.Tensor, exact: bool) -> None:
+def _assert_fp8_close(kv_a: torch.Tensor, kv_b: torch.Tensor, exact: bool,
+                      layout: str = "engine") -> None:
     """Two fp8 caches (values and scales): bitwise, or (inputs rounded differently before
     quantizing) scales within 1e-5 and values within one e4m3 step."""
     if exact:
         assert torch.equal(kv_a.view(torch.uint8), kv_b.view(torch.uint8))
         return
-    va, vb = layer_views(kv_a, LAYER), layer_views(kv_b, LAYER)
+    va, vb = _views(kv_a, layout), _views(kv_b, layout)
     for sa, sb in ((va.scales.k, vb.scales.k), (va.scales.v, vb.scales.v)):
         torch.testing.assert_close(sa, sb, rtol=1e-5, atol=0)
     for a, b in ((va.k, vb.k), (va.v, vb.v)):
@@ -68,31 +89,34 @@ def _assert_fp8_close(kv_a: torch.Tensor, kv_b: torch.Tensor, exact: bool) -> No
         assert (a == b).float().mean() > 0.97
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bs,hkv,d,static", [(4, 3, 32, 0.0), (16, 2, 64, 0.0),
                                              (8, 1, 16, 0.05)])
-def test_write_kv_fp8_matches_reference(bs, hkv, d, static, device) -> None:
-    kv, views = _cache(9, bs, hkv, d, device)
+def test_write_kv_fp8_matches_reference(bs, hkv, d, static, layout, device) -> None:
+    kv, views = _cache(9, bs, hkv, d, device, layout=layout)
     slots = _runs_slots(bs, device)
     gen = torch.Generator().manual_seed(bs)
     k = (torch.randn(len(slots), hkv, d, generator=gen) * 4).to(device)
     v = torch.randn(len(slots), hkv, d, generator=gen).to(device)
     want = kv.clone()
-    wv = layer_views(want, LAYER)
+    wv = _views(want, layout)
     sc = KVScales(views.scales.k, views.scales.v, static, static)
     write_kv(k, v, views.k, views.v, slots, sc)
     write_kv_fp8_ref(k, v, wv.k, wv.v, slots, KVScales(wv.scales.k, wv.scales.v, static, static))
     _assert_fp8_close(kv, want, exact=True)
     # block 1 was filled before and the run starts at offset 1: its scale is kept
-    assert torch.equal(views.scales.k[1], layer_views(_cache(9, bs, hkv, d, device)[0],
-                                                      LAYER).scales.k[1])
+    before = _views(_cache(9, bs, hkv, d, device, layout=layout)[0], layout)
+    assert torch.equal(views.scales.k[1], before.scales.k[1])
     if static:  # fresh blocks take the checkpoint's scale
         assert (views.scales.k[[2, 3, 6]] == static).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prologue_quantizes_in_kernel(dtype, device) -> None:
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "engine"),
+                                          (torch.bfloat16, "engine"),
+                                          (torch.bfloat16, "heads_outer")])
+def test_prologue_quantizes_in_kernel(dtype, layout, device) -> None:
     bs, hq, hkv, d = 4, 6, 3, 32
-    kv, views = _cache(9, bs, hkv, d, device)
+    kv, views = _cache(9, bs, hkv, d, device, layout=layout)
     slots = _runs_slots(bs, device)
     T = len(slots)
     gen = torch.Generator().manual_seed(3)
@@ -113,10 +137,10 @@ def test_prologue_quantizes_in_kernel(dtype, device) -> None:
     s = slots[keep]
     k_rot = torch.zeros(T, hkv, d, device=device)
     k_rot[keep] = scratch[s // bs, s % bs]
-    wv = layer_views(want, LAYER)
+    wv = _views(want, layout)
     write_kv_fp8_ref(k_rot, v.float(), wv.k, wv.v, slots, wv.scales)
     torch.testing.assert_close(q_out.float(), q_ref, rtol=2e-2, atol=2e-2)
-    _assert_fp8_close(kv, want, exact=False)  # RoPE rounds differently in torch
+    _assert_fp8_close(kv, want, exact=False, layout=layout)  # RoPE rounds differently
 
 
 def _tables(seq_lens: list[int], bs: int, nb: int, device) -> torch.Tensor:
@@ -129,11 +153,12 @@ def _tables(seq_lens: list[int], bs: int, nb: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-@pytest.mark.parametrize("R,seq_lens,splits", [(1, [1, 17, 33, 65], 4), (3, [9, 31], 2),
-                                              (2, [40, 5], 1)])
-def test_decode_reads_fp8(R, seq_lens, splits, device) -> None:
+@pytest.mark.parametrize("R,seq_lens,splits,layout", [
+    (1, [1, 17, 33, 65], 4, "engine"), (3, [9, 31], 2, "engine"), (2, [40, 5], 1, "engine"),
+    (1, [1, 17, 33, 65], 4, "heads_outer"), (3, [9, 31], 2, "heads_outer")])
+def test_decode_reads_fp8(R, seq_lens, splits, layout, device) -> None:
     bs, hkv, group, d = 8, 2, 3, 32
-    kv, views = _cache(24, bs, hkv, d, device)
+    kv, views = _cache(24, bs, hkv, d, device, layout=layout)
     bt = _tables(seq_lens, bs, 24, device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     q = torch.randn(len(seq_lens) * R, hkv * group, d,
@@ -146,13 +171,14 @@ def test_decode_reads_fp8(R, seq_lens, splits, device) -> None:
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("R,seq_lens,splits", [
     (1, [1, 9, 16, 33], 4),   # fresh blocks (offset 0) and appends, one fresh at a split
     (3, [10, 23, 7], 2),      # 3 new rows crossing into a fresh block
 ])
-def test_fused_decode_writes_and_reads_fp8(R, seq_lens, splits, device) -> None:
+def test_fused_decode_writes_and_reads_fp8(R, seq_lens, splits, layout, device) -> None:
     bs, hkv, group, d = 8, 2, 2, 32
-    kv, views = _cache(24, bs, hkv, d, device)
+    kv, views = _cache(24, bs, hkv, d, device, layout=layout)
     bt = _tables(seq_lens, bs, 24, device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     B, gen = len(seq_lens), torch.Generator().manual_seed(5)
@@ -168,19 +194,20 @@ def test_fused_decode_writes_and_reads_fp8(R, seq_lens, splits, device) -> None:
     scratch, scratch_v = (torch.zeros(24, bs, hkv, d, device=device) for _ in range(2))
     q_rot = qk_norm_rope_cache_ref(q, k, v, None, p.cos, p.sin, scratch, scratch_v, slots,
                                    None, None, 1e-6)
-    wv = layer_views(want, LAYER)
+    wv = _views(want, layout)
     write_kv_fp8_ref(scratch[slots // bs, slots % bs], v, wv.k, wv.v, slots, wv.scales)
-    _assert_fp8_close(kv, want, exact=device.type == "cpu")
+    _assert_fp8_close(kv, want, exact=device.type == "cpu", layout=layout)
     kd, vd = _dequant(wv)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * R
     ref = paged_attention_ref(q_rot, kd, vd, qsl, lens, bt, d ** -0.5)
     torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("q_lens,seq_lens", [([5, 1, 13], [5, 20, 30]), ([17], [17])])
-def test_prefill_reads_fp8(q_lens, seq_lens, device) -> None:
+def test_prefill_reads_fp8(q_lens, seq_lens, layout, device) -> None:
     bs, hkv, group, d = 4, 3, 2, 32
-    kv, views = _cache(24, bs, hkv, d, device)
+    kv, views = _cache(24, bs, hkv, d, device, layout=layout)
     bt = _tables(seq_lens, bs, 24, device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
@@ -202,15 +229,18 @@ def test_fp8_cache_without_scales_is_refused(device) -> None:
 
 
 @pytest.mark.parametrize("loads", FP8_LOADS)
-@pytest.mark.parametrize("block_n,warps,splits", [(128, 4, 3), (64, 2, 1), (16, 4, 5)])
-def test_decode_fp8_tile_loads(loads, block_n, warps, splits, device) -> None:
+@pytest.mark.parametrize("block_n,warps,stages,regs,splits,layout", [
+    (128, 4, 1, 128, 3, "engine"), (64, 2, 2, None, 1, "engine"), (16, 4, 2, None, 5, "engine"),
+    (128, 4, 3, None, 3, "heads_outer"), (16, 4, 1, 128, 5, "heads_outer")])
+def test_decode_fp8_tile_loads(loads, block_n, warps, stages, regs, splits, layout,
+                               device) -> None:
     """Every way of reading fp8 tiles (decode_attention_tiles.py: tl's cast, V or K and V as
     int32 words converted by PTX) and tile shape gives the reference's result: odd lengths,
     tiles that cross blocks, splits. Values of 1e-4 in some blocks next to 20 in others: the
     fp16 weights are normalised per tile, so the small blocks keep their precision. On CPU
     every variant is the cast (the interpreter has no PTX)."""
     bs, hkv, group, d = 8, 2, 4, 64
-    kv, views = _cache(64, bs, hkv, d, device, seed=3)
+    kv, views = _cache(64, bs, hkv, d, device, seed=3, layout=layout)
     small = torch.arange(64, device=device) % 3 == 0
     views.scales.v[small] *= 1e-5  # those blocks' values ~1e-4
     seq_lens = [1, 130, 77, 203]
@@ -218,7 +248,7 @@ def test_decode_fp8_tile_loads(loads, block_n, warps, splits, device) -> None:
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     q = torch.randn(len(seq_lens), hkv * group, d,
                     generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
-    tiles = DecodeTiles(block_n, warps, 2, fp8_loads=loads)
+    tiles = DecodeTiles(block_n, warps, stages, fp8_loads=loads, max_regs=regs)
     out = paged_decode_attention(q, views.k, views.v, bt, lens, d ** -0.5, num_splits=splits,
                                  kv_scales=views.scales, tiles=tiles)
     k, v = _dequant(views)
@@ -236,3 +266,17 @@ def test_decode_tiles_are_checked() -> None:
         DecodeTiles(64, fp8_loads="bytes")
     with pytest.raises(ValueError, match="tiles.num_stages"):
         DecodeTiles(64, 4, 0)
+    with pytest.raises(ValueError, match="tiles.max_regs"):
+        DecodeTiles(64, max_regs=32)
+
+
+def test_heads_outer_scale_views_pass_the_checks(device) -> None:
+    """Scale views with a head stride of a whole head region are taken (they were refused
+    for a non-contiguous head dim); shape and dtype are still checked, by field."""
+    kv, views = _cache(5, 4, 3, 16, device, layout="heads_outer")
+    assert views.scales.k.stride(1) == (LAYERS + 1) * 2 * 4 * 16 // 4
+    check_scales(views.scales, views.k)
+    with pytest.raises(ValueError, match="kv_scales.v: expected shape"):
+        check_scales(KVScales(views.scales.k, views.scales.v[:, :2]), views.k)
+    with pytest.raises(TypeError, match="kv_scales.k: expected a float32"):
+        check_scales(KVScales(views.scales.k.double(), views.scales.v), views.k)

@@ -91,3 +91,15 @@ def test_bad_arguments_name_the_field(device, paged_cache):
                                 cache.block_tables[:1], 5, 0.125)
     with pytest.raises(TypeError, match="k_cache: dtype"):
         paged_prefill_attention(q.bfloat16(), *args, 5, 0.125)
+
+
+def test_heads_outer_views_give_the_same_result(device, paged_cache):
+    """A heads-outer copy [NB, Hkv, L, 2, BS, D] of the cache (docs/tensor_parallel.md): its
+    views [NB, BS, Hkv, D] have a head stride of a whole head region; bitwise the same."""
+    hkv, group, d = 3, 2, 64
+    cache = paged_cache([19, 40, 33], 8, hkv, d, torch.bfloat16)
+    ho = cache.kv.permute(0, 4, 1, 2, 3, 5).contiguous()
+    want, _ = _run(cache, [3, 1, 33], group * hkv, d, torch.bfloat16, device, seed=4)
+    cache.k, cache.v = ho[:, :, 1, 0].transpose(1, 2), ho[:, :, 1, 1].transpose(1, 2)
+    out, _ = _run(cache, [3, 1, 33], group * hkv, d, torch.bfloat16, device, seed=4)
+    assert torch.equal(out, want)
