@@ -218,6 +218,11 @@ class DecodeService:
                                    f"whole read (released={released}): data discarded")
         except Exception as e:  # every transfer failure takes the request's policy
             self._release_remote(kv, rid, deadline)  # best effort: never leave P pinned
+            broken = getattr(self.rt.transport, "broken", None)
+            if broken:  # a rank of this TP worker is gone: the worker ends, not the peer's
+                # fault, so the router marks this worker down and retries elsewhere
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker "
+                              f"{self.rt.cfg.worker_id}: tensor-parallel group broken: {broken}")
             if isinstance(e, KVTransferTimeout) and not e.local_blocks_safe:
                 # NIXL could not abort the read: our blocks may still be written. Keep them
                 # out of the pool (counted) rather than hand them to another request.

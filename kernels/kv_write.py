@@ -1,8 +1,9 @@
 """Scatter new k/v rows into one layer's paged cache views (reshape-and-cache).
 
 Used when RoPE ran elsewhere (the fused prologue writes the cache itself). A layer's views
-kv_cache[:, l, 0] and kv_cache[:, l, 1] are [num_blocks, block_size, Hkv, D] with a block stride
-far larger than block_size * Hkv * D, so every cache address is computed from strides.
+(engine/exec/kv_cache.py layer_views) are [num_blocks, block_size, Hkv, D] with block and head
+strides far larger than block_size * Hkv * D (heads are outermost inside a block), so every
+cache address is computed from strides.
 
 An fp8 cache (kernels/kv_quant.py) is quantized on write: the program of a run's first token
 writes the whole run (the new tokens of one block, <= block_size rows), so it sees the amax

@@ -17,8 +17,10 @@ from .handshake import (
     HandshakeError,
     IncompatiblePeerError,
     PeerInfo,
+    RankEndpoint,
     check_compatible,
     compat_hash,
+    group_peer_info,
 )
 from .inproc_transport import InProcessKVTransport
 from .layout import KVLayout, Run, coalesce, coalesce_pairs
@@ -29,8 +31,8 @@ from .transport import TRANSPORTS, KVTransport, make_transport
 
 __all__ = [
     "FaultConfig", "FaultInjector", "InjectedFault",
-    "HandshakeError", "IncompatiblePeerError", "PeerInfo", "check_compatible",
-    "compat_hash",
+    "HandshakeError", "IncompatiblePeerError", "PeerInfo", "RankEndpoint", "check_compatible",
+    "compat_hash", "group_peer_info",
     "KVLayout", "Run", "coalesce", "coalesce_pairs",
     "Lease", "LeaseError", "LeaseTable",
     "KVMetrics", "KVTransferMetrics", "kv_metrics",

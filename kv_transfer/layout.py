@@ -1,11 +1,15 @@
 """KV block layout as the transfer layer sees it, and coalescing of block runs.
 
-The engine keeps one KV tensor per worker (engine/model/attention.py):
-    kv_cache: [num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim]
-(an FP8 cache: e4m3 values, and trailing layers that hold the block's scales, counted in
-num_kv_layers: engine/exec/kv_cache.py), so block b (all layers, K and V, scales) is the single
-contiguous byte range
-    [base + b * block_bytes, base + (b + 1) * block_bytes).
+The engine keeps one KV tensor per worker (per TP rank), engine/exec/kv_cache.py. Layout
+version 2 (heads outermost inside a block, `heads_outer`):
+    kv_cache: [num_blocks, num_kv_heads, num_kv_layers, 2, block_size, head_dim]
+version 1 (heads inner): [num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim].
+An FP8 cache has e4m3 values and trailing layers that hold the scales, counted in
+num_kv_layers (in version 2 each head's own scales, inside that head's region). Block b (all
+layers, K and V, scales) is the single contiguous byte range
+    [base + b * block_bytes, base + (b + 1) * block_bytes),
+and with heads outer, head h of block b is the range of head_bytes at
+b * block_bytes + h * head_bytes (what a decode rank of another TP size pulls).
 A transfer is a list of (local block, remote block) pairs. Pairs in which BOTH ids advance
 by one form a run that moves as one NIXL descriptor; the measured cost is ~8 us per
 descriptor (DESIGN.md), so fewer, larger descriptors are what make transfers fast.
@@ -33,6 +37,7 @@ class KVLayout:
     head_dim: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
     element_size: int  # bytes per element
+    heads_outer: bool = False  # [NB, heads, layers, 2, BS, D] (layout version 2)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_kv_layers", "block_size", "num_kv_heads", "head_dim",
@@ -42,6 +47,8 @@ class KVLayout:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")
         if not isinstance(self.dtype, str) or not self.dtype:
             raise ValueError(f"dtype: must be a non-empty str, got {self.dtype!r}")
+        if not isinstance(self.heads_outer, bool):
+            raise ValueError(f"heads_outer: must be a bool, got {self.heads_outer!r}")
 
     @property
     def block_bytes(self) -> int:
@@ -50,24 +57,36 @@ class KVLayout:
                 * self.element_size)
 
     @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head of a block (all layers, K and V, its scales): one contiguous
+        range only with heads outer."""
+        return self.block_bytes // self.num_kv_heads
+
+    @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
+    def from_cache(cls, kv_cache: torch.Tensor, heads_outer: bool = False) -> KVLayout:
         """Layout of an engine KV tensor; refuses shapes whose blocks are not contiguous."""
+        dims = ("num_blocks, num_kv_heads, num_kv_layers, 2, block_size, head_dim" if heads_outer
+                else "num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim")
         if kv_cache.dim() != KV_CACHE_NDIM:
-            raise ValueError(f"kv_cache: expected {KV_CACHE_NDIM} dims [num_blocks, num_kv_layers, "
-                             f"2, block_size, num_kv_heads, head_dim], got shape "
+            raise ValueError(f"kv_cache: expected {KV_CACHE_NDIM} dims [{dims}], got shape "
                              f"{tuple(kv_cache.shape)}")
-        if kv_cache.shape[2] != 2:
-            raise ValueError(f"kv_cache: dim 2 (K/V) must be 2, got {kv_cache.shape[2]}")
+        kv_dim = 3 if heads_outer else 2
+        if kv_cache.shape[kv_dim] != 2:
+            raise ValueError(f"kv_cache: dim {kv_dim} (K/V) must be 2 in [{dims}], got "
+                             f"{kv_cache.shape[kv_dim]}")
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache: must be contiguous (one block = one byte range)")
-        nb, nl, _, bs, nh, hd = (int(s) for s in kv_cache.shape)
+        if heads_outer:
+            nb, nh, nl, _, bs, hd = (int(s) for s in kv_cache.shape)
+        else:
+            nb, nl, _, bs, nh, hd = (int(s) for s in kv_cache.shape)
         return cls(num_blocks=nb, num_kv_layers=nl, block_size=bs, num_kv_heads=nh,
                    head_dim=hd, dtype=str(kv_cache.dtype).removeprefix("torch."),
-                   element_size=int(kv_cache.element_size()))
+                   element_size=int(kv_cache.element_size()), heads_outer=heads_outer)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,11 +100,12 @@ class KVLayout:
             raise ValueError(f"layout.{missing[0]}: missing")
         return cls(**{f: d[f] for f in cls.__dataclass_fields__})
 
-    def mismatch(self, other: KVLayout) -> list[str]:
-        """Fields (other than num_blocks) that differ: such blocks mean different things."""
+    def mismatch(self, other: KVLayout, ignore: tuple[str, ...] = ()) -> list[str]:
+        """Fields (other than num_blocks and `ignore`) that differ: such blocks mean different
+        things (a TP pair ignores num_kv_heads, which is per rank: its TP maps decide)."""
         out = []
         for name in self.__dataclass_fields__:
-            if name == "num_blocks":
+            if name == "num_blocks" or name in ignore:
                 continue
             a, b = getattr(self, name), getattr(other, name)
             if a != b:

@@ -19,6 +19,13 @@ descriptor 5.1 ms (287 GB/s), same via "prepped" 5.5 ms, capped at 16 MiB (90 de
 6.3 ms, runs of 4 blocks (157) 6.0 ms, one per block (625) 9.6 ms; torch peer copy 3.8 ms.
 So "coalesced" with no cap is the default: fewest descriptors, and the count is ours.
 
+Tensor parallelism: each rank of a TP worker has its own transport (`tp`, `rank`) over its
+own KV tensor; rank 0 publishes the group's PeerInfo (handshake.group_peer_info). Every
+decode rank adds the prefill worker's PeerInfo, loads the agents of the prefill ranks its
+pull_plan row reads from, and reads its head slices from each (kv_transfer/tp_pull.py): one
+transfer handle per source rank, all posted before the first wait, one deadline for all.
+Whole-block pulls (equal TP, rank r <- rank r) coalesce into runs as at TP 1.
+
 Thread-safety: `read_blocks` may run from many threads at once (the NIXL agent runs in
 reader-writer sync mode; the peer table is under a lock; each read holds its own transfer
 handle). `add_peer`/`remove_peer` are safe concurrently with reads: a replaced or removed
@@ -44,6 +51,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from pdserve.engine.core.tp import TPKVInfo
+
 from .errors import (
     KVTransferError,
     KVTransferTimeout,
@@ -55,32 +64,29 @@ from .faults import FaultInjector, InjectedFault
 from .handshake import (
     HandshakeError,
     PeerInfo,
-    check_layout_matches_compat,
+    RankEndpoint,
+    cache_layout,
     check_new_peer,
     compat_hash,
+    local_tp_info,
     normalize_config,
 )
-from .layout import (
-    KVLayout,
-    Run,
-    block_descriptors,
-    check_block_ids,
-    coalesce_pairs,
-    run_descriptors,
-)
+from .layout import block_descriptors, check_block_ids
 from .metrics import KVMetrics, kv_metrics
+from .nixl_agent import descriptor_count, make_agent, nixl_call, try_release, wait_done
+from .tp_pull import SourcePull, byte_ranges, descriptors, rank_sources
 
 log = logging.getLogger(__name__)
 
 DescriptorMode = Literal["coalesced", "prepped"]
-SPIN_POLLS = 200  # busy polls (GPU reads finish in ms) before backing off
-POLL_SLEEP_S = 0.0002
 
 
 @dataclass
 class _Peer:
     info: PeerInfo
-    remote_dlist: Any = None  # nixl_prepped_dlist_handle in "prepped" mode
+    sources: list[SourcePull]  # this rank's pull_plan row, by source rank
+    # source rank -> nixl_prepped_dlist_handle ("prepped" mode, whole-block sources)
+    remote_dlists: dict[int, Any] = field(default_factory=dict)
     inflight: int = 0
     retired: bool = False
     leaked: list = field(default_factory=list)
@@ -91,14 +97,15 @@ class NixlKVTransport:
                  faults: FaultInjector | None = None, *, role: str = "decode",
                  metrics: KVMetrics | None = None, descriptor_mode: DescriptorMode = "coalesced",
                  max_descriptor_bytes: int | None = None, backends: Sequence[str] = ("UCX",),
-                 num_threads: int = 0) -> None:
+                 num_threads: int = 0, tp: TPKVInfo | None = None, rank: int = 0) -> None:
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id: must be a non-empty str, got {worker_id!r}")
         if descriptor_mode not in ("coalesced", "prepped"):
             raise ValueError(f"descriptor_mode: unknown {descriptor_mode!r}")
-        self.layout = KVLayout.from_cache(kv_cache)
         compat = normalize_config(compat)
-        check_layout_matches_compat(self.layout, compat)
+        self.layout = cache_layout(kv_cache, compat)
+        self.tp = local_tp_info(self.layout, compat, tp, rank)
+        self.rank = rank
         self._max_blocks = self._blocks_per_descriptor(descriptor_mode, max_descriptor_bytes)
         self.worker_id = worker_id
         self.incarnation = secrets.token_hex(8)
@@ -108,7 +115,9 @@ class NixlKVTransport:
         self._kv = kv_cache  # NIXL holds raw pointers into it: keep it alive
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = kv_cache.get_device() if kv_cache.is_cuda else 0
-        self._agent = _make_agent(f"{worker_id}#{self.incarnation}", backends, num_threads)
+        name = f"{worker_id}#{self.incarnation}" if rank == 0 else \
+            f"{worker_id}/{rank}#{self.incarnation}"
+        self._agent = make_agent(name, backends, num_threads)
         self._reg = self._agent.register_memory(kv_cache)
         # one block of private memory that warm_up() reads into (never a real KV block)
         self._scratch = torch.empty(self.layout.block_bytes, dtype=torch.uint8,
@@ -124,7 +133,7 @@ class NixlKVTransport:
             agent_metadata=bytes(self._agent.get_agent_metadata()),
             kv_base_addr=kv_cache.data_ptr(), kv_device_id=self._device_id,
             kv_mem_type=self._mem_type, layout=self.layout, compat_hash=compat_hash(compat),
-            compat_config=compat)
+            compat_config=compat, tp=self.tp)
         self._lock = threading.Condition()
         self._peers: dict[str, _Peer] = {}
         self._retiring: list[_Peer] = []  # replaced/removed peers with reads in flight
@@ -143,22 +152,30 @@ class NixlKVTransport:
         return max_bytes // self.layout.block_bytes
 
     def peer_info(self) -> PeerInfo:
+        """This rank's own PeerInfo (a TP group publishes group_peer_info of rank 0's)."""
         return self._info
+
+    def rank_endpoint(self) -> RankEndpoint:
+        """This rank's agent and KV memory, for rank 0's group PeerInfo."""
+        return self._info.endpoint
 
     # ---- peers ---------------------------------------------------------------------------
 
     def add_peer(self, info: PeerInfo) -> None:
-        """Trust `info` for reads; refuses incompatible peers, replaces older incarnations."""
+        """Trust `info` for reads; refuses incompatible peers (IncompatiblePeerError naming
+        the field, `tp.<field>` for TP maps that cannot pair), replaces older incarnations.
+        Loads the NIXL agents of the peer's ranks that this rank reads from."""
         check_new_peer(self._info, info)
+        sources = rank_sources(info, self.tp, self.rank)
         with self._lock:
             self._check_open()
             old = self._peers.get(info.worker_id)
             if old is not None and old.info.incarnation == info.incarnation:
-                if old.info.agent_metadata != info.agent_metadata:
+                if old.info.ranks != info.ranks:
                     raise HandshakeError(f"peer_info.agent_metadata: changed for {info.worker_id!r}"
                                          f" incarnation {info.incarnation}")
                 return  # same peer announced again
-            peer = _Peer(info, remote_dlist=self._load_peer(info))
+            peer = _Peer(info, sources, remote_dlists=self._load_peer(info, sources))
             self._peers[info.worker_id] = peer
             if old is not None:
                 self._retire(old)
@@ -177,26 +194,53 @@ class NixlKVTransport:
         with self._lock:
             return {wid: p.info.incarnation for wid, p in self._peers.items()}
 
-    def _load_peer(self, info: PeerInfo) -> Any:
+    def _load_peer(self, info: PeerInfo, sources: list[SourcePull]) -> dict[int, Any]:
+        """Load each source rank's agent (and, "prepped", its block descriptors); on any
+        failure unload what was loaded. Caller holds the lock."""
+        loaded: list[str] = []
+        dlists: dict[int, Any] = {}
         try:
-            name = self._agent.add_remote_agent(info.agent_metadata)
+            for src in sources:
+                loaded.append(self._load_agent(info, src))
+                if self.descriptor_mode == "prepped" and src.whole:
+                    dlists[src.src_rank] = self._prep_remote(info, src)
+        except BaseException:
+            for handle in dlists.values():
+                try_release(handle)
+            for name in loaded:
+                self._unload_agent(name)
+            raise
+        return dlists
+
+    def _load_agent(self, info: PeerInfo, src: SourcePull) -> str:
+        ep = src.endpoint
+        try:
+            name = self._agent.add_remote_agent(ep.agent_metadata)
         except Exception as e:
-            raise KVTransferError(f"peer {info.worker_id!r}: NIXL refused its agent "
-                                  f"metadata") from e
+            raise KVTransferError(f"peer {info.worker_id!r}: NIXL refused the agent metadata "
+                                  f"of its rank {src.src_rank}") from e
         name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != info.agent_name:
-            self._agent.remove_remote_agent(name)
-            raise HandshakeError(f"peer_info.agent_name: {info.agent_name!r} but its NIXL "
+        if name != ep.agent_name:
+            self._unload_agent(name)
+            field_name = "agent_name" if src.src_rank == 0 else f"ranks[{src.src_rank}].agent_name"
+            raise HandshakeError(f"peer_info.{field_name}: {ep.agent_name!r} but its NIXL "
                                  f"metadata names {name!r}")
-        if self.descriptor_mode != "prepped":
-            return None
-        descs = block_descriptors(info.kv_base_addr, info.layout, info.kv_device_id)
+        return name
+
+    def _prep_remote(self, info: PeerInfo, src: SourcePull) -> Any:
+        ep = src.endpoint
+        descs = block_descriptors(ep.kv_base_addr, info.layout, ep.kv_device_id)
         try:
-            return self._agent.prep_xfer_dlist(name, descs, info.kv_mem_type)
+            return self._agent.prep_xfer_dlist(ep.agent_name, descs, ep.kv_mem_type)
         except Exception as e:  # e.g. the advertised KV range is not what the peer registered
+            raise KVTransferError(f"peer {info.worker_id!r}: NIXL could not prepare the block "
+                                  f"descriptors of its rank {src.src_rank}") from e
+
+    def _unload_agent(self, name: str) -> None:
+        try:
             self._agent.remove_remote_agent(name)
-            raise KVTransferError(f"peer {info.worker_id!r}: NIXL could not prepare its block "
-                                  f"descriptors") from e
+        except Exception:
+            log.warning("removing NIXL agent %s failed", name, exc_info=True)
 
     def _retire(self, peer: _Peer) -> None:
         """Caller holds the lock. Drop now, or when the peer's last read finishes."""
@@ -208,15 +252,13 @@ class NixlKVTransport:
 
     def _drop(self, peer: _Peer) -> None:
         for handle in peer.leaked:  # reads that timed out and could not be aborted then
-            _try_release(handle)
-        if peer.remote_dlist is not None:
-            _try_release(peer.remote_dlist)
-        in_use = any(p.info.agent_name == peer.info.agent_name for p in self._peers.values())
-        if not in_use:
-            try:
-                self._agent.remove_remote_agent(peer.info.agent_name)
-            except Exception:
-                log.warning("removing NIXL agent %s failed", peer.info.agent_name, exc_info=True)
+            try_release(handle)
+        for handle in peer.remote_dlists.values():
+            try_release(handle)
+        in_use = {s.agent_name for p in self._peers.values() for s in p.sources}
+        for src in peer.sources:
+            if src.agent_name not in in_use:
+                self._unload_agent(src.agent_name)
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -275,39 +317,50 @@ class NixlKVTransport:
         wid = peer.info.worker_id
         if not local_ids:
             return TransferStats(0, time.monotonic() - start, 0, 0)
-        runs = coalesce_pairs(local_ids, remote_ids, self._max_blocks)
+        # [n, 3] (remote offset, local offset, length) per source rank
+        ranges = [byte_ranges(src, local_ids, remote_ids, self.layout, self._max_blocks)
+                  for src in peer.sources]
         fault = self._faults.on_transfer() if self._faults is not None else None
         if fault is not None and fault.fail:
             raise KVTransferError(f"peer {wid!r}: read failed (fault injected into "
                                   f"transfer #{fault.number})") from InjectedFault(fault.number)
         if time.monotonic() >= deadline:
             raise KVTransferTimeout(f"peer {wid!r}: deadline passed before the read started")
-        handle = self._make_handle(peer, runs, local_ids, remote_ids)
+        makers = [lambda s=src, r=r: self._make_handle(peer, s, r, local_ids, remote_ids)
+                  for src, r in zip(peer.sources, ranges)]
         delay_s = fault.delay_s if fault is not None else 0.0
-        descriptors = self._run(handle, peer, deadline, delay_s, len(runs))
-        nbytes = len(local_ids) * self.layout.block_bytes
+        descriptors = self._run(makers, [len(r) for r in ranges], peer, deadline, delay_s)
+        nbytes = int(sum(int(r[:, 2].sum()) for r in ranges))
         return TransferStats(nbytes, time.monotonic() - start, descriptors, len(local_ids))
 
-    def _run(self, handle: Any, peer: _Peer, deadline: float, delay_s: float,
-             runs: int) -> int:
-        """Post a transfer, wait for it, release it; returns NIXL's descriptor count."""
+    def _run(self, makers: list[Any], runs: list[int], peer: _Peer, deadline: float,
+             delay_s: float) -> int:
+        """Make and post one transfer per source rank, then wait for all by `deadline`, and
+        release them; returns NIXL's descriptor count (summed)."""
         wid = peer.info.worker_id
+        handles: list[Any] = []
         try:
+            for make in makers:
+                handles.append(make())
             posted = time.monotonic()
-            state = self._nixl(wid, "post", self._agent.transfer, handle)
-            self._wait(handle, state, deadline, posted + delay_s, wid)
-            descriptors = self._descriptor_count(handle, runs)
+            states = [nixl_call(wid, "post", self._agent.transfer, h) for h in handles]
+            for handle, state in zip(handles, states):
+                wait_done(self._agent, handle, state, deadline, posted + delay_s, wid)
+            descriptors = sum(descriptor_count(self._agent, h, n) for h, n in zip(handles, runs))
         except KVTransferTimeout as e:
-            e.local_blocks_safe = self._free(handle, peer)
+            e.local_blocks_safe = all([self._free(h, peer) for h in handles])
             raise
         except BaseException:
-            self._free(handle, peer)
+            for h in handles:
+                self._free(h, peer)
             raise
-        self._free(handle, peer)
+        for h in handles:
+            self._free(h, peer)
         return descriptors
 
     def warm_up(self, peer_worker_id: str, incarnation: str, deadline: float) -> float:
-        """Read the peer's block 0 into a private scratch block; returns seconds taken.
+        """Read the first slice of the peer's block 0 from each rank this rank reads from into
+        a private scratch block; returns seconds taken.
 
         The first read to a peer pays connection and remote-key setup (tens of ms on CPU,
         IPC handle opening on GPUs); call this after add_peer so no request pays it.
@@ -316,72 +369,49 @@ class NixlKVTransport:
         start = time.monotonic()
         peer = self._acquire(peer_worker_id, incarnation)
         try:
-            info, agent, nbytes = peer.info, self._agent, self.layout.block_bytes
-            local = [(self._scratch.data_ptr(), nbytes, self._device_id)]
-            remote = [(info.kv_base_addr, nbytes, info.kv_device_id)]
-            handle = self._nixl(info.worker_id, "initialize_xfer", agent.initialize_xfer,
-                                "READ", agent.get_xfer_descs(local, self._mem_type),
-                                agent.get_xfer_descs(remote, info.kv_mem_type),
-                                info.agent_name)
-            self._run(handle, peer, deadline, 0.0, 1)
+            makers = [lambda s=src: self._scratch_handle(peer, s) for src in peer.sources]
+            self._run(makers, [1] * len(makers), peer, deadline, 0.0)
         finally:
             self._unacquire(peer)
         return time.monotonic() - start
 
-    def _make_handle(self, peer: _Peer, runs: list[Run], local_ids: list[int],
-                     remote_ids: list[int]) -> Any:
-        info, agent = peer.info, self._agent
-        if self.descriptor_mode == "prepped":
-            return self._nixl(info.worker_id, "make_prepped_xfer", agent.make_prepped_xfer,
+    def _scratch_handle(self, peer: _Peer, src: SourcePull) -> Any:
+        # a whole block, or the first slice into where it would land (slices of different
+        # sources land in different heads, so concurrent warm-ups never overlap)
+        hb, first = self.layout.head_bytes, src.pulls[0]
+        src_off, dst_off, nbytes = (0, 0, self.layout.block_bytes) if src.whole else \
+            (first.src_head * hb, first.dst_head * hb, first.count * hb)
+        ep, agent = src.endpoint, self._agent
+        local = [(self._scratch.data_ptr() + dst_off, nbytes, self._device_id)]
+        remote = [(ep.kv_base_addr + src_off, nbytes, ep.kv_device_id)]
+        return nixl_call(peer.info.worker_id, "initialize_xfer", agent.initialize_xfer,
+                          "READ", agent.get_xfer_descs(local, self._mem_type),
+                          agent.get_xfer_descs(remote, ep.kv_mem_type), ep.agent_name)
+
+    def _make_handle(self, peer: _Peer, src: SourcePull, ranges: np.ndarray,
+                     local_ids: list[int], remote_ids: list[int]) -> Any:
+        """One READ from source rank `src`: its byte ranges (or, "prepped" and whole blocks,
+        the block indices into the prepared lists)."""
+        wid, agent, ep = peer.info.worker_id, self._agent, src.endpoint
+        dlist = peer.remote_dlists.get(src.src_rank)
+        if dlist is not None:
+            return nixl_call(wid, "make_prepped_xfer", agent.make_prepped_xfer,
                               "READ", self._local_dlist, np.asarray(local_ids, np.int32),
-                              peer.remote_dlist, np.asarray(remote_ids, np.int32))
-        counts = [r.count for r in runs]
-        local = run_descriptors(self._info.kv_base_addr, self.layout.block_bytes,
-                                [r.local_start for r in runs], counts, self._device_id)
-        remote = run_descriptors(info.kv_base_addr, self.layout.block_bytes,
-                                 [r.remote_start for r in runs], counts, info.kv_device_id)
-        return self._nixl(info.worker_id, "initialize_xfer", agent.initialize_xfer, "READ",
+                              dlist, np.asarray(remote_ids, np.int32))
+        local = descriptors(self._info.kv_base_addr, ranges[:, 1], ranges[:, 2],
+                            self._device_id)
+        remote = descriptors(ep.kv_base_addr, ranges[:, 0], ranges[:, 2], ep.kv_device_id)
+        return nixl_call(wid, "initialize_xfer", agent.initialize_xfer, "READ",
                           agent.get_xfer_descs(local, self._mem_type),
-                          agent.get_xfer_descs(remote, info.kv_mem_type), info.agent_name)
-
-    def _wait(self, handle: Any, state: str, deadline: float, not_before: float,
-              wid: str) -> None:
-        """Poll until DONE (and not before `not_before`, the injected delay) or deadline."""
-        polls = 0
-        while True:
-            now = time.monotonic()
-            if state == "ERR":
-                raise KVTransferError(f"peer {wid!r}: NIXL reported the read failed (ERR)")
-            if state == "DONE" and now >= not_before:
-                return
-            if now >= deadline:
-                raise KVTransferTimeout(f"peer {wid!r}: read not done by its deadline")
-            wake = min(deadline, not_before) if state == "DONE" else deadline
-            time.sleep(0 if polls < SPIN_POLLS else min(POLL_SLEEP_S, max(0.0, wake - now)))
-            polls += 1
-            if state != "DONE":
-                state = self._nixl(wid, "check_xfer_state", self._agent.check_xfer_state, handle)
-
-    def _descriptor_count(self, handle: Any, runs: int) -> int:
-        try:
-            return int(self._agent.get_xfer_telemetry(handle).descCount)
-        except Exception:  # telemetry unavailable: NIXL merges to one descriptor per run
-            return runs
+                          agent.get_xfer_descs(remote, ep.kv_mem_type), ep.agent_name)
 
     def _free(self, handle: Any, peer: _Peer) -> bool:
         """Release a transfer handle; False (kept for later) if NIXL cannot abort it yet."""
-        if _try_release(handle):
+        if try_release(handle):
             return True
         with self._lock:
             peer.leaked.append(handle)
         return False
-
-    def _nixl(self, wid: str, what: str, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except Exception as e:
-            raise KVTransferError(f"peer {wid!r}: NIXL {what} failed: "
-                                  f"{type(e).__name__}: {e}") from e
 
     # ---- lifetime ------------------------------------------------------------------------
 
@@ -402,7 +432,7 @@ class NixlKVTransport:
             for peer in peers:
                 self._drop(peer)
         if self._local_dlist is not None:
-            _try_release(self._local_dlist)
+            try_release(self._local_dlist)
         try:
             self._agent.deregister_memory(self._reg)
             self._agent.deregister_memory(self._scratch_reg)
@@ -415,28 +445,3 @@ class NixlKVTransport:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _make_agent(name: str, backends: Sequence[str], num_threads: int) -> Any:
-    # Imported here: `import nixl` loads UCX and CUDA plugins; handshake users don't need it.
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-    config = nixl_agent_config(
-        enable_prog_thread=True, enable_listen_thread=False,  # no socket metadata exchange
-        capture_telemetry=True,  # per-transfer descriptor counts
-        num_threads=num_threads, backends=list(backends),
-        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)  # concurrent reads from a pool
-    agent = nixl_agent(name, config)
-    missing = [b for b in backends if b not in agent.backends]
-    if missing:
-        raise KVTransferError(f"backends: NIXL plugin(s) {missing} unavailable "
-                              f"(have {agent.get_plugin_list()})")
-    return agent
-
-
-def _try_release(handle: Any) -> bool:
-    try:
-        handle.release()
-        return True
-    except Exception:
-        log.warning("releasing NIXL handle %r failed", handle, exc_info=True)
-        return False

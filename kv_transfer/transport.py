@@ -3,6 +3,9 @@
     transport = make_transport(cfg.kv_transport, kv_cache, worker_id, compat, ...)
     info = transport.peer_info()          # published to peers (PeerInfo bytes over gRPC)
     transport.add_peer(peer_info)         # refuses an incompatible peer, naming the field
+    # tensor parallelism: one transport per rank (tp=TPKVInfo, rank=r); rank 0 publishes
+    # group_peer_info(its peer_info(), [each rank's rank_endpoint()]); every rank adds peers
+    # and reads its own head slices (same block ids on every rank)
     transport.warm_up(peer, incarnation, deadline)
     transport.read_blocks(peer, incarnation, remote_ids, local_ids, deadline)   # pull
     transport.close()
@@ -19,9 +22,11 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine.core.tp import TPKVInfo
+
 from .errors import TransferStats
 from .faults import FaultInjector
-from .handshake import PeerInfo
+from .handshake import PeerInfo, RankEndpoint
 from .metrics import KVMetrics
 
 
@@ -33,7 +38,11 @@ class KVTransport(Protocol):
 
     def peer_info(self) -> PeerInfo: ...
 
+    def rank_endpoint(self) -> RankEndpoint: ...
+
     def add_peer(self, info: PeerInfo) -> None: ...
+
+    def remove_peer(self, worker_id: str) -> bool: ...
 
     def warm_up(self, peer_worker_id: str, incarnation: str, deadline: float) -> float: ...
 
@@ -64,10 +73,13 @@ TRANSPORTS: dict[str, TransportFactory] = {"nixl": _nixl, "inproc": _inproc}
 
 def make_transport(name: str, kv_cache: torch.Tensor, worker_id: str, compat: dict, *,
                    faults: FaultInjector | None = None, role: str = "decode",
-                   metrics: KVMetrics | None = None) -> KVTransport:
-    """The backend `name` (TRANSPORTS) over this worker's KV tensor."""
+                   metrics: KVMetrics | None = None, tp: TPKVInfo | None = None,
+                   rank: int = 0) -> KVTransport:
+    """The backend `name` (TRANSPORTS) over this worker's KV tensor (with `tp`: over rank
+    `rank`'s KV tensor of a tensor-parallel worker)."""
     try:
         factory = TRANSPORTS[name]
     except KeyError:
         raise ValueError(f"kv_transport: unknown {name!r}; known: {sorted(TRANSPORTS)}") from None
-    return factory(kv_cache, worker_id, compat, faults, role=role, metrics=metrics)
+    return factory(kv_cache, worker_id, compat, faults, role=role, metrics=metrics, tp=tp,
+                   rank=rank)

@@ -90,6 +90,30 @@ def engine_args(args: argparse.Namespace, **fields: object) -> EngineArgs:
                       **fields)  # type: ignore[arg-type]
 
 
+def role_tp(args: argparse.Namespace) -> dict[str, int]:
+    """The tensor-parallel size of each role's workers (colocated ones take --decode-tp)."""
+    return {"prefill": args.prefill_tp, "decode": args.decode_tp, "colocated": args.decode_tp}
+
+
+def check_tp(args: argparse.Namespace, model_config: object) -> str | None:
+    """The first TP flag the model or the other flags cannot run with, naming it: the heads,
+    KV heads, MLP and vocabulary must split (engine/core/tp.py), and what TP does not run yet
+    (engine/dist/rank.py check_tp_args) is refused here rather than in every worker."""
+    from pdserve.engine.dist.heads import check_model_split
+    from pdserve.engine.dist.rank import check_tp_args
+
+    roles = ["colocated"] if args.colocated else ["prefill", "decode"]
+    for role in roles:
+        tp = role_tp(args)[role]
+        flag = "--prefill-tp" if role == "prefill" else "--decode-tp"
+        try:
+            check_model_split(model_config, tp)
+            check_tp_args(engine_args(args, tensor_parallel_size=tp))
+        except ConfigError as e:
+            return f"{flag} {tp}: {e}"
+    return None
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream one completion to stdout (offline engine)")
     p.add_argument("prompt", help="the prompt text")

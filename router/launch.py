@@ -4,6 +4,7 @@
     pdserve serve --prefill 2 --decode 2 --model /models/llama.gguf
     pdserve serve --colocated --replicas 2        # workers that do both (the baseline)
     pdserve serve --speculative mtp --num-speculative-tokens 2   # MTP drafting on every worker
+    pdserve serve --prefill-tp 2 --decode-tp 4    # tensor-parallel workers (GPUs of one node)
 
 HTTP (OpenAI-compatible) on 127.0.0.1:8000, gRPC (pdserve.v1.Pdserve) on 127.0.0.1:50051
 unless told otherwise; both endpoints and each worker's metrics address are printed once
@@ -46,6 +47,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--served-model-name", default=None, help="the model id clients use (default: from the model)")
     a("--prefill", type=int, default=1, help="prefill workers (default 1)")
     a("--decode", type=int, default=1, help="decode workers (default 1)")
+    a("--prefill-tp", type=int, default=1, metavar="N",
+      help="tensor-parallel size of each prefill worker: N ranks (GPUs) on one node (default 1)")
+    a("--decode-tp", type=int, default=1, metavar="M",
+      help="tensor-parallel size of each decode worker (and of --colocated workers) (default 1)")
+    a("--tp-timeout", type=float, default=60.0, metavar="SECONDS",
+      help="inside a tensor-parallel worker, every wait (joining, a collective, a rank's "
+           "silence) ends after this; a rank that dies or hangs fails its whole worker, "
+           "which is relaunched (default 60)")
     a("--colocated", action="store_true", help="workers that prefill and decode (see --replicas)")
     a("--replicas", type=int, default=1, help="colocated workers (with --colocated)")
     a("--host", default="127.0.0.1", help="bind address of HTTP and gRPC (default 127.0.0.1)")
@@ -102,6 +111,7 @@ def _check(args: argparse.Namespace) -> str | None:
     """The first bad flag, as a message naming it."""
     mins = [("--replicas", args.replicas, 1)] if args.colocated else \
         [("--prefill", args.prefill, 0), ("--decode", args.decode, 1)]
+    mins += [("--prefill-tp", args.prefill_tp, 1), ("--decode-tp", args.decode_tp, 1)]
     for flag, v, least in mins:
         if v < least:
             return f"{flag}: must be >= {least}, got {v}"
@@ -116,6 +126,10 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"{flag}: must be >= 1, got {v}"
     if args.retry_budget < 0 or args.disagg_threshold < 0:
         return "--retry-budget/--disagg-threshold: must be >= 0"
+    if args.colocated and args.prefill_tp != 1:
+        return "--prefill-tp: --colocated runs no prefill workers (--decode-tp sets their size)"
+    if not args.tp_timeout > 0:
+        return f"--tp-timeout: must be > 0 seconds, got {args.tp_timeout}"
     if args.max_restarts < -1:
         return f"--max-restarts: must be >= -1 (-1 = no limit), got {args.max_restarts}"
     if not args.exit_after_unavailable >= 0:
@@ -205,10 +219,11 @@ def _cluster_secret(args: argparse.Namespace) -> str:
 def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     import ray
 
-    from pdserve.router.cli import engine_args
+    from pdserve.router.cli import engine_args, role_tp
     from pdserve.router.pool import RayWorkerRef
     from pdserve.worker.actor import launch_worker
     from pdserve.worker.config import WorkerConfig
+    from pdserve.worker.tp_worker import launch_tp_worker
 
     gpus = ray.cluster_resources().get("GPU", 0)
     device = args.device or ("cuda" if gpus >= 1 else "cpu")
@@ -224,17 +239,25 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
                          use_triton=fast, use_cuda_graphs=fast)
     refs = []
     for role, count in roles:
+        tp = role_tp(args)[role]
+        # CUDA graphs are captured on rank 0 only so far (engine/dist/rank.py check_tp_args)
+        role_engine = engine if tp == 1 else engine.replace(tensor_parallel_size=tp,
+                                                            use_cuda_graphs=False)
         for i in range(count):
             cfg = WorkerConfig(role=role, worker_id=f"{role}-{i}", cluster_secret=cluster_secret,
-                               engine=engine, host=args.worker_host, lease_ttl_s=args.lease_ttl)
-            # restarts are the pool's (RayWorkerRef), with backoff and no limit by default
-            launch = functools.partial(launch_worker, cfg, num_gpus=num_gpus, num_cpus=num_cpus)
+                               engine=role_engine, host=args.worker_host,
+                               lease_ttl_s=args.lease_ttl, tp_timeout_s=args.tp_timeout)
+            # restarts are the pool's (RayWorkerRef), with backoff and no limit by default; a
+            # TP worker's launch returns its rank 0 and relaunches the whole group
+            launch = functools.partial(launch_worker if tp == 1 else launch_tp_worker, cfg,
+                                       num_gpus=num_gpus, num_cpus=num_cpus)
             refs.append(RayWorkerRef(launch(generation=0), cfg.worker_id, role, launch=launch,
                                      max_restarts=args.max_restarts))
     spec = "" if not args.speculative else \
         f", speculative {args.speculative} k={args.num_speculative_tokens or 1}"
-    _say(f"pdserve: launched {len(refs)} workers on {device} "
-         f"({', '.join(f'{n} {r}' for r, n in roles)}{spec}); loading the model")
+    sizes = ", ".join(f"{n} {r}" + (f" x TP {role_tp(args)[r]}" if role_tp(args)[r] > 1 else "")
+                      for r, n in roles)
+    _say(f"pdserve: launched {len(refs)} workers on {device} ({sizes}{spec}); loading the model")
     return refs
 
 
@@ -337,6 +360,12 @@ async def _serve(args: argparse.Namespace) -> int:
         except ConfigError as e:
             print(f"pdserve serve: --speculative: {e}", file=sys.stderr)
             return 2
+    from pdserve.router.cli import check_tp
+
+    problem = check_tp(args, frontend.config)
+    if problem:
+        print(f"pdserve serve: {problem}", file=sys.stderr)
+        return 2
     router_id = f"router-{uuid.uuid4().hex[:6]}"
     head = _start_ray(args, namespace=f"pdserve-{router_id}")
     refs: list = []

@@ -57,6 +57,15 @@ class WorkerActor:
     def kv_digests(self, block_ids: list[int], num_tokens: int) -> list[str]:
         return self.w.rt.kv_digests(block_ids, num_tokens)
 
+    def kv_head_digests(self, block_ids: list[int], num_tokens: int) -> dict[int, list[str]]:
+        """{KV head: sha256 per block} of this rank's heads (a TP worker's followers answer
+        for theirs: follower_handles)."""
+        return self.w.rt.kv_head_digests(block_ids, num_tokens)
+
+    def follower_handles(self) -> list:
+        """The actors of ranks 1..N-1 (none: a one-rank worker)."""
+        return []
+
     def recent_pulls(self) -> list[tuple[str, list[int], list[int], int]]:
         return list(self.w.decode.recent_pulls)
 

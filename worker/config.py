@@ -30,6 +30,9 @@ class WorkerConfig:
     metrics_port: int = 0  # 0 = pick a free port; -1 = no metrics server
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    # a tensor-parallel worker (engine.tensor_parallel_size > 1, worker/tp_worker.py): every
+    # wait inside its group (joining, each collective, a rank's silence) ends after this
+    tp_timeout_s: float = 60.0
     kv_transport: str = "nixl"  # kv_transfer.transport.TRANSPORTS: "nixl" | "inproc"
     faults: FaultConfig = field(default_factory=FaultConfig)  # test switches, off by default
 
@@ -45,12 +48,13 @@ class WorkerConfig:
             raise ValueError(f"lease_ttl_s: must be > 0, got {self.lease_ttl_s}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s: must be > 0, got {self.transfer_timeout_s}")
-        if self.engine.tensor_parallel_size > 1:  # refused rather than moving wrong KV
-            raise ValueError(
-                f"engine.tensor_parallel_size: {self.engine.tensor_parallel_size}: serving "
-                f"workers run one rank until their KV transfer pulls every rank's head slices "
-                f"(docs/tensor_parallel.md); the offline engine (LLM, pdserve generate) runs "
-                f"tensor parallel")
+        if self.engine.tensor_parallel_size > 1 and self.kv_transport == "inproc":
+            raise ValueError(f"kv_transport: 'inproc' copies between engines of one process; "
+                             f"a worker of engine.tensor_parallel_size="
+                             f"{self.engine.tensor_parallel_size} is that many processes "
+                             f"(use 'nixl')")
+        if not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s: must be > 0, got {self.tp_timeout_s}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport: must be one of {sorted(TRANSPORTS)}, "
                              f"got {self.kv_transport!r}")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.exec.kv_cache import layer_views
 from pdserve.engine.llm import build_engine
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.kv_transfer.faults import FaultInjector
@@ -29,6 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def build_worker_engine(cfg: WorkerConfig) -> LLMEngine:
+    if cfg.engine.tensor_parallel_size > 1:  # each rank needs its transport (tp_worker.py)
+        raise ValueError(f"engine.tensor_parallel_size: a worker of "
+                         f"{cfg.engine.tensor_parallel_size} ranks is launched by "
+                         f"worker/tp_worker.py launch_tp_worker, which builds rank 0's engine "
+                         f"and every rank's KV transport")
     engine = build_engine(cfg.engine)
     # prefill role: ship the last hidden state (with MTP the decode worker drafts from it;
     # the MTP layer's KV of the prompt is written here and travels in the same blocks)
@@ -37,17 +44,22 @@ def build_worker_engine(cfg: WorkerConfig) -> LLMEngine:
 
 
 class WorkerRuntime:
-    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
+    """transport: built here over the engine's cache (TP 1), or given: a tensor-parallel
+    worker's GroupTransport over every rank's (worker/tp_worker.py), made with this
+    runtime's faults and kv_metrics (make_metrics)."""
+
+    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None,
+                 transport: Callable[[WorkerRuntime], KVTransport] | None = None) -> None:
         self.cfg = cfg
         self.engine = engine or build_worker_engine(cfg)
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry, cfg.role, cfg.worker_id)
         self.kv_metrics = kv_metrics(self.registry).bind(cfg.role, cfg.worker_id)
         self.faults = FaultInjector(cfg.faults)
-        self.transport: KVTransport = make_transport(
-            cfg.kv_transport, self.engine.runner.kv_cache, cfg.worker_id,
-            self.engine.kv_compat_payload(), faults=self.faults, role=cfg.role,
-            metrics=self.kv_metrics)
+        self.transport: KVTransport = transport(self) if transport is not None else \
+            make_transport(cfg.kv_transport, self.engine.runner.kv_cache, cfg.worker_id,
+                           self.engine.kv_compat_payload(), faults=self.faults, role=cfg.role,
+                           metrics=self.kv_metrics)
         # a restart makes a new transport, hence a new incarnation (ANCHORS #3)
         self.incarnation = self.transport.incarnation
         self.compat_hash = self.transport.peer_info().compat_hash
@@ -98,13 +110,58 @@ class WorkerRuntime:
     def kv_digests(self, block_ids: list[int], num_tokens: int) -> list[str]:
         """sha256 of each block's first tokens (all layers, K and V): tests compare P and D."""
         def digest(e: LLMEngine) -> list[str]:
-            kv, bs, out = e.runner.kv_cache, e.config.cache.block_size, []
-            for i, b in enumerate(block_ids):
-                n = min(bs, num_tokens - i * bs)
-                raw = kv[b, :, :, :n].contiguous().cpu().view(torch.uint8).numpy().tobytes()
-                out.append(hashlib.sha256(raw).hexdigest())
-            return out
+            return block_digests(e.runner.kv_cache, e.config.model.num_kv_layers, block_ids,
+                                 num_tokens, e.config.cache.block_size)
         return self.loop.call(digest, timeout_s=30)
+
+    def kv_head_digests(self, block_ids: list[int], num_tokens: int,
+                        first_head: int = 0) -> dict[int, list[str]]:
+        """Per KV head of this rank's cache (global index = first_head + local): the sha256
+        of each block's first tokens of that head (all layers, K and V, and its FP8 scales).
+        A TP worker's ranks each answer for their heads; tests compare them with the prefill
+        ranks' heads."""
+        def digest(e: LLMEngine) -> dict[int, list[str]]:
+            return head_digests(e.runner.kv_cache, e.config.model.num_kv_layers, first_head,
+                                block_ids, num_tokens, e.config.cache.block_size)
+        return self.loop.call(digest, timeout_s=30)
+
+
+def _head_bytes(kv: torch.Tensor, layers: int, block: int, n: int, heads: slice) -> bytes:
+    """The bytes of tokens [:n] of `heads` in one block, layer by layer (K, V, then the FP8
+    scales), through the cache's logical views: the same bytes whatever the physical layout
+    (heads inside or outside the block's layers)."""
+    parts = []
+    for layer in range(layers):
+        view = layer_views(kv, layer)  # k, v [NB, BS, Hkv, D]; scales [NB, Hkv]
+        parts += [view.k[block, :n, heads], view.v[block, :n, heads]]
+        if view.scales is not None:
+            parts += [view.scales.k[block, heads], view.scales.v[block, heads]]
+    return b"".join(p.contiguous().cpu().view(torch.uint8).numpy().tobytes() for p in parts)
+
+
+def block_digests(kv: torch.Tensor, layers: int, block_ids: list[int], num_tokens: int,
+                  block_size: int) -> list[str]:
+    """sha256 per block of its first tokens, every head (see _head_bytes)."""
+    out = []
+    for i, b in enumerate(block_ids):
+        n = min(block_size, num_tokens - i * block_size)
+        out.append(hashlib.sha256(_head_bytes(kv, layers, b, n, slice(None))).hexdigest())
+    return out
+
+
+def head_digests(kv: torch.Tensor, layers: int, first_head: int, block_ids: list[int],
+                 num_tokens: int, block_size: int) -> dict[int, list[str]]:
+    """{global KV head: sha256 per block of that head's first tokens} for the heads of this
+    cache (layer_views' head dim), numbered from first_head."""
+    heads = layer_views(kv, 0).k.shape[2]
+    out: dict[int, list[str]] = {}
+    for h in range(heads):
+        out[first_head + h] = []
+        for i, b in enumerate(block_ids):
+            n = min(block_size, num_tokens - i * block_size)
+            raw = _head_bytes(kv, layers, b, n, slice(h, h + 1))
+            out[first_head + h].append(hashlib.sha256(raw).hexdigest())
+    return out
 
 
 def peer_from_proto(msg: pb.PeerInfo) -> PeerInfo:

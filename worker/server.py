@@ -9,11 +9,13 @@ in-process, with the in-process KV transport where NIXL is not the point.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.transport import KVTransport
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
@@ -26,8 +28,11 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
-        self.rt = WorkerRuntime(cfg, engine)
+    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None,
+                 transport: Callable[[WorkerRuntime], KVTransport] | None = None) -> None:
+        """engine and transport: given by a tensor-parallel worker's rank 0 (its engine
+        leads the other ranks; its GroupTransport spans them, worker/tp_worker.py)."""
+        self.rt = WorkerRuntime(cfg, engine, transport)
         self.prefill = PrefillService(self.rt)
         self.decode = DecodeService(self.rt)
         self.server: grpc.Server | None = None

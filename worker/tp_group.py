@@ -118,6 +118,22 @@ class RankActor:
         return {"rank": self.rank, "num_heads": parts.net.config.num_heads,
                 "num_kv_heads": parts.net.config.num_kv_heads}
 
+    def serve_follower(self, cfg: object, address: str) -> int:
+        """A serving TP worker's follower (worker/tp_worker.py starts it): load, join the
+        group at `address` (rank 0's store), run the lockstep loop and the KV thread over
+        this rank's own transport (worker/tp_follower.py). Returns once both run."""
+        from pdserve.kv_transfer.ucx_binding import bind_ucx
+        from pdserve.worker.tp_follower import FollowerRank
+
+        bind_ucx(cfg.host)  # before the transport creates its NIXL agent
+        logging.basicConfig(level=logging.INFO)
+        self._model = FollowerRank.start(cfg, self._cfg(address))
+        return self.rank
+
+    def kv_head_digests(self, block_ids: list[int], num_tokens: int) -> dict[int, list[str]]:
+        """A serving follower's KV heads (tests compare them with the prefill ranks')."""
+        return self._model.kv_head_digests(block_ids, num_tokens)
+
     def generate_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Rank 0 with load_engine: greedy completions of token-id prompts through the engine
         (tests; serving goes through the Worker's gRPC, docs/tensor_parallel.md)."""
@@ -208,7 +224,7 @@ class TPGroupHandle:
         remove_placement_group(self.pg)
 
 
-def _remove_previous(worker_id: str, generation: int) -> None:
+def remove_previous(worker_id: str, generation: int) -> None:
     for g in range(generation):
         try:
             remove_placement_group(ray.util.get_placement_group(group_name(worker_id, g)))
@@ -222,7 +238,7 @@ def launch_tp_group(worker_id: str, tp: int, generation: int = 0, num_gpus: floa
     """Place tp rank actors on one node (STRICT_PACK), start them and join their group;
     every wait has a deadline (ready_timeout_s for placement and start, timeout_s inside the
     group). An earlier generation of this worker is removed first."""
-    _remove_previous(worker_id, generation)
+    remove_previous(worker_id, generation)
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
     pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
                          name=group_name(worker_id, generation))

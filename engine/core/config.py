@@ -181,14 +181,16 @@ class EngineConfig:
         return replace(self, **changes)
 
 
-KV_LAYOUT_VERSION = 1
+# 2: heads outermost inside a block, [NB, Hkv, L (+ S), 2, BS, D], each head's fp8 scales in
+# its own region (engine/exec/kv_cache.py); 1 was [NB, L (+ S), 2, BS, Hkv, D]
+KV_LAYOUT_VERSION = 2
 SCALE_BYTES = 4  # an fp8 cache's scale: one fp32 per (block, layer, K/V, KV head)
 
 
 def scale_layers(num_kv_layers: int, block_size: int, head_dim: int) -> int:
-    """Trailing pseudo-layers of an fp8 cache block (2 * block_size * Hkv * head_dim bytes
-    each) that hold its num_kv_layers * 2 * Hkv fp32 scales: ceil(4 L / (block_size * D))
-    (engine/exec/kv_cache.py)."""
+    """Trailing pseudo-layers of each head's region of an fp8 cache block (2 * block_size *
+    head_dim bytes each) that hold that head's num_kv_layers * 2 fp32 scales:
+    ceil(4 L / (block_size * D)) (engine/exec/kv_cache.py)."""
     return -(-(num_kv_layers * SCALE_BYTES) // (block_size * head_dim))
 
 
@@ -199,7 +201,8 @@ def kv_format(model: ModelConfig, cache: CacheConfig) -> dict:
         return {"kv_cache_dtype": "auto", "kv_scales": None}
     return {"kv_cache_dtype": "fp8",
             "kv_scales": {"values": "float8_e4m3fn", "dtype": "float32",
-                          "per": "block,layer,k_v,kv_head", "placement": "trailing_layers",
+                          "per": "block,layer,k_v,kv_head",
+                          "placement": "head_region_trailing_layers",
                           "scale_layers": scale_layers(model.num_kv_layers, cache.block_size,
                                                        model.head_dim)}}
 

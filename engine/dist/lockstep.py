@@ -12,13 +12,25 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Protocol
 
 import torch
 
 from pdserve.engine.dist import protocol as proto
+from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import TPGroup
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
+
+
+class Channel(Protocol):
+    """What Leader and receive_message need of a group: TPGroup's control channel, or the
+    KV channel of a serving worker (worker/tp_kv.py)."""
+
+    size: int
+    cfg: ParallelConfig  # its timeout_s sets the keep-alive period
+
+    def broadcast_control(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 class Leader:
@@ -26,7 +38,7 @@ class Leader:
     start_keepalive) sends a keep-alive when idle. Sends are serialized by a lock, so the
     keep-alive thread and the engine thread never interleave a message's two broadcasts."""
 
-    def __init__(self, group: TPGroup, keepalive_s: float | None = None) -> None:
+    def __init__(self, group: TPGroup | Channel, keepalive_s: float | None = None) -> None:
         self.group = group
         self.seq = 0
         self.keepalive_s = keepalive_s if keepalive_s is not None else group.cfg.timeout_s / 4
@@ -38,8 +50,8 @@ class Leader:
     def send(self, kind: proto.Kind, fields: dict[str, list[int]], flags: int = 0) -> None:
         if self.group.size == 1:
             return
-        header, payload = proto.encode(kind, self.seq, fields, flags)
-        with self._lock:
+        with self._lock:  # seq is read and advanced under the lock: senders on many threads
+            header, payload = proto.encode(kind, self.seq, fields, flags)
             self.group.broadcast_control(header)
             if payload.numel():
                 self.group.broadcast_control(payload)
@@ -79,6 +91,18 @@ class Leader:
         self.send(proto.Kind.STOP, {})
 
 
+def receive_message(group: Channel, seq: int) -> proto.Message:
+    """The next message rank 0 broadcast on `group` (header, then payload), checked to be
+    number `seq` (GroupError when nothing comes within the group's timeout)."""
+    header = torch.empty(proto.HEADER_LEN, dtype=torch.int64)
+    group.broadcast_control(header)
+    kind, flags, lens = proto.read_header(header, seq)
+    payload = torch.empty(sum(lens), dtype=torch.int64)
+    if payload.numel():
+        group.broadcast_control(payload)
+    return proto.decode(kind, seq, flags, lens, payload)
+
+
 class Follower:
     """A rank > 0: receive, run, repeat until STOP (or a GroupError ends the process)."""
 
@@ -89,13 +113,7 @@ class Follower:
         self.steps = 0  # forwards run (tests and metrics)
 
     def receive(self) -> proto.Message:
-        header = torch.empty(proto.HEADER_LEN, dtype=torch.int64)
-        self.group.broadcast_control(header)
-        kind, flags, lens = proto.read_header(header, self.seq)
-        payload = torch.empty(sum(lens), dtype=torch.int64)
-        if payload.numel():
-            self.group.broadcast_control(payload)
-        msg = proto.decode(kind, self.seq, flags, lens, payload)
+        msg = receive_message(self.group, self.seq)
         self.seq += 1
         return msg
 
@@ -110,6 +128,8 @@ class Follower:
             elif msg.kind == proto.Kind.COPY_BLOCKS:
                 for s, d in zip(msg.fields["src"], msg.fields["dst"]):
                     self.kv_cache[d].copy_(self.kv_cache[s])
+            elif msg.kind != proto.Kind.KEEPALIVE:  # KV kinds go on the KV channel only
+                raise proto.ProtocolError(f"header.kind: {msg.kind.name} on the step channel")
 
     @torch.inference_mode()
     def forward(self, msg: proto.Message) -> None:

@@ -13,6 +13,15 @@ Header: [MAGIC, VERSION, kind, seq, flags, nfields, len_0 .. len_{MAX_FIELDS-1}]
 
 Kinds: FORWARD (one model forward + its logits), COPY_BLOCKS (copy-on-write of whole blocks
 in every rank's cache), KEEPALIVE (the leader is idle but alive), STOP (leave the loop).
+
+KV kinds (a serving TP worker, worker/tp_kv.py): they travel on a SEPARATE gloo group from
+the steps, so a KV pull never waits behind, or blocks, a forward. Each carries an `op` id
+(the follower reports its result under it) and, where it waits, `budget_ms`: the time left
+to the deadline when rank 0 sent it (monotonic clocks differ between processes). Strings and
+bytes travel packed 8 to an int64 word after their length (pack_bytes / unpack_bytes).
+  ADD_PEER (op, info = PeerInfo bytes, budget_ms), WARM_UP (op, worker_id, incarnation,
+  budget_ms), KV_PULL (op, worker_id, incarnation, remote_ids, local_ids, budget_ms),
+  REMOVE_PEER (op, worker_id).
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ import torch
 from pdserve.engine.model.attention import HostBatch
 
 MAGIC = 0x7064_7470  # "pdtp"
-VERSION = 1
+VERSION = 2  # 2: the KV kinds
 MAX_FIELDS = 10
 HEADER_LEN = 6 + MAX_FIELDS
 MAX_PAYLOAD = 1 << 26  # int64 values: far beyond any step (tokens + block tables)
@@ -39,6 +48,13 @@ class Kind(IntEnum):
     COPY_BLOCKS = 2
     KEEPALIVE = 3
     STOP = 4
+    ADD_PEER = 5
+    KV_PULL = 6
+    REMOVE_PEER = 7
+    WARM_UP = 8
+
+
+KV_KINDS = (Kind.ADD_PEER, Kind.KV_PULL, Kind.REMOVE_PEER, Kind.WARM_UP)
 
 
 # flags of a FORWARD
@@ -50,6 +66,10 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.COPY_BLOCKS: ("src", "dst"),
     Kind.KEEPALIVE: (),
     Kind.STOP: (),
+    Kind.ADD_PEER: ("op", "info", "budget_ms"),
+    Kind.KV_PULL: ("op", "worker_id", "incarnation", "remote_ids", "local_ids", "budget_ms"),
+    Kind.REMOVE_PEER: ("op", "worker_id"),
+    Kind.WARM_UP: ("op", "worker_id", "incarnation", "budget_ms"),
 }
 
 
@@ -142,3 +162,43 @@ def batch_of(msg: Message) -> HostBatch:
         at += n
     return HostBatch(f["input_ids"], f["positions"], f["slots"], f["query_lens"],
                      f["seq_lens"], tables, f["scalars"][0])
+
+
+def pack_bytes(data: bytes) -> list[int]:
+    """[len, then the bytes 8 to a little-endian int64 word, zero-padded]."""
+    padded = data + b"\0" * (-len(data) % 8)
+    words = torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist() if padded else []
+    return [len(data)] + words
+
+
+def unpack_bytes(values: list[int], name: str) -> bytes:
+    """The bytes pack_bytes packed; ProtocolError naming the field when they do not fit."""
+    if not values or not 0 <= values[0] <= 8 * (len(values) - 1) < values[0] + 8:
+        raise ProtocolError(f"{name}: packed length {values[:1]} does not match "
+                            f"{len(values) - 1} words")
+    raw = torch.tensor(values[1:], dtype=torch.int64).numpy().tobytes()
+    return raw[: values[0]]
+
+
+def unpack_text(values: list[int], name: str) -> str:
+    try:
+        return unpack_bytes(values, name).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"{name}: not UTF-8 ({e})") from None
+
+
+def kv_op(msg: Message) -> int:
+    """The op id of a KV message (its result is reported under it)."""
+    op = msg.fields["op"]
+    if len(op) != 1 or op[0] < 0:
+        raise ProtocolError(f"{msg.kind.name.lower()}.op: expected one id >= 0, got {op}")
+    return op[0]
+
+
+def budget_s(msg: Message) -> float:
+    """A KV message's time budget in seconds (its deadline, relative to its arrival)."""
+    b = msg.fields["budget_ms"]
+    if len(b) != 1 or b[0] < 0:
+        raise ProtocolError(f"{msg.kind.name.lower()}.budget_ms: expected one value >= 0, "
+                            f"got {b}")
+    return b[0] / 1000.0

@@ -1,15 +1,18 @@
-"""The paged KV cache's memory: one tensor, one region per block (what KV transfer moves).
+"""The paged KV cache's memory: one tensor, one region per block (what KV transfer moves),
+and inside a block one region per KV head (layout version 2, heads outermost):
 
-    kv_cache: [num_blocks, num_kv_layers + S, 2, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_blocks, num_kv_heads, num_kv_layers + S, 2, block_size, head_dim]
 
 "auto" (S = 0): the model's dtype. "fp8" (kernels/kv_quant.py): float8_e4m3fn values, and
-S = scale_layers(...) trailing pseudo-layers per block whose first L * 2 * Hkv * 4 bytes hold
-the block's fp32 scales [L, 2 (K, V), Hkv] (L = num_kv_layers). So a block's values and
-scales are one contiguous byte range: copy-on-write (kv_cache[dst].copy_(kv_cache[src])), NIXL
-registration and coalesced transfers move them together, and the 6-dim shape keeps telling
-the transfer layer what a block is. S is 1 for any real model (4 L <= block_size * head_dim):
-1 / (L + 1) of the pool, 2.7% for Qwen3-8B's 36 layers. Every view into the cache -- a layer's
-K/V [NB, BS, Hkv, D] and its scales [NB, Hkv] -- is computed here (layer_views).
+S = scale_layers(...) trailing pseudo-layers in each head's region whose first L * 2 * 4
+bytes hold that head's fp32 scales [L, 2 (K, V)] (L = num_kv_layers). So a block's values
+and scales are one contiguous byte range (copy-on-write kv_cache[dst].copy_(kv_cache[src]),
+NIXL registration and coalesced transfers move them together), and so is one head of a block
+with its scales (what a decode rank of another TP size pulls: kv_transfer/tp_pull.py). S is
+1 for any real model (4 L <= block_size * head_dim): 1 / (L + 1) of the pool, 2.7% for
+Qwen3-8B's 36 layers. Every view into the cache -- a layer's K/V [NB, BS, Hkv, D] and its
+scales [NB, Hkv], strided (head stride = one head region) -- is computed here (layer_views);
+the kernels take every stride they are given.
 """
 from __future__ import annotations
 
@@ -42,12 +45,13 @@ def kv_torch_dtype(cache: CacheConfig) -> torch.dtype:
 
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Zeros [num_blocks, num_kv_layers (+ scale layers for fp8), 2, block_size, Hkv, D]: one
-    block = one region (a zero scale marks a block no write has started yet)."""
+    """Zeros [num_blocks, Hkv, num_kv_layers (+ scale layers for fp8), 2, block_size, D]: one
+    block = one region, one head of it = one sub-region (a zero scale marks a block no write
+    has started yet). `model.num_kv_heads` is this cache's count (a TP rank's local one)."""
     layers = model.num_kv_layers
     if dtype == FP8:
         layers += scale_layers(layers, block_size, model.head_dim)
-    shape = (num_blocks, layers, 2, block_size, model.num_kv_heads, model.head_dim)
+    shape = (num_blocks, model.num_kv_heads, layers, 2, block_size, model.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -66,7 +70,7 @@ def data_layers(kv_cache: torch.Tensor) -> int:
     """The number of KV layers L of a cache tensor (its layer dim minus the fp8 scale layers):
     L + scale_layers(L) is increasing in L, so the L that gives the tensor's layer count is
     unique."""
-    total, bs, d = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[5]
+    total, bs, d = kv_cache.shape[2], kv_cache.shape[4], kv_cache.shape[5]
     if kv_cache.dtype != FP8:
         return total
     for layers in range(total - 1, 0, -1):
@@ -76,13 +80,14 @@ def data_layers(kv_cache: torch.Tensor) -> int:
 
 
 def block_scales(kv_cache: torch.Tensor) -> torch.Tensor:
-    """[NB, L, 2, Hkv] float32 view of every block's scales (fp8 caches only)."""
+    """[NB, L, 2, Hkv] float32 view of every block's scales (fp8 caches only), strided: the
+    head stride is one head region, the scales of (block, head) are [L, 2] contiguous."""
     if kv_cache.dtype != FP8:
         raise ValueError(f"kv_cache: {kv_cache.dtype} cache has no scales")
-    nb, hkv, layers = kv_cache.shape[0], kv_cache.shape[4], data_layers(kv_cache)
-    tail = kv_cache[:, layers:].flatten(1)  # [NB, S * 2 * BS * Hkv * D] bytes, block-strided
-    n = layers * 2 * hkv * SCALE_BYTES
-    return tail[:, :n].view(torch.float32).view(nb, layers, 2, hkv)
+    nb, hkv, layers = kv_cache.shape[0], kv_cache.shape[1], data_layers(kv_cache)
+    tail = kv_cache[:, :, layers:].flatten(2)  # [NB, Hkv, S * 2 * BS * D] bytes per head
+    n = layers * 2 * SCALE_BYTES
+    return tail[:, :, :n].view(torch.float32).view(nb, hkv, layers, 2).permute(0, 2, 3, 1)
 
 
 class LayerKV(NamedTuple):
@@ -95,9 +100,14 @@ class LayerKV(NamedTuple):
 
 def layer_views(kv_cache: torch.Tensor, layer: int,
                 static: tuple[float, float] | None = None) -> LayerKV:
-    """Layer `layer`'s K/V views and, for an fp8 cache, its scales [NB, Hkv] (with the
-    checkpoint's static per-tensor scales `static` = (k, v) when it ships them)."""
-    k, v = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    """Layer `layer`'s K/V views [NB, BS, Hkv, D] (strided: the head stride is one head
+    region) and, for an fp8 cache, its scales [NB, Hkv] (with the checkpoint's static
+    per-tensor scales `static` = (k, v) when it ships them)."""
+    if kv_cache.dim() != 6 or kv_cache.shape[3] != 2:  # e.g. a hand-built layout-1 cache
+        raise ValueError(f"kv_cache: expected [num_blocks, Hkv, layers, 2, block_size, "
+                         f"head_dim] (layout version 2), got shape {tuple(kv_cache.shape)}")
+    k = kv_cache[:, :, layer, 0].transpose(1, 2)
+    v = kv_cache[:, :, layer, 1].transpose(1, 2)
     if kv_cache.dtype != FP8:
         return LayerKV(k, v, None)
     s = block_scales(kv_cache)

@@ -1,10 +1,11 @@
 """Attention metadata for one engine step over the paged KV cache, and the torch reference.
 
-KV cache layout (one tensor per worker, allocated once):
-    kv_cache: [num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim]
+KV cache layout (one tensor per worker, allocated once; engine/exec/kv_cache.py):
+    kv_cache: [num_blocks, num_kv_heads, num_kv_layers (+ fp8 scale layers), 2, block_size, head_dim]
 One block = all layers, K and V, contiguous -- so a KV transfer moves whole blocks as single
-regions (see DESIGN.md, KV transfer). A layer's view kv_cache[:, layer, 0] is
-[num_blocks, block_size, num_kv_heads, head_dim] with a large block stride.
+regions (see docs/design.md, KV transfer) -- and inside it each KV head's part is contiguous
+too (a tensor-parallel peer pulls just its heads). A layer's K view (kv_cache.layer_views) is
+[num_blocks, block_size, num_kv_heads, head_dim], strided.
 
 A step packs the new tokens of all scheduled sequences into one flat batch of T tokens
 (varlen, no padding): sequence i owns rows query_start_loc[i]:query_start_loc[i+1] and,

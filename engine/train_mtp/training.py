@@ -97,7 +97,7 @@ def batch_loss(model, head, backend: DenseCausalBackend, samples: list[Sample],
     the first draft's top-1 agreement with the target's argmax."""
     tokens, hidden, top_ids, top_logp, valid = _batch(samples, device)
     B, L1 = valid.shape  # L1 = L - 1 computed positions
-    dummy = torch.empty((1, head.config.num_kv_layers, 2, 1, 1, 1), device=device)
+    dummy = torch.empty((1, 1, head.config.num_kv_layers, 2, 1, 1), device=device)  # [NB, Hkv, L, 2, BS, D]
     backend.batch = B
     pos = torch.arange(L1, device=device).repeat(B)
     g = head(model, tokens[:, 1:].reshape(-1), hidden.reshape(B * L1, -1), pos, None, dummy)

@@ -79,11 +79,14 @@ def check_wiring(docs: list[dict]) -> None:
     router = next(s for s in kinds["Service"] if "router" in s["metadata"]["name"])
     assert router["spec"]["selector"] == {"ray.io/cluster": name, "ray.io/node-type": "head"}
     assert {p["targetPort"] for p in router["spec"]["ports"]} <= set(ports)
-    # pool sizes: --prefill/--decode = pods x GPUs per pod
+    # pool sizes: --prefill/--decode = pods x GPUs per pod / the pool's TP size, which
+    # divides a pod's GPUs (a worker's ranks are placed together)
     for g in rc["spec"]["workerGroupSpecs"]:
         [wc] = g["template"]["spec"]["containers"]
         gpus = int(wc["resources"]["limits"]["nvidia.com/gpu"])
-        assert re.search(rf"--{g['groupName']} {g['replicas'] * gpus}\b", cmd), cmd
+        tp = int(re.search(rf"--{g['groupName']}-tp (\d+)\b", cmd).group(1))
+        assert gpus % tp == 0, (g["groupName"], gpus, tp)
+        assert re.search(rf"--{g['groupName']} {g['replicas'] * gpus // tp}\b", cmd), cmd
         assert "$KUBERAY_GEN_RAY_START_CMD" in wc["args"][0]
     # the API key comes from a Secret (rendered here, or named by the user)
     env = {e["name"]: e for e in c.get("env", [])}
@@ -225,6 +228,48 @@ def test_helm_values_drive_the_cluster():
     groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
     assert groups["prefill"]["replicas"] == 3
     assert groups["prefill"]["rayStartParams"]["num-gpus"] == "8"
+
+
+@needs_kv
+def test_helm_tensor_parallel_pools():
+    """tensorParallelSize per pool: --prefill-tp / --decode-tp, and the pools count workers
+    of that many GPUs; a size that does not divide a pod's GPUs fails, naming the value."""
+    docs = _render({"prefill": {"replicas": 3, "gpusPerWorker": 8, "tensorParallelSize": 2},
+                    "decode": {"replicas": 2, "gpusPerWorker": 4, "tensorParallelSize": 4}})
+    for doc in docs:
+        validate_manifest(doc)
+    check_wiring(docs)
+    [rc] = by_kind(docs)["RayCluster"]
+    cmd = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "--prefill 12 --decode 2 --prefill-tp 2 --decode-tp 4" in cmd
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk missing")
+    with pytest.raises(helm.HelmError, match="decode.tensorParallelSize: 3 does not divide"):
+        _render({"decode": {"replicas": 1, "gpusPerWorker": 8, "tensorParallelSize": 3}})
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmError, match="tensorParallelSize"):
+            chart.validate_schema({"prefill": {"replicas": 1, "gpusPerWorker": 8,
+                                               "tensorParallelSize": 0}})
+
+
+def test_documented_serve_commands_parse_and_fit_the_nodes():
+    """The `pdserve serve` lines in cluster.yaml's header and the KubeRay manifest are valid
+    commands (the real parser and its checks), and each TP size divides a node's 8 GPUs."""
+    from pdserve.router.cli import build_parser
+    from pdserve.router.launch import _check
+
+    texts = [(DEPLOY / "ray" / "cluster.yaml").read_text(),
+             (DEPLOY / "kuberay" / "raycluster.yaml").read_text()]
+    lines = []
+    for text in texts:
+        flat = re.sub(r"\n\s*#?\s*", " ", text)
+        lines += re.findall(r"pdserve serve (--address auto(?: --(?!api-key)[\w-]+"
+                            r"(?: [\w./]+)?)*)", flat)
+    assert len(lines) == 2, lines
+    for line in lines:
+        args = build_parser().parse_args(["serve", *line.split()])
+        assert _check(args) is None, line
+        assert 8 % args.prefill_tp == 0 and 8 % args.decode_tp == 0, line
+    assert any("--decode-tp 4" in line for line in lines)
 
 
 def test_helm_rejects_values_outside_the_schema():

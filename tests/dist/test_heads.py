@@ -1,11 +1,12 @@
 """Head, KV-head, MLP and vocabulary splits over TP ranks, and the KV pull plan between
-prefill and decode workers of different TP sizes (engine/dist/heads.py, pure functions)."""
+prefill and decode workers of different TP sizes (engine/core/tp.py, pure functions;
+engine/dist/heads.py re-exports them)."""
 from __future__ import annotations
 
 import pytest
 
 from pdserve.engine.core.config import ConfigError, ModelConfig, MoEConfig
-from pdserve.engine.dist.heads import (
+from pdserve.engine.core.tp import (
     HeadPull,
     HeadSplit,
     TPKVInfo,
@@ -139,3 +140,11 @@ def test_slice_ranges_coalesce_whole_blocks_and_cut_slices_per_block() -> None:
     # P TP 1 (2 heads) -> decode rank 1 (1 head): head 1 of each prefill block, per block
     half = slice_ranges(HeadPull(0, 1, 0, 1), pairs, 2, 1, hb)
     assert half == [(700, 1000, 100), (900, 1100, 100), (1100, 1200, 100), (1900, 2000, 100)]
+
+
+def test_dist_heads_re_exports_core_tp() -> None:
+    from pdserve.engine.core import tp
+    from pdserve.engine.dist import heads
+
+    assert heads.pull_plan is tp.pull_plan and heads.TPKVInfo is tp.TPKVInfo
+    assert set(heads.__all__) <= set(dir(tp))

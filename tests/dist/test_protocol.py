@@ -73,3 +73,35 @@ def test_parallel_config_names_the_bad_field() -> None:
         args = {"tp_size": 2, "rank": 0, "backend": "gloo", "init_address": "tcp://h:1", **kw}
         with pytest.raises(ConfigError, match=f"^{field}:"):
             ParallelConfig(**args)
+
+
+@pytest.mark.parametrize("data", [b"", b"a", b"12345678", "décodé-0/ünïcode".encode(), bytes(range(256)) * 3])
+def test_bytes_pack_into_int64_words_and_back(data: bytes) -> None:
+    packed = proto.pack_bytes(data)
+    assert packed[0] == len(data) and len(packed) == 1 + -(-len(data) // 8)
+    assert proto.unpack_bytes(packed, "x") == data
+
+
+def test_kv_messages_round_trip_and_bad_fields_are_refused_by_name() -> None:
+    fields = {"op": [7], "worker_id": proto.pack_bytes(b"prefill-0"),
+              "incarnation": proto.pack_bytes(b"ab12"), "remote_ids": [3, 4],
+              "local_ids": [9, 10], "budget_ms": [2500]}
+    msg = _roundtrip(proto.Kind.KV_PULL, 3, fields)
+    assert proto.kv_op(msg) == 7 and proto.budget_s(msg) == 2.5
+    assert proto.unpack_text(msg.fields["worker_id"], "kv_pull.worker_id") == "prefill-0"
+    assert msg.fields["local_ids"] == [9, 10]
+    for kind in proto.KV_KINDS:
+        assert set(proto.FIELDS[kind]) >= {"op"}
+    with pytest.raises(proto.ProtocolError, match="^kv_pull.worker_id: packed length"):
+        proto.unpack_text([20, 1], "kv_pull.worker_id")  # 20 bytes claimed, 8 carried
+    with pytest.raises(proto.ProtocolError, match="^add_peer.info: packed length"):
+        proto.unpack_bytes([], "add_peer.info")
+    with pytest.raises(proto.ProtocolError, match="^x: not UTF-8"):
+        proto.unpack_text(proto.pack_bytes(b"\xff\xfe"), "x")
+    bad = _roundtrip(proto.Kind.KV_PULL, 0, {**fields, "op": [1, 2], "budget_ms": [-1]})
+    with pytest.raises(proto.ProtocolError, match="^kv_pull.op:"):
+        proto.kv_op(bad)
+    with pytest.raises(proto.ProtocolError, match="^kv_pull.budget_ms:"):
+        proto.budget_s(bad)
+    with pytest.raises(proto.ProtocolError, match="^fields: REMOVE_PEER takes"):
+        proto.encode(proto.Kind.REMOVE_PEER, 0, {"op": [1]})

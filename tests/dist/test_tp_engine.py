@@ -88,9 +88,29 @@ def test_generate_cli_runs_tensor_parallel_and_names_a_bad_split() -> None:
     assert bad.returncode == 2 and "num_heads" in bad.stderr, bad.stderr
 
 
-def test_serving_workers_refuse_tensor_parallel_until_kv_transfer_pulls_every_rank() -> None:
-    with pytest.raises(ValueError, match="engine.tensor_parallel_size"):
-        WorkerConfig.of("decode", "d0", SECRET, tensor_parallel_size=2)
+def test_a_tp_serving_worker_is_launched_by_tp_worker_with_nixl() -> None:
+    """A serving worker of TP 2 is N processes with a transport each (worker/tp_worker.py):
+    its config takes NIXL, refuses the in-process transport naming kv_transport, and the
+    one-process WorkerRuntime refuses to build it, naming the field and the launcher."""
+    from pdserve.worker.runtime import build_worker_engine
+
+    cfg = WorkerConfig.of("decode", "d0", SECRET, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_transport: 'inproc'"):
+        WorkerConfig.of("decode", "d0", SECRET, tensor_parallel_size=2, kv_transport="inproc")
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size: .*launch_tp_worker"):
+        build_worker_engine(cfg)
+
+
+def test_serve_refuses_tp_flags_by_name(tiny_models: dict[str, Path]) -> None:
+    """`pdserve serve` checks --prefill-tp / --decode-tp before starting Ray: a size the
+    model's heads do not split, a size below 1, --prefill-tp with --colocated."""
+    model = str(tiny_models["qwen3"])  # 4 heads, 2 KV heads
+    for flags, want in ((["--decode-tp", "3"], "--decode-tp 3: num_heads"),
+                        (["--prefill-tp", "0"], "--prefill-tp: must be >= 1"),
+                        (["--colocated", "--prefill-tp", "2"], "--prefill-tp: --colocated"),
+                        (["--tp-timeout", "0"], "--tp-timeout: must be > 0")):
+        r = _cli("serve", "--model", model, "--port", "0", "--grpc-port", "0", *flags)
+        assert r.returncode == 2 and want in r.stderr, (flags, r.stderr)
 
 
 def test_a_killed_follower_fails_generate_with_a_clear_error(tiny_models: dict[str, Path]) -> None:

@@ -10,6 +10,7 @@ import ray
 import torch
 
 from pdserve.engine.dist.steps import greedy_batch
+from pdserve.engine.exec.kv_cache import allocate_kv_cache
 from pdserve.engine.model.weights import random_model
 from pdserve.worker.tp_group import launch_tp_group
 
@@ -19,7 +20,7 @@ from tests.workers.cluster import start_ray
 
 def _reference(cfg, prompts: list[list[int]]) -> list[list[int]]:
     full = random_model(cfg, seed=0, std=0.1)
-    kv = torch.zeros(64, cfg.num_layers, 2, 4, cfg.num_kv_heads, cfg.head_dim)
+    kv = allocate_kv_cache(cfg, 64, 4, torch.float32, "cpu")
 
     @torch.inference_mode()
     def step(b, rows):

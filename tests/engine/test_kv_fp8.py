@@ -32,17 +32,30 @@ def test_layout_one_region_per_block() -> None:
     cfg = ModelConfig(arch="llama", vocab_size=8, hidden_size=8, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=16, intermediate_size=8, num_mtp_layers=1)
     kv = allocate_kv_cache(cfg, 5, 4, FP8, "cpu")
-    assert kv.is_contiguous() and kv.shape == (5, 5, 2, 4, 2, 16)  # 4 KV layers + 1 of scales
+    # [NB, Hkv, 4 KV layers + 1 of scales, K/V, BS, D]: heads outermost (layout version 2)
+    assert kv.is_contiguous() and kv.shape == (5, 2, 5, 2, 4, 16)
     assert data_layers(kv) == cfg.num_kv_layers
-    s = block_scales(kv)  # [NB, L, 2, Hkv], inside each block's bytes
+    s = block_scales(kv)  # [NB, L, 2, Hkv], inside each head's region of each block
     assert s.shape == (5, 4, 2, 2)
-    s[3, 3, 1, 1] = 2.5  # the MTP layer's V scale of block 3
+    s[3, 3, 1, 1] = 2.5  # the MTP layer's V scale of block 3, head 1
     assert kv[[0, 1, 2, 4]].view(torch.uint8).eq(0).all()  # only block 3's bytes changed
+    assert kv[3, 0].view(torch.uint8).eq(0).all()  # and only its head 1's region
     views = layer_views(kv, 3)
+    assert views.k.shape == (5, 4, 2, 16) and views.k.stride(-1) == 1
+    views.k[2, 1, 0, 5] = 1.0  # block 2, offset 1, head 0, dim 5 of layer 3's K
+    assert kv[2, 0, 3, 0, 1, 5] == 1.0
+    kv[2].zero_()
     assert views.scales.v[3, 1] == 2.5 and views.scales.k.shape == (5, 2)
     kv[1].copy_(kv[3])  # copy-on-write moves the scales with the values
     assert layer_views(kv, 3).scales.v[1, 1] == 2.5
     assert layer_views(allocate_kv_cache(cfg, 2, 4, torch.float32, "cpu"), 0).scales is None
+
+
+def test_layer_views_refuse_a_layout_1_cache() -> None:
+    """[NB, L, 2, BS, Hkv, D] (heads inner, layout version 1) is no longer the engine's cache:
+    reading it as version 2 would mix layers and K/V, so it is refused naming the tensor."""
+    with pytest.raises(ValueError, match="kv_cache: expected .*layout version 2"):
+        layer_views(torch.zeros(6, 30, 2, 16, 3, 64), 5)
 
 
 def test_perplexity_within_2_percent_of_float_kv(smol) -> None:

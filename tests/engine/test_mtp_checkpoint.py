@@ -18,6 +18,7 @@ import torch
 
 from pdserve.engine.core.config import SpecConfig
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.exec.kv_cache import allocate_kv_cache
 from pdserve.engine.llm import build_engine
 from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.model.moe import MoEBlock
@@ -74,7 +75,7 @@ def test_mtp_layer_matches_transformers_modules(checkpoint) -> None:
     assert layer.block.self_attn.qkv_proj.bias is not None  # both families carry q/k/v biases
     tokens = prompt(11, 60)
     T, table = len(tokens) - 1, [6, 2, 9]
-    kv = torch.zeros(12, cfg.num_kv_layers, 2, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    kv = allocate_kv_cache(cfg, 12, BLOCK, torch.float32, "cpu")
     meta = make_metadata([T], [T], [table], BLOCK)
     ids, pos = torch.tensor(tokens), torch.arange(T)
     with torch.no_grad():
@@ -84,7 +85,7 @@ def test_mtp_layer_matches_transformers_modules(checkpoint) -> None:
     ref = _reference_logits(hf, donor, tokens)
     assert ref.abs().max() > 1.0
     assert (ours - ref).abs().max().item() <= 1e-4
-    assert kv[table[0], cfg.num_layers].abs().sum() > 0  # the MTP layer's own KV layer
+    assert kv[table[0], :, cfg.num_layers].abs().sum() > 0  # the MTP layer's own KV layer ([NB, Hkv, L, ...])
 
 
 def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:

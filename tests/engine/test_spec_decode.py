@@ -113,7 +113,9 @@ def _held_kv(llm: LLM, prompt: list[int], params: SamplingParams):
     req = engine.scheduler.get_request(rid)
     kv, bs = engine.runner.kv_cache, engine.config.cache.block_size
     n = req.num_computed_tokens
-    per_pos = torch.stack([kv[req.block_table[p // bs], :, :, p % bs] for p in range(n)])
+    # a block is [Hkv, L, 2, BS, D] (heads outermost): position p's [L, 2, Hkv, D]
+    per_pos = torch.stack([kv[req.block_table[p // bs], :, :, :, p % bs].permute(1, 2, 0, 3)
+                           for p in range(n)])
     return prompt + out, per_pos
 
 

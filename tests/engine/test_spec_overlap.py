@@ -61,7 +61,8 @@ def kv_of(llm: LLM, rid: str) -> torch.Tensor:
     engine = llm.engine
     req = engine.scheduler.get_request(rid)
     kv, bs = engine.runner.kv_cache, engine.config.cache.block_size
-    return torch.stack([kv[req.block_table[p // bs], :, :, p % bs]
+    # a block is [Hkv, L, 2, BS, D] (heads outermost): position p's [L, 2, Hkv, D]
+    return torch.stack([kv[req.block_table[p // bs], :, :, :, p % bs].permute(1, 2, 0, 3)
                         for p in range(req.num_computed_tokens)])
 
 

@@ -20,6 +20,7 @@ if importlib.util.find_spec("triton") is None:
 # tests/conftest.py chose compiled or interpreted Triton before this module imports triton
 from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets  # noqa: E402
+from pdserve.engine.exec.kv_cache import allocate_kv_cache  # noqa: E402
 from pdserve.engine.llm import LLM  # noqa: E402
 from pdserve.engine.model.attention import make_metadata  # noqa: E402
 from pdserve.engine.model.presets import get_preset  # noqa: E402
@@ -64,8 +65,7 @@ class Driver:
         cfg = model.config
         self.model = model
         dtype = next(model.parameters()).dtype
-        self.kv = torch.zeros(NUM_BLOCKS, cfg.num_kv_layers, 2, BLOCK, cfg.num_kv_heads,
-                              cfg.head_dim, dtype=dtype, device=DEVICE)
+        self.kv = allocate_kv_cache(cfg, NUM_BLOCKS, BLOCK, dtype, DEVICE)
 
     def step(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """seqs: (new_tokens, tokens_already_cached, block_table) -> logits [T, vocab]."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.engine.core.config import ConfigError
+from pdserve.engine.exec.kv_cache import allocate_kv_cache
 from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.gguf_weights import load_gguf
@@ -33,7 +34,7 @@ def run_prompt(model: Model, tokens: list[int], block_size: int = 16) -> torch.T
     cfg = model.config
     n_blocks = -(-len(tokens) // block_size)
     table = torch.randperm(n_blocks + 3, generator=torch.Generator().manual_seed(0))[:n_blocks]
-    kv = torch.zeros(n_blocks + 3, cfg.num_kv_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = allocate_kv_cache(cfg, n_blocks + 3, block_size, torch.float32, "cpu")
     meta = make_metadata([len(tokens)], [len(tokens)], [table.tolist()], block_size)
     with torch.no_grad():
         hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), meta, kv)
@@ -84,7 +85,7 @@ def test_embedded_model_answers_paris(smol) -> None:
     tokens = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]))
     bs, table = 16, [3, 0, 5, 1, 4]
-    kv = torch.zeros(6, cfg.num_kv_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim)
+    kv = allocate_kv_cache(cfg, 6, bs, torch.float32, "cpu")
     new, out = tokens, []
     with torch.no_grad():
         for _ in range(12):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
-SHAPE = (64, 3, 2, 4, 2, 8)  # [num_blocks, num_kv_layers, 2, block_size, kv_heads, head_dim]
+SHAPE = (64, 2, 3, 2, 4, 8)  # [num_blocks, kv_heads, num_kv_layers, 2, block_size, head_dim]
 
 
 def serve(conn: Any, worker_id: str, shape: tuple, compat: dict, device: str) -> None:

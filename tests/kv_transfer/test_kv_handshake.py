@@ -24,12 +24,12 @@ CACHE = CacheConfig(block_size=4, num_blocks=64, kv_dtype="float32")
 
 
 def make_info(worker_id="p0", model=MODEL, cache=CACHE, extra=None, **over) -> PeerInfo:
-    kv = torch.zeros(cache.num_blocks, model.num_layers + model.num_mtp_layers, 2,
-                     cache.block_size, model.num_kv_heads, model.head_dim)
+    kv = torch.zeros(cache.num_blocks, model.num_kv_heads, model.num_layers
+                     + model.num_mtp_layers, 2, cache.block_size, model.head_dim)
     cfg = compat_payload(model, cache, extra)
     info = PeerInfo(worker_id=worker_id, incarnation="abc123", agent_name=f"{worker_id}#abc123",
                     agent_metadata=bytes(range(256)) * 3, kv_base_addr=0x7F0000001000,
-                    kv_device_id=0, kv_mem_type="DRAM", layout=KVLayout.from_cache(kv),
+                    kv_device_id=0, kv_mem_type="DRAM", layout=KVLayout.from_cache(kv, heads_outer=True),
                     compat_hash=compat_hash(cfg), compat_config=cfg)
     return dataclasses.replace(info, **over)
 
@@ -101,9 +101,10 @@ def test_hash_that_does_not_match_its_config_is_refused():
 def test_local_tensor_must_match_claimed_config():
     cfg = compat_payload(MODEL, CACHE)
     check_layout_matches_compat(make_info().layout, cfg)
-    wrong = KVLayout.from_cache(torch.zeros(8, 3, 2, 16, 2, 8))
+    wrong = KVLayout.from_cache(torch.zeros(8, 2, 3, 2, 16, 8), heads_outer=True)
     with pytest.raises(ValueError, match="block_size is 16 .* says 4"):
         check_layout_matches_compat(wrong, cfg)
-    half = KVLayout.from_cache(torch.zeros(8, 3, 2, 4, 2, 8, dtype=torch.float16))
+    half = KVLayout.from_cache(torch.zeros(8, 2, 3, 2, 4, 8, dtype=torch.float16),
+                               heads_outer=True)
     with pytest.raises(ValueError, match="dtype"):
         check_layout_matches_compat(half, cfg)

@@ -27,7 +27,7 @@ from pdserve.kv_transfer.inproc_transport import InProcessKVTransport
 MODEL = ModelConfig(arch="llama", vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,
                     num_kv_heads=2, head_dim=8, intermediate_size=64)
 CACHE = CacheConfig(block_size=4, num_blocks=16, kv_dtype="float32")
-SHAPE = (16, 3, 2, 4, 2, 8)  # [blocks, layers, K/V, block_size, kv_heads, head_dim]
+SHAPE = (16, 2, 3, 2, 4, 8)  # [blocks, kv_heads, layers, K/V, block_size, head_dim]
 
 
 def pair(faults: FaultInjector | None = None) -> tuple[torch.Tensor, KVTransport,

@@ -81,3 +81,16 @@ def test_descriptors_addresses_and_lengths():
     assert d.tolist() == [[1000, 128, 3], [1320, 64, 3]]
     layout = KVLayout.from_cache(torch.zeros(4, 1, 2, 1, 1, 2))
     assert block_descriptors(0, layout, 0)[:, 0].tolist() == [0, 16, 32, 48]
+
+
+def test_heads_outer_layout_puts_each_head_of_a_block_in_one_range():
+    kv = torch.zeros(6, 3, 4, 2, 4, 8, dtype=torch.float16)  # [NB, Hkv, L, 2, BS, D]
+    layout = KVLayout.from_cache(kv, heads_outer=True)
+    assert (layout.num_kv_heads, layout.num_kv_layers, layout.block_size) == (3, 4, 4)
+    assert layout.heads_outer and layout.head_bytes == kv[0, 0].numel() * 2
+    assert layout.block_bytes == 3 * layout.head_bytes
+    assert kv[5, 2].data_ptr() - kv.data_ptr() == 5 * layout.block_bytes + 2 * layout.head_bytes
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+    assert layout.mismatch(KVLayout.from_cache(torch.zeros(6, 4, 2, 4, 3, 8, dtype=torch.float16)))
+    with pytest.raises(ValueError, match="dim 3"):
+        KVLayout.from_cache(torch.zeros(6, 3, 2, 4, 4, 8), heads_outer=True)

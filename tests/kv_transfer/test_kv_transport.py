@@ -121,7 +121,7 @@ def test_metrics_count_exact_bytes_across_reads(peer):
 
 
 def test_incompatible_block_size_refused(peer):
-    shape = (64, 3, 2, 8, 2, 8)
+    shape = (64, 2, 3, 2, 8, 8)  # block_size 8
     compat = compat_payload(MODEL, dataclasses.replace(CACHE, block_size=8))
     _, t, _ = make_local(None, shape=shape, compat=compat)
     try:

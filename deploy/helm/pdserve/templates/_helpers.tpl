@@ -41,9 +41,17 @@ ray.io/node-type: head
 {{/* The router command: start Ray from KubeRay's generated command minus --block, then
      run `pdserve serve` in the foreground so the container lives and dies with it. */}}
 {{- define "pdserve.serveCommand" -}}
-{{- $prefill := mul .Values.prefill.replicas .Values.prefill.gpusPerWorker -}}
-{{- $decode := mul .Values.decode.replicas .Values.decode.gpusPerWorker -}}
-ulimit -n 65536; ${KUBERAY_GEN_RAY_START_CMD//--block/} && exec pdserve serve --address auto --host 0.0.0.0 --port {{ .Values.router.httpPort }} --grpc-port {{ .Values.router.grpcPort }} --prefill {{ $prefill }} --decode {{ $decode }}
+{{- $ptp := int (.Values.prefill.tensorParallelSize | default 1) -}}
+{{- $dtp := int (.Values.decode.tensorParallelSize | default 1) -}}
+{{- if mod (int .Values.prefill.gpusPerWorker) $ptp -}}
+{{- fail (printf "prefill.tensorParallelSize: %d does not divide prefill.gpusPerWorker %d (a worker's ranks share one pod)" $ptp (int .Values.prefill.gpusPerWorker)) -}}
+{{- end -}}
+{{- if mod (int .Values.decode.gpusPerWorker) $dtp -}}
+{{- fail (printf "decode.tensorParallelSize: %d does not divide decode.gpusPerWorker %d (a worker's ranks share one pod)" $dtp (int .Values.decode.gpusPerWorker)) -}}
+{{- end -}}
+{{- $prefill := div (mul .Values.prefill.replicas .Values.prefill.gpusPerWorker) $ptp -}}
+{{- $decode := div (mul .Values.decode.replicas .Values.decode.gpusPerWorker) $dtp -}}
+ulimit -n 65536; ${KUBERAY_GEN_RAY_START_CMD//--block/} && exec pdserve serve --address auto --host 0.0.0.0 --port {{ .Values.router.httpPort }} --grpc-port {{ .Values.router.grpcPort }} --prefill {{ $prefill }} --decode {{ $decode }} --prefill-tp {{ $ptp }} --decode-tp {{ $dtp }}
 {{- with .Values.model }} --model {{ . | quote }}{{ end }}
 {{- if .Values.apiKey.enabled }} --api-key "$PDSERVE_API_KEY"{{ end }} --cluster-secret-file /etc/pdserve/cluster/secret
 {{- range .Values.extraServeArgs }} {{ . | quote }}{{ end }}

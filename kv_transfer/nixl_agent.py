@@ -1,0 +1,76 @@
+"""The NIXL calls NixlKVTransport makes, wrapped: the agent it creates, transfer polling under
+a deadline, descriptor telemetry, handle release, and NIXL exceptions as KVTransferError."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import KVTransferError, KVTransferTimeout
+
+log = logging.getLogger(__name__)
+
+SPIN_POLLS = 200  # busy polls (GPU reads finish in ms) before backing off
+POLL_SLEEP_S = 0.0002
+
+
+def make_agent(name: str, backends: Sequence[str], num_threads: int) -> Any:
+    # Imported here: `import nixl` loads UCX and CUDA plugins; handshake users don't need it.
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    config = nixl_agent_config(
+        enable_prog_thread=True, enable_listen_thread=False,  # no socket metadata exchange
+        capture_telemetry=True,  # per-transfer descriptor counts
+        num_threads=num_threads, backends=list(backends),
+        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)  # concurrent reads from a pool
+    agent = nixl_agent(name, config)
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:
+        raise KVTransferError(f"backends: NIXL plugin(s) {missing} unavailable "
+                              f"(have {agent.get_plugin_list()})")
+    return agent
+
+
+def nixl_call(wid: str, what: str, fn: Any, *args: Any) -> Any:
+    """fn(*args); a NIXL exception becomes KVTransferError naming the peer and the call."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise KVTransferError(f"peer {wid!r}: NIXL {what} failed: "
+                              f"{type(e).__name__}: {e}") from e
+
+
+def wait_done(agent: Any, handle: Any, state: str, deadline: float, not_before: float,
+              wid: str) -> None:
+    """Poll until DONE (and not before `not_before`, the injected delay) or deadline."""
+    polls = 0
+    while True:
+        now = time.monotonic()
+        if state == "ERR":
+            raise KVTransferError(f"peer {wid!r}: NIXL reported the read failed (ERR)")
+        if state == "DONE" and now >= not_before:
+            return
+        if now >= deadline:
+            raise KVTransferTimeout(f"peer {wid!r}: read not done by its deadline")
+        wake = min(deadline, not_before) if state == "DONE" else deadline
+        time.sleep(0 if polls < SPIN_POLLS else min(POLL_SLEEP_S, max(0.0, wake - now)))
+        polls += 1
+        if state != "DONE":
+            state = nixl_call(wid, "check_xfer_state", agent.check_xfer_state, handle)
+
+
+def descriptor_count(agent: Any, handle: Any, runs: int) -> int:
+    try:
+        return int(agent.get_xfer_telemetry(handle).descCount)
+    except Exception:  # telemetry unavailable: NIXL merges to one descriptor per run
+        return runs
+
+
+def try_release(handle: Any) -> bool:
+    try:
+        handle.release()
+        return True
+    except Exception:
+        log.warning("releasing NIXL handle %r failed", handle, exc_info=True)
+        return False

@@ -1,0 +1,54 @@
+"""Test helpers for tensor-parallel workers on the real local Ray instance: a tiny
+transformers checkpoint, TP worker actors (worker/tp_worker.py) and their gRPC stubs, each
+rank's KV head digests."""
+from __future__ import annotations
+
+import ray
+
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import make_channel
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.tp_worker import launch_tp_worker
+
+from tests.cluster_secret import SECRET
+from tests.workers.cluster import Worker
+
+# every worker of these tests: float32 on CPU, blocks of 4 tokens (prompts span several)
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_num_seqs=8)
+
+
+def start_tp_worker(role: str, worker_id: str, model: str, tp: int, timeout_s: float = 300,
+                    generation: int = 0, **kw: object) -> Worker:
+    """A worker of `tp` ranks (tp 1: the plain worker actor), up and answering gRPC."""
+    from pdserve.worker.actor import launch_worker
+
+    cfg = WorkerConfig.of(role, worker_id, SECRET, metrics_port=0, model=model,
+                          tensor_parallel_size=tp, **{**ENGINE, **kw})
+    actor = launch_tp_worker(cfg, generation, num_cpus=0.1) if tp > 1 else \
+        launch_worker(cfg, num_cpus=0)
+    ep = ray.get(actor.endpoints.remote(), timeout=timeout_s)
+    ch = make_channel(ep["grpc_address"], cluster_secret=SECRET)
+    return Worker(actor, cfg, ep["grpc_address"], pbg.WorkerStub(ch), ch)
+
+
+def head_digests(w: Worker, block_ids: list[int], num_tokens: int) -> dict[int, list[str]]:
+    """{global KV head: sha256 per block} over every rank of `w` (rank 0 and, for a TP
+    worker, each follower answering for its own heads)."""
+    out: dict[int, list[str]] = {}
+    ranks = [w.actor] + ray.get(w.actor.follower_handles.remote(), timeout=30)
+    got = ray.get([a.kv_head_digests.remote(block_ids, num_tokens) for a in ranks], timeout=60)
+    for d in got:
+        for head, digests in d.items():
+            # a replicated KV head lives on several ranks: every copy must agree
+            assert out.setdefault(int(head), digests) == digests, f"KV head {head} copies differ"
+    return out
+
+
+def stop(*workers: Worker) -> None:
+    for w in workers:
+        w.channel.close()
+        try:
+            ray.get(w.actor.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - already dead: the kill below is what counts
+            pass
+        ray.kill(w.actor, no_restart=True)
