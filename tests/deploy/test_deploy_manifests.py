@@ -255,7 +255,7 @@ def test_documented_serve_commands_parse_and_fit_the_nodes():
     """The `pdserve serve` lines in cluster.yaml's header and the KubeRay manifest are valid
     commands (the real parser and its checks), and each TP size divides a node's 8 GPUs."""
     from pdserve.router.cli import build_parser
-    from pdserve.router.launch import _check
+    from pdserve.router.serve_args import check_serve_args as _check
 
     texts = [(DEPLOY / "ray" / "cluster.yaml").read_text(),
              (DEPLOY / "kuberay" / "raycluster.yaml").read_text()]

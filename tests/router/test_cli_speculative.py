@@ -82,7 +82,8 @@ def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
 
     import pdserve.worker.actor
     from pdserve.router.cli import build_parser
-    from pdserve.router.launch import _check, _launch_workers
+    from pdserve.router.launch import _launch_workers
+    from pdserve.router.serve_args import check_serve_args as _check
 
     launched: list[WorkerConfig] = []
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2})

@@ -50,7 +50,7 @@ def test_a_second_grpc_server_cannot_share_a_port() -> None:
 ])
 def test_bad_lifecycle_and_secret_flags_are_named(argv, flag) -> None:
     from pdserve.router.cli import build_parser
-    from pdserve.router.launch import _check
+    from pdserve.router.serve_args import check_serve_args as _check
 
     assert _check(build_parser().parse_args(["serve", *argv])).startswith(f"{flag}:")
 
