@@ -219,8 +219,10 @@ def test_recipe_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
         ref = model(s.tokens[:n], torch.arange(n), meta, kv)
     torch.testing.assert_close(s.hidden, ref, atol=1e-4, rtol=1e-4)
 
+    # no time cut (the budget only guards against a hang): under CPU load a 120 s budget
+    # ended the run early and its cosine schedule with it, so the loss drop depended on load
     head, losses = train_head(model, samples, torch.device("cpu"), epochs=100, batch_size=3,
-                              lr=1e-2, time_budget_s=120, chain_weight=0.5, seed=0,
+                              lr=1e-2, time_budget_s=1800, chain_weight=0.5, seed=0,
                               vocab_subset=128)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0  # a random target: high entropy
     path = tmp_path / "head.safetensors"
