@@ -33,7 +33,7 @@ launch shape (DecodeTiles) is chosen here by the cache's dtype.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -58,7 +58,13 @@ from pdserve.kernels.attn_prologue import (
     write_new_kv,
     write_new_kv_fp8,
 )
-from pdserve.kernels.decode_attention_tiles import FP16_MAX, attend_keys, load_tile, merge_splits
+from pdserve.kernels.decode_attention_tiles import (
+    FP16_MAX,
+    attend_keys,
+    attend_keys_quarters,
+    load_tile,
+    merge_splits,
+)
 from pdserve.kernels.kv_quant import FP8, KVScales, cache_is_fp8
 from pdserve.kernels.kv_write import DYN_FACTOR, check_q_and_cache
 
@@ -84,7 +90,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                   V_WORDS: tl.constexpr = 0):
+                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,11 +165,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         if FP8:  # fp16 operands (decode_attention_tiles.py): keep |q| in fp16's range
             q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX)
         clear_end = tl.minimum(end, seq_len - (R - 1))  # keys every row of the split sees
-        acc, m_i, l_i = attend_keys(
-            q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, start,
-            end, clear_end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o,
-            stride_ks_b, stride_vs_b, scale_log2, block_size, R, BLOCK_G, D, BLOCK_N, PREFETCH, PREC,
-            DOT_DTYPE, FP8, V_WORDS)
+        if V_WORDS == 3:  # fp8 words, per-quarter dots (never with PREFETCH)
+            acc, m_i, l_i = attend_keys_quarters(
+                q.to(DOT_DTYPE), k_base, v_base, ks_base, vs_base, bt_row, start, end,
+                clear_end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o,
+                stride_ks_b, stride_vs_b, scale_log2, block_size, R, BLOCK_G, D, BLOCK_N, PREC,
+                DOT_DTYPE, PTX)
+        else:
+            acc, m_i, l_i = attend_keys(
+                q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row,
+                start, end, clear_end, visible, stride_kc_b, stride_kc_o, stride_vc_b,
+                stride_vc_o, stride_ks_b, stride_vs_b, scale_log2, block_size, R, BLOCK_G, D,
+                BLOCK_N, PREFETCH, PREC, DOT_DTYPE, FP8, V_WORDS)
         has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         if n_active <= 1:  # one split: its result is final
@@ -200,7 +213,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return 1 << (n.bit_length() - 1)
 
 
-FP8_LOADS = ("cast", "v_words", "kv_words")
+FP8_LOADS = ("cast", "v_words", "kv_words", "kv_quarters")
 
 
 @dataclass(frozen=True)
@@ -209,8 +222,9 @@ class DecodeTiles:
     waves of split programs at small batch (choose_num_splits), how an fp8 cache's tiles
     become fp16 tl.dot operands (decode_attention_tiles.py): "cast" (tl's conversion of the
     fp8 tile), "v_words" / "kv_words" (V, or K and V, read as int32 words and converted by
-    PTX in the loaded layout), and an optional per-thread register cap for ptxas (max_regs:
-    more programs per SM at the price of a few spills)."""
+    PTX in the loaded layout), "kv_quarters" (K and V as words, never joined: one dot per
+    quarter of head_dim; head_dim >= 64, else kv_words), and an optional per-thread register
+    cap for ptxas (max_regs: more programs per SM at the price of a few spills)."""
 
     block_n: int
     num_warps: int = 4
@@ -239,21 +253,18 @@ def decode_tiles(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
                  prefetch: bool = False) -> DecodeTiles:
     """Tile shape by the cache's dtype (its bytes per tile), not q's. bf16/fp16 at D=128:
     64-key tiles (32 KB of K+V per step); fp32 and D=256 halve the tile. Swept on an H200
-    (batch 1-8, 2K-10K contexts): 2 stages beat 3-4 by up to 20% -- the many split programs
-    already keep loads in flight. fp8 at D <= 128: 128-key tiles (the same 32 KB), K and V
-    read as words, 1 stage and at most 128 registers: 41 KB of shared memory, 4 programs
-    (16 warps) per SM. An fp8 program is bound by latency, so occupancy beats the software
-    pipeline: at batch 256 x 4K (Qwen3-8B, heads-outer cache, H200) 0.874 ms plain / 0.886
-    fused against 0.91-1.05 / 0.94-0.96 with 2-3 stages (2-3 programs per SM) and 1.07-1.43
-    for the other shapes tried (bench/results/attention_fp8_sweep_h200_2026-11-25.json).
-    Two waves of split programs at small batch (a second program per SM hides a program's
-    latency). With `prefetch` (the fused prologue at small batch holds a split's first tile
-    in registers across the PDL wait) 64-key tiles and 2 stages: 128 would spill. The
-    earlier sweep is in bench/results/attention_h200_2026-11-25.json."""
+    (batch 1-8, 2K-10K contexts): 2 stages beat 3-4 by up to 20%. fp8 at D <= 128: 128-key
+    tiles (the same 32 KB), kv_quarters, 2 stages, at most 168 registers (3 programs per
+    SM): at batch 256 x 4K (Qwen3-8B, H200) 0.737 ms plain / 0.754 fused per layer against
+    0.878 / 0.890 for the previous default (kv_words, 1 stage, 128 registers) in the same
+    run (bench/results/attention_fp8_quarters_h200_2026-11-25.json). Two waves of split
+    programs at small batch (a second program per SM hides a program's latency). With
+    `prefetch` (the fused prologue at small batch holds a split's first tile in registers
+    across the PDL wait) 64-key tiles and 2 stages: 128 would spill."""
     if cache_dtype == FP8 and q_dtype != torch.float32 and head_dim <= 128:
         if prefetch:
             return DecodeTiles(64, 4, 2, waves=2, fp8_loads="kv_words")
-        return DecodeTiles(128, 4, 1, waves=2, fp8_loads="kv_words", max_regs=128)
+        return DecodeTiles(128, 4, 2, waves=2, fp8_loads="kv_quarters", max_regs=168)
     block_n = 64 if q_dtype != torch.float32 and head_dim <= 128 else 32
     return DecodeTiles(block_n, 4, 2)
 
@@ -268,15 +279,20 @@ def _operand_dtype(q_dtype: torch.dtype, fp8: bool) -> tuple[tl.dtype, str]:
 
 def _word_loads(tiles: DecodeTiles, fp8: bool, op_dtype: tl.dtype, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> int:
-    """The kernel's V_WORDS: 0 (cast), 1 (V as words), 2 (K and V). Words need fp16 operands
-    (compiled) and 4-byte aligned rows: every stride and base a multiple of 4 bytes (any
-    engine layout; other views take the cast path)."""
-    if not fp8 or interpreting() or op_dtype != tl.float16 or tiles.fp8_loads == "cast":
-        return 0  # the interpreter has no PTX
+    """The kernel's V_WORDS: 0 (cast), 1 (V as words), 2 (K and V), 3 (kv_quarters). Words
+    need fp16 operands (compiled) and rows, strides and bases in whole 4-byte words (any
+    engine layout). The interpreter has no PTX: only kv_quarters runs there (tl converts the
+    bytes). Quarters need D >= 64: a quarter is a tl.dot reduction dim (>= 16)."""
+    if tiles.fp8_loads == "kv_quarters" and k_cache.shape[-1] < 64:
+        tiles = replace(tiles, fp8_loads="kv_words")
+    if not fp8 or tiles.fp8_loads == "cast" or (not interpreting() and op_dtype != tl.float16):
+        return 0
+    if interpreting() and tiles.fp8_loads != "kv_quarters":
+        return 0
     for t in (k_cache, v_cache):
         if t.data_ptr() % 4 or any(st % 4 for st in t.stride()[:3]):
             return 0
-    return 2 if tiles.fp8_loads == "kv_words" else 1
+    return {"v_words": 1, "kv_words": 2, "kv_quarters": 3}[tiles.fp8_loads]
 
 
 def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -354,6 +370,10 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     if num_splits is None:
         context = max_seq_len or block_tables.shape[1] * bs
         num_splits = choose_num_splits(B, HKV, context, block_n, q.device, tiles.waves)
+    prefetch = p is not None and num_splits > 1
+    if prefetch and words == 3:  # the prefetched first tile is a whole [BLOCK_N, D] tile
+        words = _word_loads(replace(tiles, fp8_loads="kv_words"), fp8, op_dtype, k_cache,
+                            v_cache)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     mid_o = mid_lse = counters = out  # unused when one split writes `out` directly
@@ -378,10 +398,10 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         RP=next_pow2(R), D=D,
         BLOCK_N=block_n, BLOCK_R=next_pow2(R * group), BLOCK_S=block_s,
         SC=max(1, min(block_s, MERGE_TILE // (next_pow2(R * group) * D))),
-        PROLOGUE=p is not None, PREFETCH=p is not None and num_splits > 1,
+        PROLOGUE=p is not None, PREFETCH=prefetch,
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
-        FP8=fp8, V_WORDS=words, num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
+        FP8=fp8, V_WORDS=words, PTX=not interpreting(), num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
         num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
     return out

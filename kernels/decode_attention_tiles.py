@@ -25,16 +25,21 @@ bench/results/attention_fp8_sweep_h200_2026-11-25.json). An fp8 program at batch
 conversions. So the loop does less per tile: whole tiles below the keys every row sees run
 without masks (the masked loop takes the last one or two), the block size is a constexpr
 (shifts, not integer division per key) and word addresses use word strides (no int64 division
-per row): the fp8 loop went from 1234 to 1022 instructions per warp per 128-key tile (bf16:
-594 -> 408 per 64 keys). What paid most is occupancy: no software pipelining and a
-128-register cap (decode_tiles) fit 4 programs per SM instead of 2-3. Tried and dropped:
-(1) tl.join in the word conversion makes Triton pick kWidth 4 dot operands (AccelerateMatmul
-halves the original bit width at a join), so q's operand is re-read from shared memory with
-LDS.64 and ~230 register moves per tile; an identity asm not marked pure after the reshape
-restores kWidth 2 (816 instructions per tile), but then K is staged through shared memory as
-fp16 too: 105 KB and 190 registers, 2 programs per SM, 1.19-1.35 ms against 0.92; (2) e4m3 ->
-fp16 by integer ops instead of cvt (more instructions, slower); (3) bytes converted four per
-asm (Triton then transposes the fp8 tile byte by byte again).
+per row): 1234 -> 1022 instructions per warp per 128-key tile (bf16: 594 -> 408 per 64 keys).
+Joining the four converted bytes of a word back into [BLOCK_N, D] (tl.join) made Triton pick
+kWidth-4 dot operands (AccelerateMatmul halves the original bit width at a join): q's operand
+was re-read from shared memory every tile (~230 register moves). kv_quarters (issue 23,
+session 14) never joins: byte j of every word is its own [BLOCK_N, D / 4] operand, the
+scores are the sum of four dots with q split the same way once (the dot over d does not
+care how d is ordered), and the output is four [rows, D / 4] accumulators joined once after
+the loop. 31 moves per tile instead of 237, 910 instructions instead of 981 and half the
+shared memory (20 KB at one stage); with 2 stages and 168 registers (3 programs per SM) the
+batch-256 x 4K layer went from 0.890 to 0.754 ms fused (H200,
+bench/results/attention_fp8_quarters_h200_2026-11-25.json). Tried and dropped: an identity
+asm after the join (kWidth 2, but K then staged through shared memory as fp16: 105 KB, 2
+programs per SM, slower); e4m3 -> fp16 by integer ops instead of cvt; bytes converted four
+per asm (Triton transposes the fp8 tile byte by byte again); V loaded after the score dots
+in kv_quarters (more spills at 128 registers).
 """
 from __future__ import annotations
 
@@ -67,20 +72,39 @@ def _load(ptr, mask, other, MASK: tl.constexpr):
 
 
 @jit
+def _load_quarters(base, blk, off, valid, stride_b, stride_o, D: tl.constexpr,
+                   MASK: tl.constexpr, PTX: tl.constexpr = True):
+    """An fp8 cache's rows (block ids blk / offsets off [BLOCK_N, 1]) read as int32 words of
+    four e4m3 (strides in bytes, multiples of 4) -> four fp16 [BLOCK_N, D / 4] tensors, the
+    j-th holding the values at d = 4 c + j. Without PTX (the interpreter) the bytes are
+    shifted out and converted by tl."""
+    c = tl.arange(0, D // 4)[None, :]
+    words = base.to(tl.pointer_type(tl.int32), bitcast=True)
+    # strides in words (multiples of 4 bytes, checked by the launcher): no int64 division
+    w = _load(words + blk * (stride_b // 4) + off * (stride_o // 4) + c, valid, 0, MASK)
+    if PTX:
+        return _e4m3x4_to_f16(w)
+    return _byte_f16(w, 0), _byte_f16(w, 8), _byte_f16(w, 16), _byte_f16(w, 24)
+
+
+@jit
+def _byte_f16(w, shift: tl.constexpr):
+    """The e4m3 byte of the int32 words w at bit `shift`, as fp16 (tl's conversion)."""
+    byte = ((w >> shift) & 0xFF).to(tl.uint8)
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@jit
 def load_values_f16(v_base, bt_row, n, end, stride_vc_b, stride_vc_o, block_size,
                     D: tl.constexpr, MASK: tl.constexpr = True):
     """An fp8 cache's values [BLOCK_N, D] at positions n as fp16, read as int32 words of four
     e4m3 each (strides in bytes, multiples of 4) and converted in the loaded layout: the
     tl.dot operand is then an fp16 tile (ldmatrix-transposable), where fp8 tiles were
     transposed byte by byte out of shared memory (LDS.U8: ~200 instructions per tile)."""
-    c = tl.arange(0, D // 4)[None, :]
     valid = (n < end)[:, None]
     blk = _load(bt_row + n // block_size, n < end, 0, MASK).to(tl.int64)[:, None]
     off = (n % block_size)[:, None]
-    words = v_base.to(tl.pointer_type(tl.int32), bitcast=True)
-    # strides in words (multiples of 4 bytes, checked by the launcher): no int64 division
-    w = _load(words + blk * (stride_vc_b // 4) + off * (stride_vc_o // 4) + c, valid, 0, MASK)
-    b0, b1, b2, b3 = _e4m3x4_to_f16(w)  # [BLOCK_N, D / 4] each
+    b0, b1, b2, b3 = _load_quarters(v_base, blk, off, valid, stride_vc_b, stride_vc_o, D, MASK)
     # join's new dim is the minor one: [BLOCK_N, D / 4, k, i] holds byte 2 k + i of word c,
     # the value at d = 4 c + 2 k + i
     v = tl.join(tl.join(b0, b2), tl.join(b1, b3))
@@ -124,21 +148,11 @@ def load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b, bloc
 
 
 @jit
-def attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R: tl.constexpr,
-                PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr,
-                MASK: tl.constexpr = True):
-    """One online-softmax step over the keys k / values v [BLOCK_N, D] at positions n. An fp8
-    tile is converted as is (exact in fp16) and its scales ks/vs [BLOCK_N] ride on the
-    [BLOCK_G, BLOCK_N] scores and weights, never on the [BLOCK_N, D] tiles. Without MASK
-    every key of the tile is below `end` and visible to every row."""
-    valid = n < end
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PREC)  # [BLOCK_G, BLOCK_N]
-    if FP8:
-        s = s * (ks * scale_log2)[None, :]
-    else:
-        s = s * scale_log2
+def _softmax_step(s, m_i, l_i, n, end, visible, R: tl.constexpr, MASK: tl.constexpr):
+    """The online-softmax update for the scores s [BLOCK_G, BLOCK_N] (log2 units) of the keys
+    at n: returns (weights p, the old sums' factor alpha, new max, new sum)."""
     if MASK and R == 1:
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where((n < end)[None, :], s, float("-inf"))
     elif MASK:
         s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -148,7 +162,23 @@ def attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R: 
         m_ref = m_new
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@jit
+def attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R: tl.constexpr,
+                PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr,
+                MASK: tl.constexpr = True):
+    """One online-softmax step over the keys k / values v [BLOCK_N, D] at positions n. An fp8
+    tile is converted as is (exact in fp16) and its scales ks/vs [BLOCK_N] ride on the
+    [BLOCK_G, BLOCK_N] scores and weights, never on the [BLOCK_N, D] tiles. Without MASK
+    every key of the tile is below `end` and visible to every row."""
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PREC)  # [BLOCK_G, BLOCK_N]
+    if FP8:
+        s = s * (ks * scale_log2)[None, :]
+    else:
+        s = s * scale_log2
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i, n, end, visible, R, MASK)
     if FP8:  # weights x value scale / the tile's largest: in [0, 1] for the fp16 operand
         v_ref = tl.maximum(tl.max(vs, axis=0), 1e-30)
         p = p * (vs / v_ref)[None, :]
@@ -219,6 +249,76 @@ def _loop_tile(q, acc, m_i, l_i, n0, k_base, v_base, ks_base, vs_base, bt_row, e
                              block_size, MASK)
     return attend_tile(q, acc, m_i, l_i, k, v, n, end, visible, scale_log2, ks, vs, R, PREC,
                        DOT_DTYPE, FP8, MASK)
+
+
+@jit
+def attend_keys_quarters(q, k_base, v_base, ks_base, vs_base, bt_row, start, end, clear_end,
+                         visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o,
+                         stride_ks_b, stride_vs_b, scale_log2, block_size, R: tl.constexpr,
+                         BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """attend_keys for an fp8 cache with fp16 operands, K and V never joined (fp8_loads
+    "kv_quarters"): a word of four e4m3 converts to four fp16 tensors [BLOCK_N, D / 4] (value
+    d = 4 c + j in the j-th), and the dots run per quarter -- scores = sum_j q_j k_j^T with q
+    split the same way once, out[:, 4 c + j] = p v_j. No tl.join feeds a dot, so its operands
+    keep kWidth 2 and q stays in registers (with the join, q's operand was re-read from shared
+    memory every tile, ~230 register moves). Same returns as attend_keys."""
+    q_e, q_o = tl.split(tl.reshape(q, (BLOCK_G, D // 4, 2, 2)))  # [g, c, k, i]: d = 4c+2k+i
+    q0, q2 = tl.split(q_e)
+    q1, q3 = tl.split(q_o)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_G, D // 4], dtype=tl.float32)
+    a1, a2, a3 = a0, a0, a0
+    full_end = start + tl.maximum(clear_end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        a0, a1, a2, a3, m_i, l_i = _quarter_tile(
+            q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, n0, k_base, v_base, ks_base, vs_base,
+            bt_row, end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o,
+            stride_ks_b, stride_vs_b, scale_log2, block_size, R, D, BLOCK_N, PREC, DOT_DTYPE,
+            PTX, False)
+    for n0 in range(tl.maximum(full_end, start), end, BLOCK_N):
+        a0, a1, a2, a3, m_i, l_i = _quarter_tile(
+            q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, n0, k_base, v_base, ks_base, vs_base,
+            bt_row, end, visible, stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o,
+            stride_ks_b, stride_vs_b, scale_log2, block_size, R, D, BLOCK_N, PREC, DOT_DTYPE,
+            PTX, True)
+    acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_G, D))
+    return acc, m_i, l_i
+
+
+@jit
+def _quarter_tile(q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, n0, k_base, v_base, ks_base,
+                  vs_base, bt_row, end, visible, stride_kc_b, stride_kc_o, stride_vc_b,
+                  stride_vc_o, stride_ks_b, stride_vs_b, scale_log2, block_size,
+                  R: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, MASK: tl.constexpr):
+    """attend_keys_quarters' loop body: the tile of keys at n0 (one block-table read for K,
+    V and the scales) and one online-softmax step over it."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    valid = n < end
+    blk = _load(bt_row + n // block_size, valid, 0, MASK).to(tl.int64)  # [BLOCK_N]
+    off = (n % block_size)[:, None]
+    k0, k1, k2, k3 = _load_quarters(k_base, blk[:, None], off, valid[:, None], stride_kc_b,
+                                    stride_kc_o, D, MASK, PTX)
+    v0, v1, v2, v3 = _load_quarters(v_base, blk[:, None], off, valid[:, None], stride_vc_b,
+                                    stride_vc_o, D, MASK, PTX)
+    ks = _load(ks_base + blk * stride_ks_b, valid, 0.0, MASK)
+    vs = _load(vs_base + blk * stride_vs_b, valid, 0.0, MASK)
+    s = tl.dot(q0, tl.trans(k0.to(DOT_DTYPE)), input_precision=PREC)  # [BLOCK_G, BLOCK_N]
+    s = tl.dot(q1, tl.trans(k1.to(DOT_DTYPE)), s, input_precision=PREC)
+    s = tl.dot(q2, tl.trans(k2.to(DOT_DTYPE)), s, input_precision=PREC)
+    s = tl.dot(q3, tl.trans(k3.to(DOT_DTYPE)), s, input_precision=PREC)
+    p, alpha, m_new, l_i = _softmax_step(s * (ks * scale_log2)[None, :], m_i, l_i, n, end,
+                                         visible, R, MASK)
+    # weights x value scale / the tile's largest: in [0, 1] for the fp16 operand
+    v_ref = tl.maximum(tl.max(vs, axis=0), 1e-30)
+    pd = (p * (vs / v_ref)[None, :]).to(DOT_DTYPE)
+    a0 = a0 * alpha[:, None] + tl.dot(pd, v0.to(DOT_DTYPE), input_precision=PREC) * v_ref
+    a1 = a1 * alpha[:, None] + tl.dot(pd, v1.to(DOT_DTYPE), input_precision=PREC) * v_ref
+    a2 = a2 * alpha[:, None] + tl.dot(pd, v2.to(DOT_DTYPE), input_precision=PREC) * v_ref
+    a3 = a3 * alpha[:, None] + tl.dot(pd, v3.to(DOT_DTYPE), input_precision=PREC) * v_ref
+    return a0, a1, a2, a3, m_new, l_i
 
 
 @jit

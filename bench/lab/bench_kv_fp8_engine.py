@@ -10,7 +10,11 @@ reserve for activations and graphs. bf16 KV for 256 x 4K does not fit one H200 n
 weights, so, as a decode worker does, the engine admits as many sequences as the pool holds
 (with room for every admitted sequence's decode tokens: nothing is preempted while timed)
 and the rest wait outside; FP8 KV holds about twice as many. The figure is decode tok/s of
-the resident batch over `steps` full-batch engine steps, and FP8 / bf16.
+the resident batch over `steps` full-batch engine steps, and FP8 / bf16. One run of a dtype
+varied ~10% against the next in one process (overlapped decode pairs long and short steps),
+so the dtypes alternate, `--repeats` times each (default 2), and the comparison (compare)
+gives both ratios -- by mean tok/s and by tok/s at the median step, the one the target is
+judged by -- with each run's figures and the spread.
 
 The context KV is synthetic, not prefilled (the JSON says so): each sequence enters through
 the decode worker's path for a remote-prefilled request (LLMEngine.add_remote_request, then
@@ -145,7 +149,8 @@ def time_steps(engine, plan: Plan, batch: int, dev: torch.device) -> dict:
     # With overlapped decode a step's host time can hold part of the next step's GPU work
     # (a long step, then a short one): tok_s (tokens / total time) is the throughput;
     # the median step is recorded as a check against stalls.
-    return {"full_batch_steps": len(full), "steps": plan.steps,
+    return {"full_batch_steps": len(full), "steps": plan.steps, "batch": batch,
+            "full_step_ms": [round(t, 3) for t in step_ms],
             "tok_s": sum(n for _, n in full) / secs if secs else None,
             "tok_s_at_median_step": 1e3 * batch / median if median else None,
             "step_ms_median": median, "step_ms_min": step_ms[0] if step_ms else None,
@@ -185,11 +190,60 @@ def run_one(plan: Plan, kv_dtype: str, pool: int, dev: torch.device) -> dict:
     return row
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def compare(runs: list[dict], target: float = 1.3) -> dict:
+    """FP8 over bf16 KV from repeated, alternating runs, two ways: mean tok/s (tokens / total
+    time of the timed steps, averaged over a dtype's runs) and tok/s at the median step (each
+    dtype's median over every timed full-batch step of its runs: insensitive to the
+    long-step / short-step pairs overlapped decode makes). Each run's figures, the spread
+    between a dtype's runs, and the ratio for every bf16/fp8 pairing of runs."""
+    by: dict = {"auto": [], "fp8": []}
+    for r in runs:
+        if r["tok_s"]:
+            by[r["kv_cache_dtype"]].append(r)
+    if not by["auto"] or not by["fp8"]:
+        return {"error": "a dtype has no run with full-batch steps"}
+    out: dict = {}
+    for kv, rs in by.items():
+        steps = [t for r in rs for t in r["full_step_ms"]]
+        tok = [r["tok_s"] for r in rs]
+        med = [r["step_ms_median"] for r in rs]
+        out[kv] = {"resident_seqs": [r["resident_seqs"] for r in rs], "tok_s": tok,
+                   "step_ms_median": med, "pooled_step_ms_median": _median(steps),
+                   "tok_s_at_pooled_median": 1e3 * rs[0]["batch"] / _median(steps),
+                   "tok_s_spread": (max(tok) - min(tok)) / min(tok),
+                   "step_ms_median_spread": (max(med) - min(med)) / min(med)}
+    bf, f8 = out["auto"], out["fp8"]
+    out["fp8_over_bf16_mean_tok_s"] = (sum(f8["tok_s"]) / len(f8["tok_s"])) / (
+        sum(bf["tok_s"]) / len(bf["tok_s"]))
+    out["fp8_over_bf16_at_median_step"] = (f8["tok_s_at_pooled_median"]
+                                           / bf["tok_s_at_pooled_median"])
+    pairs = [(b["tok_s"] / a["tok_s"],
+              b["tok_s_at_median_step"] / a["tok_s_at_median_step"])
+             for a in by["auto"] for b in by["fp8"]]
+    out["pairings"] = {"by_tok_s": [p[0] for p in pairs],
+                       "by_median_step": [p[1] for p in pairs]}
+    worst = min(min(p) for p in pairs)
+    out["target"] = (f">= {target}: tok/s at the median step (fp8_over_bf16_at_median_step); "
+                     "the mean-tok/s ratio and every pairing are reported beside it")
+    out["met"] = out["fp8_over_bf16_at_median_step"] >= target
+    out["met_by_mean_tok_s"] = out["fp8_over_bf16_mean_tok_s"] >= target
+    out["met_in_every_pairing_both_ways"] = worst >= target
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny-qwen3")
     ap.add_argument("--pool-gib", type=float, default=0.0, help="fixed KV pool (GiB)")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="bf16 then fp8, this many times over, in one process")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     plan = TINY if args.tiny else Plan()
@@ -206,21 +260,19 @@ def main(argv: list[str] | None = None) -> None:
         "context_kv": "synthetic: random values (and fp8 scales) written into the admitted "
                       "blocks, entered through add_remote_request + kv_arrived; no prefill",
         "fp8_decode_tiles": dataclasses.asdict(decode_tiles(torch.bfloat16, FP8, 128)),
-        "runs": []}
-    for kv_dtype in ("auto", "fp8"):
-        row = run_one(plan, kv_dtype, pool, dev)
-        result["runs"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "step_ms"}), flush=True)
-    bf16, fp8 = result["runs"]
-    if bf16["tok_s"] and fp8["tok_s"]:
-        result["fp8_over_bf16_tok_s"] = fp8["tok_s"] / bf16["tok_s"]
-        result["fp8_over_bf16_at_median_step"] = (fp8["tok_s_at_median_step"]
-                                                  / bf16["tok_s_at_median_step"])
-        result["target"] = ">= 1.3"
-        result["met"] = result["fp8_over_bf16_tok_s"] >= 1.3
+        "order": "alternating bf16, fp8, bf16, fp8, ... in one process", "runs": []}
+    for _ in range(args.repeats):
+        for kv_dtype in ("auto", "fp8"):
+            row = run_one(plan, kv_dtype, pool, dev)
+            row["run"] = len(result["runs"])
+            result["runs"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if "step_ms" not in k or
+                              k == "step_ms_median"}), flush=True)
+    result["comparison"] = compare(result["runs"])
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2, default=str)
-    print(json.dumps({k: result.get(k) for k in ("fp8_over_bf16_tok_s", "met")}), flush=True)
+    print(json.dumps({k: v for k, v in result["comparison"].items() if k != "pairings"}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 
 from pdserve.engine.core.config import ModelConfig
 from pdserve.engine.exec.kv_cache import LayerKV, allocate_kv_cache, layer_views
@@ -17,6 +18,7 @@ from pdserve.kernels.decode_attention import (
     FP8_LOADS,
     DecodeTiles,
     Prologue,
+    _word_loads,
     fused_decode_attention,
     paged_decode_attention,
 )
@@ -153,11 +155,12 @@ def _tables(seq_lens: list[int], bs: int, nb: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
+@pytest.mark.parametrize("d", [32, 64])  # 64: kv_quarters when compiled (and interpreted)
 @pytest.mark.parametrize("R,seq_lens,splits,layout", [
     (1, [1, 17, 33, 65], 4, "engine"), (3, [9, 31], 2, "engine"), (2, [40, 5], 1, "engine"),
     (1, [1, 17, 33, 65], 4, "heads_outer"), (3, [9, 31], 2, "heads_outer")])
-def test_decode_reads_fp8(R, seq_lens, splits, layout, device) -> None:
-    bs, hkv, group, d = 8, 2, 3, 32
+def test_decode_reads_fp8(R, seq_lens, splits, layout, d, device) -> None:
+    bs, hkv, group = 8, 2, 3
     kv, views = _cache(24, bs, hkv, d, device, layout=layout)
     bt = _tables(seq_lens, bs, 24, device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
@@ -171,13 +174,15 @@ def test_decode_reads_fp8(R, seq_lens, splits, layout, device) -> None:
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("R,seq_lens,splits", [
     (1, [1, 9, 16, 33], 4),   # fresh blocks (offset 0) and appends, one fresh at a split
     (3, [10, 23, 7], 2),      # 3 new rows crossing into a fresh block
+    (3, [10, 23, 7], 1),      # one split: no prefetched tile (kv_quarters' loop at d = 64)
 ])
-def test_fused_decode_writes_and_reads_fp8(R, seq_lens, splits, layout, device) -> None:
-    bs, hkv, group, d = 8, 2, 2, 32
+def test_fused_decode_writes_and_reads_fp8(R, seq_lens, splits, layout, d, device) -> None:
+    bs, hkv, group = 8, 2, 2
     kv, views = _cache(24, bs, hkv, d, device, layout=layout)
     bt = _tables(seq_lens, bs, 24, device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
@@ -189,8 +194,11 @@ def test_fused_decode_writes_and_reads_fp8(R, seq_lens, splits, layout, device) 
     ang = torch.rand(B * R, d // 2, generator=gen) * 6
     p = Prologue(k, v, ang.cos().to(device), ang.sin().to(device), slots)
     want = kv.clone()
+    # fp32 q takes the cast tiles by default; kv_quarters named (interpreted at d = 64: the
+    # write, then the per-quarter loop; compiled, fp32 operands take the cast)
     out = fused_decode_attention(q, p, views.k, views.v, bt, lens, d ** -0.5,
-                                 num_splits=splits, rows_per_seq=R, kv_scales=views.scales)
+                                 num_splits=splits, rows_per_seq=R, kv_scales=views.scales,
+                                 tiles=DecodeTiles(16, 4, 1, fp8_loads="kv_quarters"))
     scratch, scratch_v = (torch.zeros(24, bs, hkv, d, device=device) for _ in range(2))
     q_rot = qk_norm_rope_cache_ref(q, k, v, None, p.cos, p.sin, scratch, scratch_v, slots,
                                    None, None, 1e-6)
@@ -257,6 +265,15 @@ def test_decode_fp8_tile_loads(loads, block_n, warps, stages, regs, splits, layo
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 8e-3  # bf16 output rounding, not fp16 weights underflowing
+
+
+def test_quarters_need_head_dim_64(device) -> None:
+    """kv_quarters splits head_dim in four tl.dot reduction dims of >= 16: below D = 64 the
+    launcher takes the joined words (compiled) or the cast (interpreter) instead."""
+    tiles = DecodeTiles(64, fp8_loads="kv_quarters")
+    for d, want in ((64, {3}), (128, {3}), (32, {0, 2})):
+        _, views = _cache(4, 8, 2, d, device)
+        assert _word_loads(tiles, True, tl.float16, views.k, views.v) in want
 
 
 def test_decode_tiles_are_checked() -> None:
