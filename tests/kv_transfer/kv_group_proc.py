@@ -5,8 +5,9 @@ only); KV bytes move over NIXL/UCX only.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 from typing import Any
+
+from tests.kv_transfer.kv_peer_proc import SpawnedProc
 
 
 def serve(conn: Any, worker_id: str, compat: dict, tp: dict, shape: tuple, dtype: str) -> None:
@@ -46,38 +47,11 @@ def serve(conn: Any, worker_id: str, compat: dict, tp: dict, shape: tuple, dtype
             return
 
 
-class GroupProc:
-    """Handle on a spawned TP prefill group; every wait has a timeout."""
+class GroupProc(SpawnedProc):
+    """Handle on a spawned TP prefill group (one transport per rank)."""
+
+    what = "group process"
 
     def __init__(self, worker_id: str, compat: dict, tp: dict, shape: tuple,
                  dtype: str = "float32", timeout_s: float = 120) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, worker_id, compat, tp, shape, dtype),
-                                daemon=True)
-        self.proc.start()
-        child.close()
-        self.info_bytes: bytes = self._recv(timeout_s)
-
-    def _recv(self, timeout_s: float) -> Any:
-        if not self.conn.poll(timeout_s):
-            self.kill()
-            raise TimeoutError(f"group process gave no answer in {timeout_s} s")
-        return self.conn.recv()
-
-    def call(self, cmd: str, *args: Any, timeout_s: float = 60) -> Any:
-        self.conn.send((cmd, args))
-        return self._recv(timeout_s)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("stop", timeout_s=30)
-            except (TimeoutError, OSError, EOFError):
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=30)
+        super().__init__(serve, (worker_id, compat, tp, shape, dtype), timeout_s)

@@ -42,15 +42,16 @@ def serve(conn: Any, worker_id: str, shape: tuple, compat: dict, device: str) ->
             return
 
 
-class PeerProc:
-    """Handle on a spawned peer; every wait has a timeout."""
+class SpawnedProc:
+    """A spawned process that answers commands over a pipe (its first message: the peer's
+    PeerInfo bytes); every wait has a timeout."""
 
-    def __init__(self, worker_id: str, compat: dict, shape: tuple = SHAPE,
-                 timeout_s: float = 120, device: str = "cpu") -> None:
+    what = "process"
+
+    def __init__(self, target: Any, args: tuple, timeout_s: float) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, worker_id, shape, compat, device),
-                                daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.proc.start()
         child.close()
         self.info_bytes: bytes = self._recv(timeout_s)
@@ -58,7 +59,7 @@ class PeerProc:
     def _recv(self, timeout_s: float) -> Any:
         if not self.conn.poll(timeout_s):
             self.kill()
-            raise TimeoutError(f"peer process gave no answer in {timeout_s} s")
+            raise TimeoutError(f"{self.what} gave no answer in {timeout_s} s")
         return self.conn.recv()
 
     def call(self, cmd: str, *args: Any, timeout_s: float = 60) -> Any:
@@ -77,3 +78,13 @@ class PeerProc:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=30)
+
+
+class PeerProc(SpawnedProc):
+    """Handle on a spawned peer (one transport over one cache)."""
+
+    what = "peer process"
+
+    def __init__(self, worker_id: str, compat: dict, shape: tuple = SHAPE,
+                 timeout_s: float = 120, device: str = "cpu") -> None:
+        super().__init__(serve, (worker_id, shape, compat, device), timeout_s)
