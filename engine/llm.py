@@ -16,6 +16,7 @@ import torch
 
 from pdserve.engine.core.config import (
     CacheConfig,
+    ConfigError,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -29,12 +30,13 @@ from pdserve.engine.dist.heads import check_model_split
 from pdserve.engine.dist.lockstep import Follower
 from pdserve.engine.dist.parallel import TPContext
 from pdserve.engine.dist.rank import LocalRanks, check_tp_args
-from pdserve.engine.dist.shard import shard_model
+from pdserve.engine.dist.shard import bind_context
 from pdserve.engine.exec.kv_cache import engine_kv_cache
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8_convert import check_fp8_kernels
 from pdserve.engine.model.loader import load_model, load_tokenizer_and_config, resolve_model
+from pdserve.engine.model.shard_load import resolve_mtp_shard
 from pdserve.engine.model.weights import as_dtype
 from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
 from pdserve.kernels.triton_mode import select_triton_mode
@@ -82,9 +84,13 @@ class RankParts:
 
 def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,
               join: Callable[[], TPGroup] | None = None) -> RankParts:
-    """Load the model for one rank. With TP (a follower passes its ParallelConfig, rank 0
-    its `join`): the full checkpoint loads, the group is joined, and the rank keeps its shard
-    (engine/dist/shard.py; peak memory: the full model once per rank, for now)."""
+    """Load the model for one rank. With TP the rank loads only its shard, directly
+    (engine/model/shard_load.py: each checkpoint tensor cut as it streams, a preset drawn a
+    full tensor at a time; peak memory beyond the shard: one full tensor), then joins the
+    group: a follower passes its ParallelConfig; rank 0 of args.tensor_parallel_size ranks
+    its `join`, called once loaded (its peers load meanwhile). With a join but
+    args.tensor_parallel_size 1 the caller's group has formed already (worker/tp_group.py
+    RankActor): join() runs first and says the rank."""
     device = parallel.device if parallel is not None else (args.device or default_device())
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     source = resolve_model(args.model)
@@ -94,23 +100,28 @@ def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,
         from pdserve.engine.model.triton_attention import TritonAttentionBackend
 
         backend = TritonAttentionBackend()
+    group = join() if join is not None and args.tensor_parallel_size <= 1 else None
+    tp, rank = _rank_of(args, parallel, group)
     net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=args.seed,
-                                           backend=backend, quantization=args.quantization)
-    group = None
-    if parallel is not None and parallel.tp_size > 1:
+                                           backend=backend, quantization=args.quantization,
+                                           tp=tp, rank=rank)
+    if group is None and parallel is not None and parallel.tp_size > 1:
         group = TPGroup(parallel)
-    elif join is not None:
+    elif group is None and join is not None:
         group = join()
     if group is not None:
-        ctx = TPContext(group, model_cfg.vocab_size)
-        net = shard_model(net, group.size, group.rank, net.backend, ctx=ctx)
+        _check_joined(group, tp, rank)
+        net = bind_context(net, TPContext(group, model_cfg.vocab_size))
     check_fp8_kernels(net, args.use_triton)
     net.use_fused_ops(args.use_triton)
     spec = args.spec_config()
     head, head_id = None, ""
     if spec is not None:  # the KV cache gets one more layer per MTP layer
-        head, model_cfg, head_id = resolve_mtp_head(source, model_cfg, as_dtype(dtype), device,
-                                                    net.backend, args.seed, args.mtp_head)
+        head, model_cfg, head_id = resolve_mtp_shard(source, model_cfg, tp, rank, as_dtype(dtype),
+                                                     device, net.backend, args.seed,
+                                                     args.mtp_head) if tp > 1 else \
+            resolve_mtp_head(source, model_cfg, as_dtype(dtype), device, net.backend, args.seed,
+                             args.mtp_head)
         head.set_fused(args.use_triton)
     else:
         model_cfg = with_mtp_layers(model_cfg, 0)  # a checkpoint's MTP layers stay unused
@@ -122,6 +133,23 @@ def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,
         net.rotary.reserve(max_len + drafts + 1, torch.device(device))
     config = _engine_config(args, model_cfg, device, dtype, max_len)
     return RankParts(net, config, tokenizer, spec, head, head_id, group)
+
+
+def _rank_of(args: EngineArgs, parallel: ParallelConfig | None,
+             group: TPGroup | None) -> tuple[int, int]:
+    """(tp size, rank) this process loads the shard of, known before it joins."""
+    if group is not None:
+        return group.size, group.rank
+    if parallel is not None:
+        return parallel.tp_size, parallel.rank
+    return args.tensor_parallel_size, 0
+
+
+def _check_joined(group: TPGroup, tp: int, rank: int) -> None:
+    """The group joined after loading must be the one the shard was cut for."""
+    if (group.size, group.rank) != (tp, rank):
+        raise ConfigError(f"tensor_parallel_size: loaded the shard of rank {rank} of {tp} but "
+                          f"joined as rank {group.rank} of {group.size}")
 
 
 def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> LLMEngine:

@@ -37,6 +37,7 @@ from torch import nn
 from pdserve.engine.core.config import ConfigError, ModelConfig
 from pdserve.engine.dist.heads import HeadSplit, even_split, local_shapes, vocab_shard
 from pdserve.engine.dist.parallel import TPContext
+from pdserve.engine.model import fp8_convert
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8 import Block, Fp8Linear
@@ -85,6 +86,30 @@ class ShardPlan:
         own = even_split(rows // 2, self.tp, self.rank, field)
         return [(own.start, len(own)), (rows // 2 + own.start, len(own))]
 
+    def row_pieces(self, name: str, rows: int) -> Pieces | None:
+        """The rank's rows of a row-split parameter `name` [.., rows, K] (qkv_proj's weight
+        and bias, gate_up_proj, the experts' w13), in the full parameter's rows; None when
+        `name` is not row-split."""
+        module, param = _leaf(name)
+        if module == "qkv_proj" and param in ("weight", "bias"):
+            return self.qkv_pieces()
+        if module == "gate_up_proj" and param == "weight":
+            return self.pair_pieces(rows, name)
+        if module == "experts" and param == "w13":
+            return self.pair_pieces(rows, "moe_intermediate_size")
+        return None
+
+    def _span_rows(self, name: str, rows: int, span: tuple[int, int]) -> Pieces:
+        """The rank's rows inside rows span = (start, size) of the full parameter `name`,
+        counted from start (in the source tensor that fills that span)."""
+        start, size = span
+        out = []
+        for s, c in self.row_pieces(name, rows) or [(0, rows)]:
+            lo, hi = max(s, start), min(s + c, start + size)
+            if lo < hi:
+                out.append((lo - start, hi - lo))
+        return out
+
     def col_pieces(self, name: str, cols: int) -> Pieces:
         if name.endswith("o_proj.weight") or name.endswith("o_proj.weight_scale"):
             q = self.heads.q_heads(self.rank)
@@ -130,6 +155,34 @@ class ShardPlan:
             field = "moe_intermediate_size" if param == "w2_scale" else name
             return _col_scales(name, scale, self.col_pieces(field, k), k, block), block
         return scale.clone(), block
+
+    # -- one checkpoint tensor: a source of a merged parameter ----------------------------
+    def shard_part(self, name: str, t: torch.Tensor, span: tuple[int, int] | None,
+                   rows: int) -> torch.Tensor:
+        """The rank's part of checkpoint tensor `t`, which fills rows span = (start, size) of
+        the full parameter `name` [.., rows, K]: q, k or v of qkv_proj, gate or up of
+        gate_up_proj, one expert's gate / up of w13 ([size, K]) or its down of w2 ([H, I],
+        columns split). span None: `t` is the whole parameter (shard). Merged parameters
+        keep their row order: the rank's q ++ k ++ v, gate ++ up, as `shard` cuts them."""
+        if span is None:
+            return self.shard(name, t)
+        if _leaf(name)[1] == "w2":
+            return _take(t, -1, self.col_pieces("moe_intermediate_size", t.shape[-1]))
+        return _take(t, 0, self._span_rows(name, rows, span))
+
+    def shard_part_scale(self, name: str, scale: torch.Tensor, span: tuple[int, int] | None,
+                         shape: tuple[int, int], block: Block) -> tuple[torch.Tensor, Block]:
+        """shard_part for the scale grid `scale` [gn, gk] (block `block`) of such a source;
+        shape: the full parameter's weight [rows, K]. Returns the rank's grid and its block
+        (per-row (1, bk) where a row piece leaves a block, shard_scale's rules)."""
+        if span is None:
+            return self.shard_scale(name, scale, torch.Size(shape), block)
+        rows, cols = shape
+        if _leaf(name)[1] == "w2_scale":
+            pieces = self.col_pieces("moe_intermediate_size", cols)
+            return _col_scales(name, scale, pieces, cols, block), block
+        pieces = self._span_rows(name.removesuffix("_scale"), rows, span)
+        return _row_scales(name, scale, pieces, span[1], block)
 
 
 def _leaf(name: str) -> tuple[str, str]:
@@ -247,6 +300,19 @@ def shard_model(full: Model, tp: int, rank: int, backend: AttentionBackend | Non
     for mine, theirs in zip(local.layers, full.layers):  # an fp8 checkpoint's KV scales
         mine.self_attn.kv_static_scales = theirs.self_attn.kv_static_scales
     return local
+
+
+def bind_context(net: Model, ctx: TPContext) -> Model:
+    """The loaded shard `net` as a Model that runs ctx's collectives (the group is joined
+    after the weights load, engine/llm.py load_rank): a Model of the same config is built on
+    the meta device with `tp=ctx` and takes over net's tensors (assigned, not copied)."""
+    with torch.device("meta"):
+        bound = cast_model(Model(net.config, net.backend, tp=ctx), net.embed_tokens.weight.dtype)
+    bound = _install(net, bound, net.state_dict(), fp8_convert.scale_blocks(net))
+    bound.tie_weights()
+    for mine, theirs in zip(bound.layers, net.layers):  # an fp8 checkpoint's KV scales
+        mine.self_attn.kv_static_scales = theirs.self_attn.kv_static_scales
+    return bound
 
 
 def shard_mtp_head(full_head: nn.Module, target_cfg: ModelConfig, tp: int, rank: int,

@@ -14,7 +14,13 @@ from tqdm import tqdm
 from pdserve.engine.core.config import ConfigError, ModelConfig, RopeScaling
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
-from pdserve.engine.model.weights import WeightsError, _show_progress, _Sink, empty_model
+from pdserve.engine.model.weights import (
+    ShardOf,
+    WeightsError,
+    _show_progress,
+    _Sink,
+    empty_model,
+)
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:  # noqa: F821
@@ -126,15 +132,18 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf(path_or_reader: str | Path | gguf.GGUFReader,  # noqa: F821
               dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-              backend: AttentionBackend | None = None, progress: bool | None = None
-              ) -> tuple[Model, ModelConfig]:
-    """Dequantise every tensor of a GGUF file (any ggml type the gguf package knows)."""
+              backend: AttentionBackend | None = None, progress: bool | None = None,
+              shard: ShardOf | None = None) -> tuple[Model, ModelConfig]:
+    """Dequantise every tensor of a GGUF file (any ggml type the gguf package knows).
+    shard: a tensor-parallel rank's loading (weights.load_hf): the Model is the rank's shard,
+    each dequantised tensor cut as it streams; the config returned is the full one."""
     from gguf.quants import dequantize
     reader = path_or_reader if hasattr(path_or_reader, "tensors") else open_gguf(path_or_reader)
     source = str(reader.data.filename)
     cfg = config_from_gguf(reader)
-    model = empty_model(cfg, dtype, device, backend)
-    sink = _Sink(model, source)
+    local, cut = shard(cfg, None, source) if shard is not None else (cfg, None)
+    model = empty_model(local, dtype, device, backend)
+    sink = _Sink(model, source, cut=cut)
     for t in tqdm(reader.tensors, desc="loading gguf", unit="tensor",
                   disable=not _show_progress(cfg, progress)):
         if t.name == "rope_freqs.weight":

@@ -21,6 +21,7 @@ from pdserve.engine.model.fp8 import DEFAULT_BLOCK, QuantSpec
 from pdserve.engine.model.fp8_convert import quantize_model
 from pdserve.engine.model.gguf_weights import config_from_gguf, load_gguf, open_gguf
 from pdserve.engine.model.presets import get_preset, is_preset, preset_names
+from pdserve.engine.model.shard_load import random_shard, rank_shard
 from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.engine.model.weights import as_dtype, load_hf, random_model, read_hf_config
 
@@ -101,12 +102,18 @@ def resolve_model(name_or_path: str | None) -> ModelSource:
 
 def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", *, backend: AttentionBackend | None = None,
-               seed: int = 0, progress: bool | None = None, quantization: str | None = None
-               ) -> tuple[Model, ModelConfig, Tokenizer | None]:
+               seed: int = 0, progress: bool | None = None, quantization: str | None = None,
+               tp: int = 1, rank: int = 0) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Model (in eval mode, no grads), its config and its tokenizer (None for presets, which
     have random weights and no vocabulary). quantization "fp8": the linears and experts of a
     float model quantized block-wise (128x128) after loading (a preset's drawn in FP8
-    directly, weights.random_model); an FP8 checkpoint stays as is."""
+    directly, weights.random_model); an FP8 checkpoint stays as is.
+
+    tp > 1: the Model is rank `rank`'s shard, loaded directly (engine/model/shard_load.py:
+    the full model is never allocated; peak beyond the shard is one full tensor); the
+    config returned stays the FULL one. "fp8" then quantizes the shard, which equals
+    quantizing the full model first wherever the rank's rows and columns fall on the
+    128x128 blocks (head_dim and I / tp multiples of 128, as in real models)."""
     if quantization not in (None, "fp8"):
         raise ConfigError(f"quantization: {quantization!r} is not supported (fp8 or None)")
     if not isinstance(source, ModelSource):
@@ -114,9 +121,13 @@ def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torc
     if source.kind == "preset" and quantization == "fp8":  # drawn in FP8: no float copy
         cfg = get_preset(source.preset)
         quant = QuantSpec("fp8", "block", DEFAULT_BLOCK)
+        if tp > 1:
+            return random_shard(cfg, tp, rank, as_dtype(dtype), device, seed, backend=backend,
+                                progress=progress, quant=quant), cfg, None
         return random_model(cfg, as_dtype(dtype), device, seed, backend=backend,
                             progress=progress, quant=quant), cfg, None
-    model, cfg, tokenizer = _load_model(source, as_dtype(dtype), device, backend, seed, progress)
+    model, cfg, tokenizer = _load_model(source, as_dtype(dtype), device, backend, seed, progress,
+                                        tp, rank)
     if quantization == "fp8":
         quantize_model(model)
     return model, cfg, tokenizer
@@ -124,19 +135,24 @@ def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torc
 
 def _load_model(source: ModelSource | str | None, dtype: torch.dtype,
                 device: torch.device | str, backend: AttentionBackend | None, seed: int,
-                progress: bool | None) -> tuple[Model, ModelConfig, Tokenizer | None]:
+                progress: bool | None, tp: int = 1, rank: int = 0
+                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
+    shard = rank_shard(tp, rank, dtype, backend) if tp > 1 else None
     if source.kind == "gguf":
         reader = open_gguf(source.path)  # parsed once, shared by weights and tokenizer
-        model, cfg = load_gguf(reader, dtype, device, backend, progress)
+        model, cfg = load_gguf(reader, dtype, device, backend, progress, shard)
         return model, cfg, Tokenizer.from_gguf(reader)
     if source.kind == "hf":
-        model, cfg = load_hf(source.path, dtype, device, backend, progress)
+        model, cfg = load_hf(source.path, dtype, device, backend, progress, shard)
         has_tokenizer = (Path(source.path) / "tokenizer.json").is_file()
         return model, cfg, Tokenizer.from_hf_dir(source.path) if has_tokenizer else None
     if source.kind == "preset":
         cfg = get_preset(source.preset)
+        if tp > 1:
+            return random_shard(cfg, tp, rank, dtype, device, seed, backend=backend,
+                                progress=progress), cfg, None
         return random_model(cfg, dtype, device, seed, backend=backend, progress=progress), cfg, None
     raise ConfigError(f"model: unknown source kind {source.kind!r}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -116,17 +116,27 @@ _EXPERT_PART = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w
 # transformers 5's in-memory stacking under its own names, should a checkpoint carry it
 _STACKED = {"experts.gate_up_proj": "experts.w13", "experts.down_proj": "experts.w2"}
 Slice = tuple[str, int | None, int, int]  # (label, expert or None, first row, rows)
+# A tensor-parallel rank's cut of one checkpoint tensor (engine/model/shard_load.py
+# SourceCut): (checkpoint name, our parameter, slice index or -1, the full tensor) -> (the
+# rank's part, and for an FP8 scale the block its grid is in; None for anything else)
+Cut = Callable[[str, str, int, torch.Tensor], tuple[torch.Tensor, "fp8.Block | None"]]
+# A rank's loading: (full config, quantization, source) -> (the rank's config, its cut)
+ShardOf = Callable[[ModelConfig, "fp8.QuantSpec | None", str], tuple[ModelConfig, Cut]]
 
 
 class _Sink:
     """Receives (hf_style_name, tensor) pairs, copies them into place and tracks coverage.
     Every tensor lands in its slice of the preallocated parameters (merged projections,
-    stacked experts), so loading never holds more than the model and one tensor."""
+    stacked experts), so loading never holds more than the model and one tensor.
+
+    cut: a tensor-parallel rank's loading; `model` is then the rank's shard and each
+    checkpoint tensor (full, as stored) is cut to the rank's part before it is placed, so
+    the rank holds its shard and one full tensor at a time, never the full model."""
 
     def __init__(self, model: torch.nn.Module, source: str,
-                 quant: fp8.QuantSpec | None = None) -> None:
+                 quant: fp8.QuantSpec | None = None, cut: Cut | None = None) -> None:
         cfg = model.config
-        self.model, self.source, self.quant = model, source, quant
+        self.model, self.source, self.quant, self.cut = model, source, quant, cut
         self.blocks = fp8_convert.scale_blocks(model)  # FP8 scale parameter -> its block
         self.params = dict(model.named_parameters())  # a tied lm_head is not listed (shared)
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -189,12 +199,15 @@ class _Sink:
         slices = self._slices(pname) if param is not None else []
         if param is None or shard >= len(slices):
             raise WeightsError(f"{self.source}: unexpected tensor {name!r} (not part of this model)")
+        block = None
+        if self.cut is not None:  # a TP rank: the full tensor -> the rank's part
+            tensor, block = self.cut(name, pname, shard, tensor)
         dest = param.data
         if shard >= 0:
             _, expert, start, size = slices[shard]
             dest = (dest if expert is None else dest[expert]).narrow(0, start, size)
         if pname in self.blocks:
-            tensor = self._scale(name, tensor, pname, shard)
+            tensor = self._scale(name, tensor, pname, shard, block)
         elif (tensor.dtype == fp8.FP8_DTYPE) != (dest.dtype == fp8.FP8_DTYPE):
             raise WeightsError(f"{self.source}: tensor {name!r} is {tensor.dtype}, expected "
                                f"{dest.dtype} (quantization_config says which modules are FP8)")
@@ -204,14 +217,15 @@ class _Sink:
         dest.copy_(tensor)
         self.loaded.add((pname, shard))
 
-    def _scale(self, name: str, tensor: torch.Tensor, pname: str, shard: int) -> torch.Tensor:
+    def _scale(self, name: str, tensor: torch.Tensor, pname: str, shard: int,
+               src: fp8.Block | None = None) -> torch.Tensor:
         """A checkpoint scale tensor, checked against its weight's shape and turned into its
-        rows of our grid (fp8.scale_rows)."""
+        rows of our grid (fp8.scale_rows). src: its block when a cut changed it."""
         wname = pname.removesuffix("_scale")
         rows, cols = self.params[wname].shape[-2:]
         if shard >= 0:
             rows = self._slices(wname)[shard][3]
-        src = self.quant.source_block(rows, cols)
+        src = src or self.quant.source_block(rows, cols)
         problem = fp8.source_scale_problem(tensor, rows, cols, src)
         if problem is not None:
             raise WeightsError(f"{self.source}: tensor {name!r} {problem}")
@@ -307,18 +321,23 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_hf(folder: str | Path, dtype: torch.dtype | str = torch.float32,
             device: torch.device | str = "cpu", backend: AttentionBackend | None = None,
-            progress: bool | None = None) -> tuple[Model, ModelConfig]:
-    """A transformers checkpoint folder (config.json + safetensors, single or sharded)."""
+            progress: bool | None = None, shard: ShardOf | None = None
+            ) -> tuple[Model, ModelConfig]:
+    """A transformers checkpoint folder (config.json + safetensors, single or sharded).
+    shard: a tensor-parallel rank's loading (engine/model/shard_load.py): the Model is the
+    rank's shard, each tensor cut as it streams; the config returned is the full one."""
     folder = Path(folder)
     if not folder.is_dir():
         raise WeightsError(f"{folder}: model folder does not exist")
     cfg, quant = read_hf_config_quant(folder)
     files = _safetensors_files(folder)
+    # the TP split of this checkpoint is checked first: a ConfigError naming the field
+    local, cut = shard(cfg, quant, str(folder)) if shard is not None else (cfg, None)
     try:
-        model = empty_model(cfg, dtype, device, backend, quant)
+        model = empty_model(local, dtype, device, backend, quant)
     except ConfigError as e:  # quantization_config's module lists against this model
         raise WeightsError(f"{folder / 'config.json'}: {e}") from e
-    sink = _Sink(model, str(folder), quant)
+    sink = _Sink(model, str(folder), quant, cut)
     bar = tqdm(desc=f"loading {folder.name}", unit="tensor", disable=not _show_progress(cfg, progress))
     for name, tensor in _iter_safetensors(files):
         if name.endswith("rotary_emb.inv_freq"):
