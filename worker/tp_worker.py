@@ -166,9 +166,9 @@ def launch_tp_worker(cfg: WorkerConfig, generation: int = 0, num_gpus: float = 0
     """Rank 0's actor of generation `generation` of the TP worker `cfg` (returned at once:
     its constructor starts and joins the group). An earlier generation's placement group is
     removed first, which kills every rank still in it."""
-    from pdserve.engine.dist.rank import check_tp_args
+    from pdserve.engine.dist.rank import check_tp_serving_args
 
-    check_tp_args(cfg.engine)  # what TP does not run yet, refused here naming the field
+    check_tp_serving_args(cfg.engine)  # what a TP worker does not run yet, refused by field
     tp = cfg.engine.tensor_parallel_size
     remove_previous(cfg.worker_id, generation)
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}

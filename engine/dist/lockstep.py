@@ -4,9 +4,12 @@ same collectives in the same order.
 
 The leader sends one message per forward (protocol.py), before running it itself; a
 follower receives it, runs the forward over its shard and its part of the LM head for the
-message's logits rows, and waits for the next. While idle the leader sends KEEPALIVE at
-least every keepalive_s, so a follower that hears nothing for the group's timeout knows the
-leader is gone (GroupError) and its process ends: the group is restarted whole.
+message's logits rows, and waits for the next. With MTP speculation each drafting pass is
+one MTP message too (engine/spec/mtp_plan.py), run over the follower's shard of the MTP head
+from the last forward's hidden rows; with overlapped decode a forward launched ahead is
+announced (its ids then come from rank 0 by an all-reduce) and the step it serves says so.
+While idle the leader sends KEEPALIVE at least every keepalive_s, so a follower that hears
+nothing for the group's timeout knows the leader is gone (GroupError) and its process ends: the group is restarted whole.
 """
 from __future__ import annotations
 
@@ -16,11 +19,14 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine.dist import parallel
 from pdserve.engine.dist import protocol as proto
 from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import TPGroup
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
+from pdserve.engine.spec.mtp_head import tp_mtp_head
+from pdserve.engine.spec.mtp_plan import MTPPlan, follow_plan
 
 
 class Channel(Protocol):
@@ -72,10 +78,26 @@ class Leader:
         t.start()
         return t
 
-    def forward(self, batch: HostBatch, logits_rows: list[int], return_prenorm: bool) -> None:
-        """Announce a forward of `batch` whose logits the leader computes for logits_rows."""
-        flags = proto.RETURN_PRENORM if return_prenorm else 0
-        self.send(proto.Kind.FORWARD, proto.forward_fields(batch, logits_rows), flags)
+    def forward(self, batch: HostBatch, logits_rows: list[int], return_prenorm: bool,
+                verify_rows: list[int] | tuple[int, ...] = (), launched: bool = False) -> None:
+        """Announce a forward of `batch` whose logits the leader computes for logits_rows,
+        then (MTP verification) for verify_rows. launched: the forward launched ahead
+        (launch_ahead) is this one: the followers take its hidden states."""
+        flags = (proto.RETURN_PRENORM if return_prenorm else 0) | (
+            proto.USE_LAUNCHED if launched else 0)
+        self.send(proto.Kind.FORWARD, proto.forward_fields(batch, logits_rows, verify_rows),
+                  flags)
+
+    def launch_ahead(self, batch: HostBatch) -> None:
+        """Announce a decode forward launched ahead (engine/exec/overlap.py): its input ids
+        follow from rank 0's device (parallel.from_rank0, one per sequence); no logits."""
+        self.send(proto.Kind.FORWARD, proto.forward_fields(batch, []), proto.LAUNCH_AHEAD)
+
+    def mtp(self, plan: MTPPlan, shared_hidden: bool = False) -> None:
+        """Announce an MTP drafting pass (engine/spec/mtp_plan.py) over the last forward's
+        hidden rows, or over rank 0's own rows it then shares (shared_hidden)."""
+        self.send(proto.Kind.MTP, proto.mtp_fields(plan),
+                  proto.SHARED_HIDDEN if shared_hidden else 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.send(proto.Kind.COPY_BLOCKS, {"src": [s for s, _ in pairs],
@@ -104,13 +126,21 @@ def receive_message(group: Channel, seq: int) -> proto.Message:
 
 
 class Follower:
-    """A rank > 0: receive, run, repeat until STOP (or a GroupError ends the process)."""
+    """A rank > 0: receive, run, repeat until STOP (or a GroupError ends the process).
+    head: the MTP head (speculative decoding; a full head is sharded here, tp_mtp_head),
+    whose drafting passes (Kind.MTP) read the last forward's hidden rows."""
 
-    def __init__(self, group: TPGroup, model: Model, kv_cache: torch.Tensor) -> None:
+    def __init__(self, group: TPGroup, model: Model, kv_cache: torch.Tensor,
+                 head: torch.nn.Module | None = None) -> None:
         self.group, self.model, self.kv_cache = group, model, kv_cache
+        self.head = tp_mtp_head(head, model) if head is not None else None
         self.device = kv_cache.device
         self.seq = 0
         self.steps = 0  # forwards run (tests and metrics)
+        self.mtp_passes = 0  # MTP drafting passes run
+        self.hidden: torch.Tensor | None = None  # [T, H] the last forward's (with a head)
+        # (batch, hidden [B, H]) of the decode forward launched ahead, until the next FORWARD
+        self.launched: tuple[HostBatch, torch.Tensor] | None = None
 
     def receive(self) -> proto.Message:
         msg = receive_message(self.group, self.seq)
@@ -125,6 +155,8 @@ class Follower:
                 return self.steps
             if msg.kind == proto.Kind.FORWARD:
                 self.forward(msg)
+            elif msg.kind == proto.Kind.MTP:
+                self.mtp(msg)
             elif msg.kind == proto.Kind.COPY_BLOCKS:
                 for s, d in zip(msg.fields["src"], msg.fields["dst"]):
                     self.kv_cache[d].copy_(self.kv_cache[s])
@@ -134,13 +166,57 @@ class Follower:
     @torch.inference_mode()
     def forward(self, msg: proto.Message) -> None:
         batch = proto.batch_of(msg)
-        ids, positions, meta = batch.to_device(self.device)
-        hidden = self.model(ids, positions, meta, self.kv_cache)
-        rows = msg.fields["logits_rows"]
-        if rows:  # the leader's LM head all-gather needs this rank's part for these rows
-            self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
-                                      as_float=False)
+        launched, self.launched = self.launched, None
+        if msg.flags & proto.USE_LAUNCHED:  # the forward launched ahead serves this step
+            if launched is None or not _same_step(launched[0], batch):
+                raise proto.ProtocolError("forward.flags: no forward launched ahead for "
+                                          "this batch")
+            hidden = launched[1]
+        else:
+            ids, positions, meta = batch.to_device(self.device)
+            if msg.flags & proto.LAUNCH_AHEAD:  # ids: rank 0's sampled tokens
+                ids = parallel.from_rank0(torch.zeros_like(ids), self.group)
+            hidden = self.model(ids, positions, meta, self.kv_cache)
+            if msg.flags & proto.LAUNCH_AHEAD:
+                self.launched = (batch, hidden)
+                self.steps += 1
+                return
+        # the leader's LM head all-gathers need this rank's part for these rows: sampled
+        # rows, then MTP verify rows (two calls, in the leader's order)
+        for name in ("logits_rows", "verify_rows"):
+            rows = msg.fields[name]
+            if rows:
+                self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
+                                          as_float=False)
+        self.hidden = hidden if self.head is not None else None
         self.steps += 1
+
+    @torch.inference_mode()
+    def mtp(self, msg: proto.Message) -> None:
+        """Rank 0's drafting pass over this rank's shard of the MTP head."""
+        plan = proto.plan_of(msg)
+        if self.head is None:
+            raise proto.ProtocolError("mtp: this rank has no MTP head (it was started "
+                                      "without speculative)")
+        if msg.flags & proto.SHARED_HIDDEN:  # rank 0's own rows, shared by an all-reduce
+            dtype = self.model.embed_tokens.weight.dtype
+            zeros = torch.zeros(len(plan.rows), self.model.config.hidden_size, dtype=dtype,
+                                device=self.device)
+            hidden = parallel.from_rank0(zeros, self.group)
+        else:
+            if self.hidden is None or max(plan.rows) >= self.hidden.shape[0]:
+                raise proto.ProtocolError("mtp.rows: rows outside the last forward's hidden "
+                                          "states")
+            hidden = self.hidden[torch.tensor(plan.rows, device=self.device)]
+        follow_plan(plan, self.head, self.model, self.kv_cache, hidden)
+        self.mtp_passes += 1
+
+
+def _same_step(launched: HostBatch, batch: HostBatch) -> bool:
+    """Whether `batch` is the forward launched ahead (its input ids were unknown then)."""
+    return (launched.positions, launched.slots, launched.query_lens, launched.seq_lens,
+            launched.block_tables) == (batch.positions, batch.slots, batch.query_lens,
+                                       batch.seq_lens, batch.block_tables)
 
 
 class LeaderModel:

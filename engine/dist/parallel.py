@@ -8,6 +8,8 @@
   * vocabulary-parallel LM head: each rank's logits over its rows, then either an all-gather
     of the logits (the sampler on rank 0 needs the full row: penalties, grammars, logprobs)
     or, for greedy (drafts, greedy rows), a cross-rank argmax that moves two values per row.
+  * rank 0's values to every rank (sampled MTP drafts, a shipped hidden state): an all-reduce
+    of them with the other ranks' zeros (from_rank0).
 """
 from __future__ import annotations
 
@@ -92,3 +94,11 @@ def argmax(local: torch.Tensor, vocab: VocabRange, group: TPGroup) -> torch.Tens
     ids = group.all_gather(idx.unsqueeze(0), dim=0)
     winner = vals.argmax(dim=0)  # first rank holding the maximum: the lowest id
     return ids.gather(0, winner.unsqueeze(0)).squeeze(0)
+
+
+def from_rank0(t: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Rank 0's tensor on every rank (its drafts, its hidden rows): rank 0 contributes t, the
+    others zeros of the same shape and dtype, and an all-reduce sums them (exact: x + 0).
+    Every rank passes a tensor of the same shape; the result is a new tensor."""
+    out = t.clone() if group.rank == 0 else torch.zeros_like(t)
+    return group.all_reduce(out)

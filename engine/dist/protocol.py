@@ -8,11 +8,15 @@ Header: [MAGIC, VERSION, kind, seq, flags, nfields, len_0 .. len_{MAX_FIELDS-1}]
   * seq counts messages from 0; a follower refuses a gap (a lost or repeated step would
     desynchronise the ranks' collectives).
   * kind picks the schema: the field names in FIELDS, in order. A FORWARD's fields are
-    HostBatch's (engine/model/attention.py) plus the rows whose logits the leader computes
-    (the followers join the LM head's collective for exactly those rows).
+    HostBatch's (engine/model/attention.py) plus the rows whose logits the leader computes:
+    logits_rows (sampled), then verify_rows (MTP verification), two LM head calls in that
+    order (the followers join each collective for exactly those rows).
 
 Kinds: FORWARD (one model forward + its logits), COPY_BLOCKS (copy-on-write of whole blocks
-in every rank's cache), KEEPALIVE (the leader is idle but alive), STOP (leave the loop).
+in every rank's cache), KEEPALIVE (the leader is idle but alive), STOP (leave the loop),
+MTP (one MTP drafting pass, engine/spec/tp_draft.py MTPPlan: catch-up rows over the last
+FORWARD's hidden rows, or over hidden rows rank 0 shares (flag SHARED_HIDDEN), then the
+chain of k drafts per job).
 
 KV kinds (a serving TP worker, worker/tp_kv.py): they travel on a SEPARATE gloo group from
 the steps, so a KV pull never waits behind, or blocks, a forward. Each carries an `op` id
@@ -31,10 +35,11 @@ from enum import IntEnum
 import torch
 
 from pdserve.engine.model.attention import HostBatch
+from pdserve.engine.spec.mtp_plan import MTPPlan
 
 MAGIC = 0x7064_7470  # "pdtp"
-VERSION = 2  # 2: the KV kinds
-MAX_FIELDS = 10
+VERSION = 3  # 2: the KV kinds; 3: MTP, FORWARD.verify_rows
+MAX_FIELDS = 12
 HEADER_LEN = 6 + MAX_FIELDS
 MAX_PAYLOAD = 1 << 26  # int64 values: far beyond any step (tokens + block tables)
 
@@ -52,6 +57,7 @@ class Kind(IntEnum):
     KV_PULL = 6
     REMOVE_PEER = 7
     WARM_UP = 8
+    MTP = 9
 
 
 KV_KINDS = (Kind.ADD_PEER, Kind.KV_PULL, Kind.REMOVE_PEER, Kind.WARM_UP)
@@ -59,10 +65,17 @@ KV_KINDS = (Kind.ADD_PEER, Kind.KV_PULL, Kind.REMOVE_PEER, Kind.WARM_UP)
 
 # flags of a FORWARD
 RETURN_PRENORM = 1
+# overlapped decode (engine/exec/overlap.py): a forward launched ahead, whose input ids come
+# after the message from rank 0's device (parallel.from_rank0); and a step served by it
+LAUNCH_AHEAD = 2
+USE_LAUNCHED = 4
+# flags of an MTP: the catch-up's hidden rows come from rank 0 (an all-reduce), not from
+# the last FORWARD (a decode worker drafting from a prefill worker's hidden state)
+SHARED_HIDDEN = 1
 
 FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.FORWARD: ("input_ids", "positions", "slots", "query_lens", "seq_lens",
-                   "block_tables", "table_lens", "scalars", "logits_rows"),
+                   "block_tables", "table_lens", "scalars", "logits_rows", "verify_rows"),
     Kind.COPY_BLOCKS: ("src", "dst"),
     Kind.KEEPALIVE: (),
     Kind.STOP: (),
@@ -70,6 +83,8 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.KV_PULL: ("op", "worker_id", "incarnation", "remote_ids", "local_ids", "budget_ms"),
     Kind.REMOVE_PEER: ("op", "worker_id"),
     Kind.WARM_UP: ("op", "worker_id", "incarnation", "budget_ms"),
+    Kind.MTP: ("input_ids", "rows", "starts", "lens", "block_tables", "table_lens", "ks",
+               "greedy", "scalars"),
 }
 
 
@@ -131,14 +146,15 @@ def decode(kind: Kind, seq: int, flags: int, lens: list[int], payload: torch.Ten
     return Message(kind, seq, flags, fields)
 
 
-def forward_fields(batch: HostBatch, logits_rows: list[int]) -> dict[str, list[int]]:
+def forward_fields(batch: HostBatch, logits_rows: list[int],
+                   verify_rows: list[int] | tuple[int, ...] = ()) -> dict[str, list[int]]:
     """A FORWARD's fields from the leader's HostBatch (block tables flattened, their lengths
     alongside; scalars = [block_size])."""
     return {"input_ids": batch.input_ids, "positions": batch.positions, "slots": batch.slots,
             "query_lens": batch.query_lens, "seq_lens": batch.seq_lens,
             "block_tables": [b for t in batch.block_tables for b in t],
             "table_lens": [len(t) for t in batch.block_tables], "scalars": [batch.block_size],
-            "logits_rows": logits_rows}
+            "logits_rows": logits_rows, "verify_rows": list(verify_rows)}
 
 
 def batch_of(msg: Message) -> HostBatch:
@@ -154,14 +170,44 @@ def batch_of(msg: Message) -> HostBatch:
             raise ProtocolError(f"forward.{name}: {n} values, expected {want}")
     if sum(f["query_lens"]) != T or B == 0:
         raise ProtocolError(f"forward.query_lens: sum {sum(f['query_lens'])} != {T} tokens")
-    if any(r < 0 or r >= T for r in f["logits_rows"]):
-        raise ProtocolError(f"forward.logits_rows: rows outside [0, {T})")
+    for name in ("logits_rows", "verify_rows"):
+        if any(r < 0 or r >= T for r in f[name]):
+            raise ProtocolError(f"forward.{name}: rows outside [0, {T})")
     tables, at = [], 0
     for n in f["table_lens"]:
         tables.append(f["block_tables"][at:at + n])
         at += n
     return HostBatch(f["input_ids"], f["positions"], f["slots"], f["query_lens"],
                      f["seq_lens"], tables, f["scalars"][0])
+
+
+def mtp_fields(plan: MTPPlan) -> dict[str, list[int]]:
+    """An MTP message's fields (block tables flattened; greedy as 0/1; scalars =
+    [block_size])."""
+    return {"input_ids": plan.ids, "rows": plan.rows, "starts": plan.starts, "lens": plan.lens,
+            "block_tables": [b for t in plan.tables for b in t],
+            "table_lens": [len(t) for t in plan.tables], "ks": plan.ks,
+            "greedy": [int(g) for g in plan.greedy], "scalars": [plan.block_size]}
+
+
+def plan_of(msg: Message) -> MTPPlan:
+    """The MTPPlan an MTP message carries, checked for consistency (names the field)."""
+    f = msg.fields
+    J, T = len(f["starts"]), len(f["input_ids"])
+    for name, want in (("lens", J), ("table_lens", J), ("ks", J), ("greedy", J), ("rows", T),
+                       ("block_tables", sum(f["table_lens"])), ("scalars", 1)):
+        if len(f[name]) != want:
+            raise ProtocolError(f"mtp.{name}: {len(f[name])} values, expected {want}")
+    if J == 0 or sum(f["lens"]) != T or min(f["lens"]) < 1:
+        raise ProtocolError(f"mtp.lens: {f['lens']} do not split {T} catch-up rows")
+    if min(f["rows"]) < 0 or min(f["ks"]) < 0 or min(f["starts"]) < 0:
+        raise ProtocolError("mtp.rows: negative rows, ks or starts")
+    tables, at = [], 0
+    for n in f["table_lens"]:
+        tables.append(f["block_tables"][at:at + n])
+        at += n
+    return MTPPlan(f["input_ids"], f["rows"], f["starts"], f["lens"], tables, f["ks"],
+                   [bool(g) for g in f["greedy"]], f["scalars"][0])
 
 
 def pack_bytes(data: bytes) -> list[int]:

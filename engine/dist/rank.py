@@ -22,7 +22,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from pdserve.engine.core.config import ConfigError
+from pdserve.engine.core.config import ConfigError, SpecConfig
 from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import GroupError, TPGroup, open_store
@@ -30,21 +30,33 @@ from pdserve.engine.dist.lockstep import Leader
 
 
 def check_tp_args(args: EngineArgs) -> None:
-    """Refuse, naming the field, what a tensor-parallel engine does not run yet (phase 3,
-    docs/tensor_parallel.md): MTP drafts call the LM head with rows the step message does not
-    carry; a forward launched ahead takes its ids from rank 0's device; CUDA graphs are
-    captured on rank 0 only."""
+    """Refuse, naming the field, what a tensor-parallel engine does not run yet
+    (docs/tensor_parallel.md): CUDA graphs are captured on rank 0 only; MTP's static drafting
+    (draft graphs) and a reduced draft vocabulary are single-rank paths. MTP speculation
+    (engine/spec/mtp_plan.py) and overlap_decode='on' (launched-ahead decode forwards, their
+    ids shared from rank 0) run."""
     if args.tensor_parallel_size <= 1:
         return
     tp = args.tensor_parallel_size
-    if args.speculative is not None:
-        raise ConfigError(f"speculative: MTP speculation is not supported with "
-                          f"tensor_parallel_size={tp} yet")
-    if args.overlap_decode == "on":
-        raise ConfigError(f"overlap_decode: 'on' is not supported with tensor_parallel_size="
-                          f"{tp} yet (use 'auto' or 'off')")
+    spec = args.spec_config()
+    if spec is not None and spec.draft_vocab:
+        raise ConfigError(f"draft_vocab: a reduced draft vocabulary is not supported with "
+                          f"tensor_parallel_size={tp} yet (use 0, the full vocabulary)")
+    if spec is not None and spec.draft_graphs == "on":
+        raise ConfigError(f"speculative.draft_graphs: 'on' is not supported with "
+                          f"tensor_parallel_size={tp} yet (use 'auto' or 'off')")
     if args.use_cuda_graphs:
         raise ConfigError(f"use_cuda_graphs: not supported with tensor_parallel_size={tp} yet")
+
+
+def check_tp_serving_args(args: EngineArgs) -> None:
+    """What a serving TP worker (worker/tp_worker.py) does not run yet, beyond check_tp_args:
+    speculative (its rank 0 engine and follower ranks are built without the MTP head)."""
+    check_tp_args(args)
+    if args.tensor_parallel_size > 1 and args.speculative is not None:
+        raise ConfigError(f"speculative: MTP speculation is not supported by a serving "
+                          f"worker with tensor_parallel_size={args.tensor_parallel_size} yet "
+                          f"(the offline engine runs it)")
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -56,11 +68,24 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def follower_argv(args: EngineArgs, cfg: ParallelConfig) -> list[str]:
-    """The command line of a follower process (JSON: EngineArgs' fields are plain values;
-    speculative, the one that may hold a SpecConfig, is refused with TP)."""
+    """The command line of a follower process (JSON: EngineArgs' fields are plain values but
+    speculative, which may hold a SpecConfig: sent as {"SpecConfig": its fields})."""
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    if isinstance(args.speculative, SpecConfig):
+        fields["speculative"] = {"SpecConfig": dataclasses.asdict(args.speculative)}
     return [sys.executable, "-m", "pdserve.engine.dist.follower", json.dumps(fields),
             json.dumps(dataclasses.asdict(cfg))]
+
+
+def engine_args_of(fields: dict) -> EngineArgs:
+    """The EngineArgs follower_argv sent (JSON lists back to the SpecConfig's tuples)."""
+    spec = fields.get("speculative")
+    if isinstance(spec, dict):
+        spec = dict(spec.get("SpecConfig", {}))
+        if "batch_k_caps" in spec:
+            spec["batch_k_caps"] = tuple(tuple(c) for c in spec["batch_k_caps"])
+        fields = {**fields, "speculative": SpecConfig(**spec)}
+    return EngineArgs(**fields)
 
 
 @dataclass

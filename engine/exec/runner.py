@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.core.config import EngineConfig, SpecConfig
+from pdserve.engine.core.config import ConfigError, EngineConfig, SpecConfig
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.engine.dist import parallel
 from pdserve.engine.dist.lockstep import Leader
 from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.device_io import rows_of
@@ -33,6 +34,7 @@ from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.layers import fused_kernels
 from pdserve.engine.spec.draft_graphs import DraftGraphs
+from pdserve.engine.spec.mtp_head import tp_mtp_head
 from pdserve.engine.spec.spec_decoder import DraftJob, SpecDecoder
 from pdserve.engine.spec.verify_ahead import VerifyAhead
 from pdserve.engine.spec.verify_graphs import maybe_verify_graphs
@@ -70,10 +72,16 @@ class ModelRunner:
         self.cuda_graphs = maybe_decode_graphs(config, model, self.kv_cache)  # decode steps
         overlap = config.overlap_decode == "on" or (
             config.overlap_decode == "auto" and self.cuda_graphs is not None)
-        if leader is not None and (overlap or self.cuda_graphs is not None or spec is not None):
-            # engine/dist/rank.py check_tp_args refuses these by field for the offline engine
-            raise ValueError("tensor_parallel_size: speculative, overlap_decode and CUDA "
-                             "graphs are not supported with tensor parallelism yet")
+        if leader is not None and spec is None and config.model.num_mtp_layers > 0:
+            # the ranks loaded an MTP head for speculative, but this engine was built without
+            # it (a serving TP worker: engine/dist/rank.py check_tp_serving_args)
+            raise ConfigError("speculative: the ranks loaded MTP layers but the engine has no "
+                              "SpecConfig (a serving worker with tensor_parallel_size > 1 "
+                              "does not run MTP speculation yet)")
+        if leader is not None and self.cuda_graphs is not None:
+            # engine/dist/rank.py check_tp_args refuses it by field for the offline engine
+            raise ValueError("tensor_parallel_size: CUDA graphs are not supported with "
+                             "tensor parallelism yet")
         self.ahead = DecodeAhead(model, self.kv_cache, self.cuda_graphs, self.block_size,
                                  config.scheduler.max_model_len) if overlap else None
         self.timing: dict[str, float] = {}  # the last step's host phases (see run)
@@ -81,11 +89,16 @@ class ModelRunner:
         if spec is not None:
             if mtp_head is None or config.model.num_mtp_layers < 1:
                 raise ValueError("speculative: MTP needs an MTP head and num_mtp_layers >= 1")
+            # with TP: the rank's shard of the head; every drafting pass is announced (the
+            # followers run it too, engine/spec/mtp_plan.py); no static drafting (yet)
+            mtp_head = tp_mtp_head(mtp_head, model)
             self.spec = SpecDecoder(spec, mtp_head, model, self.kv_cache, self.block_size,
                                     self.sampler, config.scheduler.max_model_len,
-                                    config.model.eos_token_ids)
-            self.spec.draft_graphs = maybe_draft_graphs(config, spec, model, mtp_head,
-                                                        self.kv_cache)
+                                    config.model.eos_token_ids,
+                                    announce=leader.mtp if leader is not None else None)
+            if leader is None:
+                self.spec.draft_graphs = maybe_draft_graphs(config, spec, model, mtp_head,
+                                                            self.kv_cache)
         self.verify_ahead = VerifyAhead(self.spec) if self.spec is not None else None
         # verify steps (k+1 tokens per sequence) replay graphs too, up to the largest batch
         # that still drafts
@@ -152,10 +165,13 @@ class ModelRunner:
         ends = list(itertools.accumulate(batch.query_lens))  # host-side: no device reads
         plain = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
                  if s.samples and not s.spec_token_ids]
-        hidden, prenorm = self._forward(out, batch, [row for _, row in plain])
-        t1 = time.perf_counter()
         verify = [(s, ends[i] - 1) for i, s in enumerate(out.scheduled)
                   if s.samples and s.spec_token_ids]
+        # the LM head's rows, in the order run() computes them (a leader announces them)
+        verify_rows = [r for s, last in verify
+                       for r in range(last - len(s.spec_token_ids), last + 1)]
+        hidden, prenorm = self._forward(out, batch, [row for _, row in plain], verify_rows)
+        t1 = time.perf_counter()
         result = StepResult({}, {}, {})
         caught_up = False  # the MTP catch-up already ran, from the sampler's device ids
         if plain:
@@ -191,21 +207,23 @@ class ModelRunner:
                 self.ahead.confirm(_verify_ids(out, nxt[1], result.drafts, num_spec))
         return result
 
-    def _forward(self, out: SchedulerOutput, batch: HostBatch, logits_rows: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, out: SchedulerOutput, batch: HostBatch, logits_rows: list[int],
+                 verify_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, prenorm) [T, H]: a captured graph for a decode step or a uniform verify
         step (every request verifying the same k drafts), else the eager model. With a
-        leader, the followers are told first (they join the LM head for logits_rows)."""
-        if self.leader is not None:  # no graphs nor launched-ahead forwards with TP (yet)
-            self.leader.forward(batch, logits_rows, return_prenorm=True)
-        if self.ahead is not None:
-            # with speculation too: a launched forward is a plain decode batch, whose hidden
-            # rows (graph outputs, valid until the next replay) the sampler and the catch-up
-            # read before any replay; its prenorm is an uncopied view, but run() reads prenorm
-            # only for want_hidden, and nothing is launched ahead then
-            launched = self.ahead.take(batch)
-            if launched is not None:
-                return launched
+        leader, the followers are told first (they join the LM head for logits_rows, then
+        for verify_rows: SpecDecoder.verify's rows), and whether the forward each of them
+        launched ahead serves this step (no graphs with TP yet)."""
+        # with speculation too: a launched forward is a plain decode batch, whose hidden rows
+        # (graph outputs, valid until the next replay) the sampler and the catch-up read
+        # before any replay; its prenorm is an uncopied view, but run() reads prenorm only
+        # for want_hidden, and nothing is launched ahead then
+        launched = self.ahead.take(batch) if self.ahead is not None else None
+        if self.leader is not None:
+            self.leader.forward(batch, logits_rows, return_prenorm=True,
+                                verify_rows=verify_rows, launched=launched is not None)
+        if launched is not None:
+            return launched
         k = max(batch.query_lens) - 1
         graphs = self.cuda_graphs if k == 0 else self.verify_graphs.get(k)
         if graphs is not None and (k == 0 or all(len(s.spec_token_ids) == k
@@ -257,6 +275,8 @@ class ModelRunner:
         with k drafts (same batch, each at its new length, [last emitted token, k drafts]),
         and the last emitted tokens; None when a request may not (cap_k, missing blocks)."""
         if self.ahead is None or k <= 0 or not all(s.spec_token_ids for s in out.scheduled):
+            return None
+        if self.leader is not None:  # launched from the draft graphs' device drafts: not TP
             return None
         bs, q = self.block_size, k + 1
         pos, slots, seqs, tables, last = [], [], [], [], []
@@ -333,6 +353,9 @@ class ModelRunner:
             if catch_up and self.spec.catch_up_on_device(requests, starts, hidden, ids):
                 caught_up.append(True)
             if ahead is not None and (caught_up or not catch_up):
+                if self.leader is not None:  # the followers launch it too, with rank 0's ids
+                    self.leader.launch_ahead(ahead)
+                    ids = parallel.from_rank0(ids, self.model.tp.group)
                 self.ahead.launch(ahead, ids)
 
         return hook, caught_up
@@ -366,8 +389,8 @@ class ModelRunner:
                        self.spec.cap_k(req, k, []), 0)
         if job.k == 0:
             return []
-        return self.spec.propose([job], h, {req.request_id: self._state(req)}).get(
-            req.request_id, [])
+        return self.spec.propose([job], h, {req.request_id: self._state(req)},
+                                 share_hidden=True).get(req.request_id, [])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V) src -> dst; one region each (every rank in

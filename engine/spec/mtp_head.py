@@ -33,8 +33,11 @@ import torch
 from torch import nn
 
 from pdserve.engine.core.config import ConfigError, ModelConfig
+from pdserve.engine.dist.parallel import TPContext
+from pdserve.engine.dist.shard import _install, shard_mtp_head
 from pdserve.engine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.model.decoder import DecoderLayer, Model
+from pdserve.engine.model.fp8_convert import scale_blocks
 from pdserve.engine.model.layers import RMSNorm, fused_kernels
 from pdserve.engine.model.moe import cast_model
 from pdserve.engine.model.mtp_names import mtp_checkpoint_name
@@ -48,13 +51,15 @@ _SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads",
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, backend: AttentionBackend,
+                 tp: TPContext | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)  # on the embedding of token t+1
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)  # on the hidden state of position t
         self.eh_proj = nn.Linear(2 * h, h, bias=False)  # input: [embedding | hidden]
-        self.block = DecoderLayer(cfg, cfg.num_layers + index, backend)
+        # with TP the block is split like a target layer (its all-reduces); the rest replicated
+        self.block = DecoderLayer(cfg, cfg.num_layers + index, backend, tp)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)  # DeepSeek's shared_head.norm
         self.fused = False  # decode-sized batches: eh_proj as a PDL-chained GEMV kernel
 
@@ -84,15 +89,18 @@ class MTPLayer(nn.Module):
 
 
 class MTPHead(nn.Module):
-    """The MTP layers of one target model. `config` is the target's (with num_mtp_layers > 0)."""
+    """The MTP layers of one target model. `config` is the target's (with num_mtp_layers > 0);
+    with tp, the rank's shard of it (tp_mtp_head)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None,
+                 tp: TPContext | None = None) -> None:
         super().__init__()
         if config.num_mtp_layers < 1:
             raise ConfigError("num_mtp_layers: an MTP head needs at least one layer")
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
         backend = backend if backend is not None else TorchAttentionBackend()
-        self.layers = nn.ModuleList(MTPLayer(config, i, backend)
+        self.layers = nn.ModuleList(MTPLayer(config, i, backend, self.tp)
                                     for i in range(config.num_mtp_layers))
         # reduced draft vocabulary (use_draft_vocab): target ids [V'] and their lm_head rows
         self.draft_ids: torch.Tensor | None = None
@@ -156,6 +164,31 @@ class MTPHead(nn.Module):
 
 
 # -- building ----------------------------------------------------------------------------------
+
+def tp_mtp_head(head: MTPHead, target: Model) -> MTPHead:
+    """The head a (possibly tensor-parallel) target drafts with: `head` itself without TP;
+    with TP, the rank's shard (the decoder blocks split like the target's layers; enorm,
+    hnorm, eh_proj and the final norm replicated) as an MTPHead whose blocks all-reduce on
+    the target's group. `head` may be the full head (sharded here) or the rank's shard as
+    loaded (engine/model/shard_load.py resolve_mtp_shard; its tensors are taken over)."""
+    tp = target.tp
+    if tp is None or head.tp is tp:
+        return head
+    full, local = head.config.num_heads, target.config.num_heads
+    if head.tp is None and full == local * tp.size:
+        head = shard_mtp_head(head, head.config, tp.size, tp.rank, target.backend)
+    elif head.tp is not None or full != local:
+        raise ConfigError(f"speculative: the MTP head ({full} heads) is neither the full head "
+                          f"nor the shard of this rank's target ({local} heads x "
+                          f"tensor_parallel_size={tp.size})")
+    # as engine/dist/shard.py bind_context does for the Model: the same tensors, assigned
+    dtype = next(head.parameters()).dtype
+    with torch.device("meta"):
+        bound = cast_model(MTPHead(head.config, target.backend, tp), dtype)
+    bound = _install(head, bound, head.state_dict(), scale_blocks(head))
+    bound.draft_ids, bound.draft_weight = head.draft_ids, head.draft_weight
+    return bound.set_fused(head.layers[0].fused)
+
 
 def with_mtp_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     """The target's config with room for n MTP layers in every KV block."""

@@ -47,10 +47,11 @@ import torch
 
 from pdserve.engine.core.config import SpecConfig
 from pdserve.engine.core.request import Request
+from pdserve.engine.dist import parallel
 from pdserve.engine.exec.device_io import rows_of
 from pdserve.engine.exec.sampler import SAMPLING_EPS, Sampler, SamplerState, mix_seed
-from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.spec.draft_graphs import DraftGraphs, DraftRow
+from pdserve.engine.spec.mtp_plan import ChainSteps, MTPPlan, tp_draft
 from pdserve.engine.structured.matcher import apply_bitmask, host_bitmask
 
 _DRAFT_SALT = 0x6D7470  # draft-sampling generator seed salt ("mtp")
@@ -158,8 +159,13 @@ class SpecDecoder:
 
     def __init__(self, spec: SpecConfig, head: torch.nn.Module, model: torch.nn.Module,
                  kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (),
+                 announce: Callable[[MTPPlan, bool], None] | None = None) -> None:
+        """announce (tensor parallelism, rank 0: the Leader's mtp): called with each drafting
+        pass's plan (and whether its hidden rows are rank 0's own) before running it, so
+        the follower ranks run the same pass over their shards (engine/spec/mtp_plan.py)."""
         self.spec, self.head, self.model = spec, head, model
+        self.announce = announce
         self.kv_cache, self.block_size, self.sampler = kv_cache, block_size, sampler
         self.max_model_len = max_model_len
         self.eos = frozenset(eos_token_ids)
@@ -270,32 +276,54 @@ class SpecDecoder:
 
     def propose(self, jobs: list[DraftJob], hidden: torch.Tensor,
                 states: dict[str, SamplerState],
-                before_sync: Callable[[torch.Tensor], object] | None = None
-                ) -> dict[str, list[int]]:
+                before_sync: Callable[[torch.Tensor], object] | None = None,
+                share_hidden: bool = False) -> dict[str, list[int]]:
         """Catch-up pass over all jobs' rows (hidden: the target's normed hidden states),
         then the chain for jobs with k > 0. Returns drafts per request. before_sync: see
-        DraftGraphs.propose (called only when the static path drafts)."""
+        DraftGraphs.propose (called only when the static path drafts). share_hidden (TP):
+        `hidden` is rank 0's own (a shipped state), not the last forward's: the followers
+        get its rows from rank 0."""
         jobs = [j for j in jobs if j.m > 0]
         if not jobs:
             return {}
         static = self._propose_static(jobs, hidden, before_sync)
         if static is not None:
             return static
-        dev = self.device
-        rows = torch.tensor([r for j in jobs for r in range(j.first_row, j.first_row + j.m)],
-                            device=dev)
-        ids = [t for j in jobs for t in j.next_tokens]
-        positions = [p for j in jobs for p in range(j.start, j.start + j.m)]
-        meta = make_metadata([j.m for j in jobs], [j.start + j.m for j in jobs],
-                             [j.request.block_table for j in jobs], self.block_size, dev)
-        g = self.head(self.model, torch.tensor(ids, device=dev), hidden[rows],
-                      torch.tensor(positions, device=dev), meta, self.kv_cache, step=0)
-        ends = torch.tensor([j.m for j in jobs]).cumsum(0) - 1
-        want = [i for i, j in enumerate(jobs) if j.k > 0]
-        if not want:
+        plan = self._plan(jobs)
+        if self.announce is not None:
+            self.announce(plan, share_hidden)
+        rows = hidden[torch.tensor(plan.rows, device=hidden.device)]
+        if share_hidden and self.model.tp is not None:
+            rows = parallel.from_rank0(rows.to(self.model.embed_tokens.weight.dtype),
+                                       self.model.tp.group)
+        qs: dict[str, list[torch.Tensor]] = {j.request.request_id: [] for j in jobs if j.k > 0}
+
+        def draft(g: torch.Tensor, active: list[int]) -> torch.Tensor:
+            drafting = [jobs[a] for a in active]
+            if self.model.tp is None:
+                return self._draw(self.head.draft_logits(self.model, g), drafting, states, qs)
+            return tp_draft(self.head, self.model, g, all(plan.greedy[a] for a in active),
+                            lambda logits, _: self._draw(logits, drafting, states, qs), active)
+
+        steps = plan.run(self.head, self.model, self.kv_cache, rows, draft)
+        if not steps:
             return {}
-        last = g[ends[want].to(dev)]
-        return self._chain([jobs[i] for i in want], last, states)
+        for rid, q in qs.items():  # the draft distributions of sampled drafts
+            if q:
+                self._q[rid] = torch.stack(q)
+            else:
+                self._q.pop(rid, None)
+        return _drafts_of(jobs, steps)
+
+    def _plan(self, jobs: list[DraftJob]) -> MTPPlan:
+        """The drafting pass of `jobs` as data (what a TP leader announces)."""
+        return MTPPlan(
+            [t for j in jobs for t in j.next_tokens],
+            [r for j in jobs for r in range(j.first_row, j.first_row + j.m)],
+            [j.start for j in jobs], [j.m for j in jobs], [j.request.block_table for j in jobs],
+            [j.k for j in jobs],
+            [j.request.sampling_params.temperature < SAMPLING_EPS for j in jobs],
+            self.block_size)
 
     def catch_up_on_device(self, requests: list[Request], starts: list[int],
                            hidden: torch.Tensor, ids: torch.Tensor) -> bool:
@@ -332,47 +360,6 @@ class SpecDecoder:
             self.free_request_drafts(j.request.request_id)
         return {j.request.request_id: d for j, d in zip(jobs, drafts) if d}
 
-    def _chain(self, jobs: list[DraftJob], g: torch.Tensor,
-               states: dict[str, SamplerState]) -> dict[str, list[int]]:
-        """g [n, H]: the catch-up output at each job's last position (drafts d1). Drafts stay
-        on the device until the chain ends: one host sync for all k steps."""
-        qs: dict[str, list[torch.Tensor]] = {j.request.request_id: [] for j in jobs}
-        active = list(range(len(jobs)))
-        steps: list[tuple[list[int], torch.Tensor]] = []  # (jobs drafting, their tokens)
-        step = 0
-        while True:
-            logits = self.head.draft_logits(self.model, g)
-            tokens = self._draw(logits, [jobs[a] for a in active], states, qs)
-            steps.append((active, tokens))
-            step += 1
-            keep = [i for i, a in enumerate(active) if jobs[a].k > step]
-            if not keep:
-                break
-            active = [active[i] for i in keep]
-            g = self._chain_step([jobs[a] for a in active], g[keep], tokens[keep], step)
-        for rid, rows in qs.items():
-            if rows:
-                self._q[rid] = torch.stack(rows)
-            else:
-                self._q.pop(rid, None)
-        host = torch.cat([t for _, t in steps]).tolist()  # the one sync of the chain
-        drafts: dict[str, list[int]] = {j.request.request_id: [] for j in jobs}
-        offset = 0
-        for rows, _ in steps:
-            for i, a in enumerate(rows):
-                drafts[jobs[a].request.request_id].append(host[offset + i])
-            offset += len(rows)
-        return drafts
-
-    def _chain_step(self, jobs: list[DraftJob], g: torch.Tensor, ids: torch.Tensor,
-                    step: int) -> torch.Tensor:
-        """One token per job: (its last draft ids [n], g) at position last + step -> g [n, H]."""
-        pos = [j.start + j.m - 1 + step for j in jobs]
-        meta = make_metadata([1] * len(jobs), [p + 1 for p in pos],
-                             [j.request.block_table for j in jobs], self.block_size, self.device)
-        return self.head(self.model, ids, g, torch.tensor(pos, device=self.device), meta,
-                         self.kv_cache, step=step)
-
     def _draw(self, logits: torch.Tensor, jobs: list[DraftJob], states: dict[str, SamplerState],
               qs: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         """One draft per row [n] (on the device): argmax for greedy requests; for random ones
@@ -393,3 +380,16 @@ class SpecDecoder:
             tokens[i] = torch.multinomial(q, 1, generator=gen)[0]
             qs[req.request_id].append(q)
         return tokens
+
+
+def _drafts_of(jobs: list[DraftJob], steps: ChainSteps) -> dict[str, list[int]]:
+    """Drafts per request from the chain's steps (ids still on the device until here: one
+    host sync for all k steps)."""
+    host = torch.cat([t for _, t in steps]).tolist()
+    drafts: dict[str, list[int]] = {jobs[a].request.request_id: [] for a in steps[0][0]}
+    offset = 0
+    for active, _ in steps:
+        for i, a in enumerate(active):
+            drafts[jobs[a].request.request_id].append(host[offset + i])
+        offset += len(active)
+    return drafts

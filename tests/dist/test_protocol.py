@@ -9,6 +9,7 @@ from pdserve.engine.core.config import ConfigError
 from pdserve.engine.dist import protocol as proto
 from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.model.attention import HostBatch
+from pdserve.engine.spec.mtp_plan import MTPPlan
 
 
 def _batch() -> HostBatch:
@@ -37,13 +38,47 @@ def test_forward_message_carries_the_host_batch_and_logits_rows() -> None:
 @pytest.mark.parametrize("index,value,field", [
     (0, 123, "header.magic"), (1, 99, "header.version"), (2, 42, "header.kind"),
     (3, 5, "header.seq"), (5, 3, "header.nfields"), (6, -1, "header.lengths"),
-    (15, 1, "header.lengths"),
+    (proto.HEADER_LEN - 1, 1, "header.lengths"),
 ])
 def test_bad_headers_are_refused_naming_the_field(index: int, value: int, field: str) -> None:
     header, _ = proto.encode(proto.Kind.FORWARD, 0, proto.forward_fields(_batch(), []))
     header[index] = value
     with pytest.raises(proto.ProtocolError, match=f"^{field}"):
         proto.read_header(header, 0)
+
+
+def test_forward_carries_verify_rows_after_the_sampled_rows() -> None:
+    msg = _roundtrip(proto.Kind.FORWARD, 0, proto.forward_fields(_batch(), [3], [0, 1, 2]))
+    assert msg.fields["logits_rows"] == [3] and msg.fields["verify_rows"] == [0, 1, 2]
+    with pytest.raises(proto.ProtocolError, match="^forward.verify_rows"):
+        proto.batch_of(_roundtrip(proto.Kind.FORWARD, 0,
+                                  proto.forward_fields(_batch(), [], [4])))
+
+
+def _plan() -> MTPPlan:
+    # job 0: a verify's 2 accepted rows then 2 drafts; job 1: a prefill chunk's 3 rows, no
+    # drafts (only the MTP KV), a sampled request
+    return MTPPlan([7, 8, 1, 2, 3], [1, 2, 4, 5, 6], [10, 0], [2, 3], [[4, 5, 6], [9]],
+                   [2, 0], [True, False], 4)
+
+
+def test_mtp_message_carries_the_drafting_plan() -> None:
+    msg = _roundtrip(proto.Kind.MTP, 3, proto.mtp_fields(_plan()), proto.SHARED_HIDDEN)
+    assert msg.kind == proto.Kind.MTP and msg.flags == proto.SHARED_HIDDEN
+    assert proto.plan_of(msg) == _plan()
+    assert _plan().positions() == [10, 11, 0, 1, 2]
+
+
+@pytest.mark.parametrize("name,value,field", [
+    ("rows", [1, 2, 4, 5], "mtp.rows"), ("lens", [2, 2], "mtp.lens"),
+    ("ks", [2], "mtp.ks"), ("greedy", [1], "mtp.greedy"), ("table_lens", [3, 2], "mtp.block_tables"),
+    ("starts", [], "mtp.lens"), ("rows", [1, 2, -4, 5, 6], "mtp.rows"),
+])
+def test_inconsistent_mtp_fields_are_refused_naming_the_field(name: str, value: list[int],
+                                                              field: str) -> None:
+    fields = {**proto.mtp_fields(_plan()), name: value}
+    with pytest.raises(proto.ProtocolError, match=f"^{field}"):
+        proto.plan_of(_roundtrip(proto.Kind.MTP, 0, fields))
 
 
 def test_inconsistent_forward_fields_are_refused() -> None:

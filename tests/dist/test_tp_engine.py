@@ -2,7 +2,8 @@
 processes on a real gloo group) generates the same greedy tokens as at TP 1: tiny
 transformers checkpoints of Qwen3 (4 heads, 2 KV heads), Llama with 1 KV head (replicated on
 both ranks) and Qwen3-MoE (TP inside each expert) at TP 2, and SmolLM2-135M (9 heads, 3 KV
-heads) at TP 3 on 8 prompts x 32 tokens. What TP does not run yet is refused by field."""
+heads) at TP 3 on 8 prompts x 32 tokens. What TP does not run yet is refused by field
+(MTP speculation at TP 2: tests/dist/test_tp_spec.py)."""
 from __future__ import annotations
 
 import os
@@ -54,6 +55,24 @@ def test_tp2_greedy_equals_tp1(tiny_models: dict[str, Path], family: str) -> Non
     assert all(len(t) == 10 for t in ref)
 
 
+def test_tp2_overlapped_decode_equals_tp1(tiny_models: dict[str, Path]) -> None:
+    """overlap_decode='on': rank 0 launches each next decode forward from its sampled ids on
+    the device, the follower launches the same with those ids (shared by an all-reduce), and
+    the next step takes both launched forwards (or both drop them when the batch changed)."""
+    prompts = _prompts(3)
+    args = dict(block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    ref = greedy(tiny_models["qwen3"], 1, prompts, 10, **args)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_models["qwen3"]), device="cpu", dtype="float32", tensor_parallel_size=2,
+             overlap_decode="on", **args) as llm:
+        got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+        ahead = llm.engine.runner.ahead
+        assert ahead.hits > 0, (ahead.hits, ahead.discards)
+        # a request joining mid-decode changes the batch: the launched forward is dropped
+        more = llm.generate(prompts[:1], params)[0].outputs[0].token_ids
+    assert got == ref and more == ref[0]
+
+
 def test_tp3_smollm2_135m_greedy_equals_tp1() -> None:
     """The embedded SmolLM2-135M (9 heads, 3 KV heads: one per rank), 8 prompts x 32."""
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time",
@@ -67,10 +86,10 @@ def test_tp_refuses_what_it_does_not_run_yet(tiny_models: dict[str, Path]) -> No
     path = str(tiny_models["qwen3"])
     with pytest.raises(ConfigError, match="num_heads"):  # 4 heads over 3 ranks
         LLM(path, device="cpu", tensor_parallel_size=3)
-    with pytest.raises(ConfigError, match="speculative"):
-        LLM(path, device="cpu", tensor_parallel_size=2, speculative="mtp")
-    with pytest.raises(ConfigError, match="overlap_decode"):
-        LLM(path, device="cpu", tensor_parallel_size=2, overlap_decode="on")
+    with pytest.raises(ConfigError, match="draft_vocab"):  # MTP runs (test_tp_spec.py)
+        LLM(path, device="cpu", tensor_parallel_size=2, speculative="mtp", draft_vocab=16)
+    with pytest.raises(ConfigError, match="use_cuda_graphs"):
+        LLM(path, device="cpu", tensor_parallel_size=2, use_cuda_graphs=True)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
