@@ -51,6 +51,7 @@ def test_matches_torch_backend(query_lens, seq_lens, device, close):
 
 def test_model_forward_prefill_then_decode(device, close):
     from pdserve.engine.core.config import ModelConfig
+    from pdserve.engine.exec.kv_cache import allocate_kv_cache
     from pdserve.engine.model.decoder import Model
 
     cfg = ModelConfig(arch="qwen3", vocab_size=50, hidden_size=64, num_layers=2, num_heads=4,
@@ -59,9 +60,8 @@ def test_model_forward_prefill_then_decode(device, close):
     ref_model = Model(cfg).to(device)
     tri_model = Model(cfg, backend=TritonAttentionBackend()).to(device)
     tri_model.load_state_dict(ref_model.state_dict())
-    kv_shape = (8, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim)
-    kv_ref = torch.zeros(kv_shape, device=device)
-    kv_tri = torch.zeros(kv_shape, device=device)
+    kv_ref = allocate_kv_cache(cfg, 8, BS, torch.float32, device)  # the engine's layout
+    kv_tri = allocate_kv_cache(cfg, 8, BS, torch.float32, device)
     tables = [[3, 0], [5, 1, 6]]
     steps = [([7, 11], [7, 11]), ([1, 1], [8, 12])]  # prefill both, then one decode step
     for query_lens, seq_lens in steps:
