@@ -97,8 +97,9 @@ def test_tiny_qwen3_disaggregated_greedy_equals_colocated() -> None:
         kv_p, kv_d, bs = P.engine.runner.kv_cache, D.engine.runner.kv_cache, 4
         mtp_layer = P.engine.config.model.num_layers
         for pos in range(n - 1):  # L-1 is recomputed on D from the shipped hidden state
-            a = kv_p[remote[pos // bs], mtp_layer, :, pos % bs]
-            b = kv_d[local[pos // bs], mtp_layer, :, pos % bs]
+            # a block is [Hkv, L, 2, BS, D]: the MTP layer's K and V of position pos
+            a = kv_p[remote[pos // bs], :, mtp_layer, :, pos % bs]
+            b = kv_d[local[pos // bs], :, mtp_layer, :, pos % bs]
             assert a.abs().sum() > 0
             torch.testing.assert_close(a, b, atol=0, rtol=0)
 
