@@ -89,6 +89,49 @@ def test_disaggregated_between_tp_sizes_equals_colocated_and_kv_is_bitwise(
     wait_until(lambda: idle(p) and idle(d), 20, "both workers idle (no leaked blocks)")
 
 
+@pytest.mark.parametrize("family", ["llama_1kv", "qwen3_moe"])
+def test_between_tp_sizes_on_a_replicated_kv_head_and_a_moe_model(tmp_path, family) -> None:
+    """The same two pairs on the other tiny models: one KV head (replicated on both ranks of
+    a TP-2 worker: each reads it from the one TP-1 rank, a TP-1 decode reads it from either
+    prefill replica) and a Qwen3-MoE (experts split inside each rank)."""
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
+
+    from tests.dist.tp_models import save_tiny
+    from tests.workers.tp_cluster import ENGINE
+
+    model = str(save_tiny(family, tmp_path / family))
+    with LLM(model, **{k: v for k, v in ENGINE.items() if k != "max_num_seqs"}) as llm:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        want = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+    start_ray()
+    started = []
+    try:
+        for ptp, dtp in ((2, 1), (1, 2)):
+            p = start_tp_worker("prefill", f"{family}-p{ptp}", model, ptp, lease_ttl_s=5.0,
+                                tp_timeout_s=20.0)
+            started.append(p)
+            d = start_tp_worker("decode", f"{family}-d{dtp}", model, dtp, lease_ttl_s=5.0,
+                                tp_timeout_s=20.0)
+            started.append(d)
+            reply = introduce(p, d)
+            assert reply.accepted, reply.reason
+            import ray
+
+            for i, prompt in enumerate(PROMPTS):
+                rid = f"{family}-p{ptp}d{dtp}-{i}"
+                res = prefill(p, rid, prompt, GREEDY)
+                heads = head_digests(p, list(res.kv.block_ids), len(prompt))
+                toks, reason = tokens_of(decode_stream(d, rid, prompt, GREEDY, res))
+                assert (toks, reason) == (want[i], "length"), f"P{ptp}->D{dtp} prompt {i}"
+                pulls = {r: (loc, n) for r, _, loc, n in ray.get(d.actor.recent_pulls.remote())}
+                local, n = pulls[rid]
+                assert head_digests(d, local, n) == heads, f"P{ptp}->D{dtp} prompt {i}"
+            wait_until(lambda: idle(p) and idle(d), 20, "both workers idle (no leaked blocks)")
+    finally:
+        stop(*started)
+
+
 def test_tp_worker_serves_colocated_like_tp1(workers, colocated) -> None:
     d = workers("decode", 2)
     for i, prompt in enumerate(PROMPTS):
