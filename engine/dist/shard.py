@@ -318,12 +318,12 @@ def bind_context(net: Model, ctx: TPContext) -> Model:
 def shard_mtp_head(full_head: nn.Module, target_cfg: ModelConfig, tp: int, rank: int,
                    backend: AttentionBackend | None = None) -> nn.Module:
     """Rank `rank`'s MTP head (engine/spec/mtp_head.py MTPHead) of a loaded full one: its
-    decoder blocks split like the target's layers, the rest replicated."""
-    from pdserve.engine.spec.mtp_head import MTPHead
-
+    decoder blocks split like the target's layers, the rest replicated. The shard is built
+    as the full head's own class (MTPHead(config, backend)): engine/spec imports this module,
+    so importing it back would make a cycle."""
     plan = ShardPlan(target_cfg, tp, rank)
     state, blocks = shard_state(full_head, plan)
     dtype = next(full_head.parameters()).dtype
     with torch.device("meta"):
-        local = cast_model(MTPHead(plan.local_config(), backend), dtype)
+        local = cast_model(type(full_head)(plan.local_config(), backend), dtype)
     return _install(full_head, local, state, blocks)
