@@ -30,13 +30,10 @@ from pdserve.engine.model import fp8
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8_convert import scale_blocks
-from pdserve.engine.model.mtp_names import mtp_checkpoint_name
 from pdserve.engine.model.weights import (
     ShardOf,
     WeightsError,
-    _iter_safetensors,
     _random_fp8,
-    _safetensors_files,
     _show_progress,
     _Sink,
     empty_model,
@@ -145,27 +142,12 @@ def load_hf_mtp_shard(folder: str | Path, cfg: ModelConfig, tp: int, rank: int,
                       backend: AttentionBackend | None = None) -> nn.Module:
     """Rank `rank`'s MTP head of a Hugging Face checkpoint's MTP layers (what
     spec/mtp_head.py load_hf_mtp loads, cut as each tensor streams)."""
-    from pdserve.engine.spec.mtp_head import empty_head
+    from pdserve.engine.spec.mtp_head import empty_head, fill_mtp_head
 
     plan = ShardPlan(cfg, tp, rank)
     head = empty_head(plan.local_config(), dtype, device, backend)
     cut = SourceCut(plan, empty_head(cfg, dtype, "meta", backend), str(folder))
-    sink = _Sink(head, str(folder), cut=cut)
-    for name, tensor in _iter_safetensors(_safetensors_files(Path(folder))):
-        mapped = mtp_checkpoint_name(name, cfg.num_layers)
-        if mapped is None or mapped[1] is None or mapped[0] >= cfg.num_mtp_layers:
-            continue
-        index, ours = mapped
-        if ours.endswith("#mimo"):  # [hidden | token] -> [token | hidden]
-            ours = ours.removesuffix("#mimo")
-            h = cfg.hidden_size
-            tensor = torch.cat([tensor[:, h:], tensor[:, :h]], dim=1)
-        sink.load(f"layers.{index}.{ours}", tensor)
-    try:
-        sink.finish()
-    except WeightsError as e:
-        raise WeightsError(f"{folder}: incomplete MTP layers: {e}") from e
-    return head
+    return fill_mtp_head(head, cfg, folder, cut=cut)
 
 
 @torch.no_grad()

@@ -296,8 +296,14 @@ def load_hf_mtp(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                 device: torch.device | str, backend: AttentionBackend | None = None) -> MTPHead:
     """The MTP layers of a Hugging Face checkpoint folder (cfg.num_mtp_layers of them)."""
 
-    head = empty_head(cfg, dtype, device, backend)
-    sink = _Sink(head, str(folder))
+    return fill_mtp_head(empty_head(cfg, dtype, device, backend), cfg, folder)
+
+
+def fill_mtp_head(head: MTPHead, cfg: ModelConfig, folder: str | Path,
+                  cut: object | None = None) -> MTPHead:
+    """Stream the checkpoint's MTP tensors into `head` through weights._Sink (`cut`: a
+    tensor-parallel rank's SourceCut, engine/model/shard_load.py)."""
+    sink = _Sink(head, str(folder), cut=cut)
     for name, tensor in _iter_safetensors(_safetensors_files(Path(folder))):
         mapped = mtp_checkpoint_name(name, cfg.num_layers)
         if mapped is None or mapped[1] is None or mapped[0] >= cfg.num_mtp_layers:
