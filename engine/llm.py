@@ -77,9 +77,12 @@ class RankParts:
     group: TPGroup | None
 
     def follower(self) -> Follower:
-        """A follower rank's loop over its own KV cache (same blocks as the leader's)."""
+        """A follower rank's lockstep loop over its own KV cache (the leader's blocks; with
+        MTP one more layer per MTP layer) and, with speculative, its shard of the MTP head:
+        it runs rank 0's drafting passes (engine/dist/lockstep.py MTP messages)."""
+        assert self.group is not None  # a follower always has its group
         kv = engine_kv_cache(self.config, self.net.config.num_kv_heads)
-        return Follower(self.group, self.net, kv)
+        return Follower(self.group, self.net, kv, head=self.head)
 
 
 def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,

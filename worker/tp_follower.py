@@ -1,6 +1,7 @@
 """A follower rank of a serving tensor-parallel worker (ranks > 0; rank 0 is
-worker/tp_worker.py TPWorkerActor): its shard and KV cache, the lockstep Follower loop, and
-the KV thread over its own transport (worker/tp_kv.py KVRankServer).
+worker/tp_worker.py TPWorkerActor): its shard and KV cache (with speculative, its shard of
+the MTP head and the MTP layers' KV), the lockstep Follower loop, and the KV thread over its
+own transport (worker/tp_kv.py KVRankServer).
 
     rank = FollowerRank.start(cfg, parallel_cfg)   # load, join, KV channel, endpoint
     ... rank 0 steps and pulls; this rank follows ...
@@ -48,11 +49,18 @@ def tp_kv_info(compat: dict, tp: int) -> TPKVInfo:
                        heads_outer=compat.get("layout_version", 1) >= 2)
 
 
+def spec_extra(parts: RankParts) -> dict:
+    """The speculation part of the KV compat payload, as LLMEngine.compat_extra says it: every
+    rank loaded the same MTP head (its id is the checkpoint's, not the shard's), so every
+    rank's transport carries the hash a TP-1 worker with the same head carries."""
+    return {} if parts.spec is None else {"speculative": parts.spec.compat(parts.head_id)}
+
+
 def rank_transport(cfg: WorkerConfig, config: EngineConfig, kv_cache: torch.Tensor, rank: int,
-                   **kw: Any) -> KVTransport:
-    """Rank `rank`'s own KV transport over its cache (the compat payload is the FULL model's,
-    the same on every rank and at every TP size)."""
-    compat = compat_payload(config.model, config.cache, {})
+                   extra: dict, **kw: Any) -> KVTransport:
+    """Rank `rank`'s own KV transport over its cache (the compat payload is the FULL model's
+    plus `extra`, spec_extra: the same on every rank and at every TP size)."""
+    compat = compat_payload(config.model, config.cache, extra)
     return make_transport(cfg.kv_transport, kv_cache, cfg.worker_id, compat, role=cfg.role,
                           tp=tp_kv_info(compat, cfg.engine.tensor_parallel_size), rank=rank,
                           **kw)
@@ -89,9 +97,9 @@ class FollowerRank:
         if parallel.device == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // parallel.tp_size))
         parts = load_rank(cfg.engine, parallel)
-        follower = parts.follower()
+        follower = parts.follower()  # with MTP, its head shard too
         transport = rank_transport(cfg, parts.config, follower.kv_cache, parallel.rank,
-                                   faults=FaultInjector(cfg.faults))
+                                   spec_extra(parts), faults=FaultInjector(cfg.faults))
         rank = cls(cfg, parts, follower, transport)
         server = KVRankServer(KVChannel(rank.group), transport, lambda e: die(rank.who, e))
         rank.group.store.set(ENDPOINT_KEY.format(rank=rank.rank),

@@ -106,9 +106,10 @@ class RankActor:
         from pdserve.engine.llm_engine import LLMEngine
 
         parts = load_rank(args, join=lambda: self.group)
-        if self.rank == 0:
+        if self.rank == 0:  # with speculative, every rank drafts over its MTP head shard
             self.leader = Leader(self.group)
-            self._model = LLMEngine(parts.config, parts.net, parts.tokenizer,
+            self._model = LLMEngine(parts.config, parts.net, parts.tokenizer, spec=parts.spec,
+                                    mtp_head=parts.head, mtp_head_id=parts.head_id,
                                     leader=self.leader)
             target = self._keep_alive
         else:

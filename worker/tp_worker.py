@@ -87,8 +87,13 @@ class TPWorkerActor(WorkerActor):
         self.group = parts.group
         self.leader = Leader(self.group)
         self.leader.start_keepalive()
-        engine = LLMEngine(parts.config, parts.net, parts.tokenizer, leader=self.leader)
-        engine.keep_hidden = cfg.role == "prefill"  # as build_worker_engine does
+        # with speculative, rank 0's shard of the MTP head: it leads the drafting passes
+        # that the followers run over theirs (engine/llm.py RankParts.follower)
+        engine = LLMEngine(parts.config, parts.net, parts.tokenizer, spec=parts.spec,
+                           mtp_head=parts.head, mtp_head_id=parts.head_id, leader=self.leader)
+        # as build_worker_engine does: a prefill worker ships the last hidden state (with
+        # MTP the decode worker drafts from it; the MTP layer's KV travels in the blocks)
+        engine.keep_hidden = cfg.role == "prefill"
         kv = KVLeader(KVChannel(self.group))
         endpoints = self._gather_endpoints(store, tp, timeout)
         ray.get(started, timeout=timeout)  # a follower that failed to start says why here
@@ -103,7 +108,7 @@ class TPWorkerActor(WorkerActor):
             # the worker's KV metrics count each group read once (GroupTransport)
             own = kv_metrics(CollectorRegistry()).bind(cfg.role, cfg.worker_id)
             local = rank_transport(cfg, parts.config, engine.runner.kv_cache, 0,
-                                   faults=rt.faults, metrics=own)
+                                   engine.compat_extra(), faults=rt.faults, metrics=own)
             self.transport = GroupTransport(local, kv, [local.rank_endpoint()] + endpoints,
                                             metrics=rt.kv_metrics)
             return self.transport

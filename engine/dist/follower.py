@@ -19,9 +19,7 @@ def follower_main(argv: list[str]) -> int:
     from pdserve.kernels.triton_mode import select_triton_mode
 
     select_triton_mode()  # an entry point: before anything imports triton
-    from pdserve.engine.dist.lockstep import Follower
     from pdserve.engine.dist.rank import engine_args_of
-    from pdserve.engine.exec.kv_cache import engine_kv_cache
     from pdserve.engine.llm import load_rank
 
     cfg = ParallelConfig(**json.loads(argv[1]))
@@ -33,9 +31,7 @@ def follower_main(argv: list[str]) -> int:
             torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tp_size))
         rank = load_rank(args, cfg)
         try:
-            kv = engine_kv_cache(rank.config, rank.net.config.num_kv_heads)
-            # with speculative, the MTP head: the follower runs rank 0's drafting passes
-            Follower(rank.group, rank.net, kv, head=rank.head).run()
+            rank.follower().run()  # with speculative, its MTP head shard drafts too
         finally:
             rank.group.close()
     except BaseException as e:  # noqa: BLE001 - reported; the exit code says it failed

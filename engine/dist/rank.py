@@ -50,13 +50,13 @@ def check_tp_args(args: EngineArgs) -> None:
 
 
 def check_tp_serving_args(args: EngineArgs) -> None:
-    """What a serving TP worker (worker/tp_worker.py) does not run yet, beyond check_tp_args:
-    speculative (its rank 0 engine and follower ranks are built without the MTP head)."""
+    """What a serving TP worker (worker/tp_worker.py) refuses: what check_tp_args refuses,
+    nothing more. MTP speculation runs there as in the offline engine (rank 0's engine leads
+    the drafting passes over its MTP head shard, each follower rank runs them over its own;
+    the MTP layer's KV travels between workers in the same blocks as the target's). Kept
+    apart so that a serving-only limit has one place: worker/tp_worker.py launch_tp_worker
+    and `pdserve serve`'s flag check (router/cli.py check_tp) call it."""
     check_tp_args(args)
-    if args.tensor_parallel_size > 1 and args.speculative is not None:
-        raise ConfigError(f"speculative: MTP speculation is not supported by a serving "
-                          f"worker with tensor_parallel_size={args.tensor_parallel_size} yet "
-                          f"(the offline engine runs it)")
 
 
 def rank_device(device: str, rank: int) -> str:

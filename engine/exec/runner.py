@@ -74,10 +74,10 @@ class ModelRunner:
             config.overlap_decode == "auto" and self.cuda_graphs is not None)
         if leader is not None and spec is None and config.model.num_mtp_layers > 0:
             # the ranks loaded an MTP head for speculative, but this engine was built without
-            # it (a serving TP worker: engine/dist/rank.py check_tp_serving_args)
+            # it (every builder passes load_rank's spec and mtp_head: engine/llm.py,
+            # worker/tp_worker.py, worker/tp_group.py)
             raise ConfigError("speculative: the ranks loaded MTP layers but the engine has no "
-                              "SpecConfig (a serving worker with tensor_parallel_size > 1 "
-                              "does not run MTP speculation yet)")
+                              "SpecConfig (build it with load_rank's spec and mtp_head)")
         if leader is not None and self.cuda_graphs is not None:
             # engine/dist/rank.py check_tp_args refuses it by field for the offline engine
             raise ValueError("tensor_parallel_size: CUDA graphs are not supported with "

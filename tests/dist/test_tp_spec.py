@@ -4,7 +4,8 @@ real gloo group) drafting through a checkpoint's own MTP layer (a tiny transform
 with its MTP layer: MoE decoder block, shared expert; a tiny MiMo: a Qwen2 block with
 q/k/v biases) generates the same greedy tokens as without MTP at TP 1, and drafts exactly
 as TP 1 with MTP does (the same drafts accepted: acceptance > 0). Sampled requests draft
-at TP 2 too (rank 0 draws, the followers get its drafts). What TP still refuses is named."""
+at TP 2 too (rank 0 draws, the followers get its drafts). What TP still refuses (offline and
+in a serving worker) is named."""
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ PROMPTS = [prompt(n, 50 + n) for n in (6, 13, 9)]
 HIDDEN = 64  # tests/engine/hf_families.py's hidden_size
 
 
-def _drafting_mtp_layer(family: str, folder: Path) -> None:
+def drafting_mtp_layer(family: str, folder: Path) -> None:
     """Make the checkpoint's random MTP layer draft something the target accepts: its
     hidden half of eh_proj (MiMo: input_proj) the identity, hnorm and the final norm unit,
     the token half, o_proj and down_proj (every expert's) scaled by 0.05. The layer then
@@ -66,7 +67,7 @@ def _drafting_mtp_layer(family: str, folder: Path) -> None:
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp(f"{request.param}-tp-mtp")
     save_checkpoint(request.param, folder, mtp=True)
-    _drafting_mtp_layer(request.param, folder)
+    drafting_mtp_layer(request.param, folder)
     return folder
 
 
@@ -144,12 +145,12 @@ def test_spec_config_reaches_the_follower_and_refusals_name_the_field() -> None:
     assert engine_args_of(json.loads(argv[-2])) == args
     from pdserve.engine.dist.rank import check_tp_args
 
-    check_tp_args(args)  # MTP runs at TP 2
+    check_tp_args(args)  # MTP runs at TP 2: offline and in a serving worker
+    check_tp_serving_args(args)
     for bad, field in ((dict(draft_vocab=16), "draft_vocab"),
                        (dict(speculative=SpecConfig(draft_graphs="on")),
                         "speculative.draft_graphs"),
                        (dict(use_cuda_graphs=True), "use_cuda_graphs")):
-        with pytest.raises(ConfigError, match=f"^{field}"):
-            check_tp_args(args.replace(**bad))
-    with pytest.raises(ConfigError, match="^speculative: .*serving worker"):
-        check_tp_serving_args(args)
+        for check in (check_tp_args, check_tp_serving_args):
+            with pytest.raises(ConfigError, match=f"^{field}"):
+                check(args.replace(**bad))
