@@ -252,21 +252,21 @@ class DecodeTiles:
 def decode_tiles(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
                  prefetch: bool = False) -> DecodeTiles:
     """Tile shape by the cache's dtype (its bytes per tile), not q's. bf16/fp16 at D=128:
-    64-key tiles (32 KB of K+V per step); fp32 and D=256 halve the tile. Swept on an H200
-    (batch 1-8, 2K-10K contexts): 2 stages beat 3-4 by up to 20%. fp8 at D <= 128: 128-key
-    tiles (the same 32 KB), kv_quarters, 2 stages, at most 168 registers (3 programs per
-    SM): at batch 256 x 4K (Qwen3-8B, H200) 0.737 ms plain / 0.754 fused per layer against
-    0.878 / 0.890 for the previous default (kv_words, 1 stage, 128 registers) in the same
-    run (bench/results/attention_fp8_quarters_h200_2026-11-25.json). Two waves of split
-    programs at small batch (a second program per SM hides a program's latency). With
-    `prefetch` (the fused prologue at small batch holds a split's first tile in registers
-    across the PDL wait) 64-key tiles and 2 stages: 128 would spill."""
+    64-key tiles (32 KB of K+V per step); fp32 and D=256 halve the tile. H200 sweep (batch
+    1-8, 2K-10K contexts): 2 stages beat 3-4 by up to 20%. fp8 at D <= 128: 128-key tiles,
+    kv_quarters, 2 stages, <= 168 registers (3 programs per SM): batch 256 x 4K (Qwen3-8B,
+    H200) 0.737 / 0.754 ms per layer plain / fused, 0.878 / 0.890 before (kv_words, 1 stage;
+    bench/results/attention_fp8_quarters_h200_2026-11-25.json); 2 waves of splits at small
+    batch. With `prefetch` (the fused prologue at small batch holds a split's first
+    tile in registers across the PDL wait; fp8 64-key tiles: 128 spill) a short split is a
+    latency chain: bf16 takes 8 warps and 2 waves (attention per layer, batch 1: 6.9 -> 4.0
+    us at 576 keys, 21.4 -> 16.8 at 8K; bench/results/b1_attention_h200_2026-11-25.json)."""
     if cache_dtype == FP8 and q_dtype != torch.float32 and head_dim <= 128:
         if prefetch:
             return DecodeTiles(64, 4, 2, waves=2, fp8_loads="kv_words")
         return DecodeTiles(128, 4, 2, waves=2, fp8_loads="kv_quarters", max_regs=168)
     block_n = 64 if q_dtype != torch.float32 and head_dim <= 128 else 32
-    return DecodeTiles(block_n, 4, 2)
+    return DecodeTiles(64, 8, 2, 2) if prefetch and block_n == 64 else DecodeTiles(block_n, 4, 2)
 
 
 def _operand_dtype(q_dtype: torch.dtype, fp8: bool) -> tuple[tl.dtype, str]:
