@@ -33,8 +33,8 @@ import grpc
 import numpy as np
 import torch
 
+from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine.llm_engine import RequestOutput
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.handshake import HandshakeError, IncompatiblePeerError
 from pdserve.proto import pdserve_pb2 as pb

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.core.outputs import RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
 

@@ -23,6 +23,7 @@ from pdserve.engine.core.config import (
     SpecConfig,
 )
 from pdserve.engine.core.engine_args import EngineArgs
+from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import TPGroup
@@ -32,7 +33,7 @@ from pdserve.engine.dist.parallel import TPContext
 from pdserve.engine.dist.rank import LocalRanks, check_tp_args
 from pdserve.engine.dist.shard import bind_context
 from pdserve.engine.exec.kv_cache import engine_kv_cache
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8_convert import check_fp8_kernels
 from pdserve.engine.model.loader import load_model, load_tokenizer_and_config, resolve_model

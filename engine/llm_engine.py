@@ -18,10 +18,10 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from pdserve.engine.core.config import EngineConfig, SpecConfig, compat_payload
 from pdserve.engine.core.detokenizer import DetokResult, IncrementalDetokenizer
+from pdserve.engine.core.outputs import EngineStats, RequestOutput
 from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.core.scheduler import Scheduler
@@ -31,35 +31,6 @@ from pdserve.engine.model.decoder import Model
 from pdserve.engine.spec.spec_decoder import SpecStats
 from pdserve.engine.structured.compiler import GrammarCompiler
 from pdserve.engine.structured.matcher import GrammarState
-
-
-@dataclass
-class RequestOutput:
-    """Incremental output of one request after a step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None
-    new_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    hidden: object | None = None  # torch.Tensor [hidden] pre-norm, when the step kept it
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
-    # seconds per step phase, summed: schedule, launch (inputs + forward launch), sample
-    # (logits + sampling, incl. waiting for the GPU), draft, update, postprocess
-    host_s: dict[str, float] = field(default_factory=dict)
-
-    def add_time(self, phase: str, seconds: float) -> None:
-        self.host_s[phase] = self.host_s.get(phase, 0.0) + seconds
 
 
 class LLMEngine:

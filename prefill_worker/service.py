@@ -24,8 +24,9 @@ import time
 
 import grpc
 
+from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.sampling_params import InvalidRequestError
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.convert import logprob_to_proto, params_from_proto
 from pdserve.worker.runtime import WorkerRuntime

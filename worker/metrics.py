@@ -15,8 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.request import Request
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
 
 P = "pdserve:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

@@ -14,10 +14,11 @@ from collections.abc import Callable
 import torch
 from prometheus_client import CollectorRegistry
 
+from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.exec.kv_cache import layer_views
 from pdserve.engine.llm import build_engine
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.faults import FaultInjector
 from pdserve.kv_transfer.handshake import HandshakeError, PeerInfo
 from pdserve.kv_transfer.lease import LeaseTable

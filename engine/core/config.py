@@ -300,6 +300,12 @@ class SpecConfig:
                 return min(cap, self.num_speculative_tokens)
         return 0
 
+    def max_drafting_batch(self, max_num_seqs: int) -> int:
+        """The largest batch for which k_for_batch still drafts (verify graphs stop there)."""
+        if not self.batch_k_caps:
+            return max_num_seqs
+        return min(max_num_seqs, max((b for b, cap in self.batch_k_caps if cap > 0), default=0))
+
     def compat(self, head_id: str) -> dict:
         """What the KV compatibility hash covers: the method and which MTP weights wrote the
         MTP layer's KV (k and the adaptive caps are per-worker tuning, not block content)."""

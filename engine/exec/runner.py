@@ -32,11 +32,10 @@ from pdserve.engine.exec.overlap import DecodeAhead
 from pdserve.engine.exec.sampler import Sampler, SamplerState
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
-from pdserve.engine.model.layers import fused_kernels
-from pdserve.engine.spec.draft_graphs import DraftGraphs
+from pdserve.engine.spec.draft_graphs import maybe_draft_graphs
 from pdserve.engine.spec.mtp_head import tp_mtp_head
 from pdserve.engine.spec.spec_decoder import DraftJob, SpecDecoder
-from pdserve.engine.spec.verify_ahead import VerifyAhead
+from pdserve.engine.spec.verify_ahead import VerifyAhead, verify_ids
 from pdserve.engine.spec.verify_graphs import maybe_verify_graphs
 
 
@@ -104,7 +103,7 @@ class ModelRunner:
         # that still drafts
         self.verify_graphs = {} if spec is None else maybe_verify_graphs(
             config, model, self.kv_cache, spec.num_speculative_tokens,
-            _max_spec_batch(spec, config.scheduler.max_num_seqs))
+            spec.max_drafting_batch(config.scheduler.max_num_seqs))
 
     # -- per-request sampler state -------------------------------------------------------
     def _state(self, req: Request) -> SamplerState:
@@ -204,7 +203,7 @@ class ModelRunner:
             hook = None if nxt is None else (lambda d: self._launch_verify(nxt, num_spec, d))
             result.drafts = self.spec.propose(jobs, hidden, states, before_sync=hook)
             if nxt is not None:
-                self.ahead.confirm(_verify_ids(out, nxt[1], result.drafts, num_spec))
+                self.ahead.confirm(verify_ids(out, nxt[1], result.drafts, num_spec))
         return result
 
     def _forward(self, out: SchedulerOutput, batch: HostBatch, logits_rows: list[int],
@@ -251,7 +250,7 @@ class ModelRunner:
             self._launch_verify(nxt, k, launched.drafts_dev)
         result.drafts = launched.drafts(result.sampled)
         if nxt is not None:
-            self.ahead.confirm(_verify_ids(out, nxt[1], result.drafts, k))
+            self.ahead.confirm(verify_ids(out, nxt[1], result.drafts, k))
         return True
 
     def _ahead_batch(self, out: SchedulerOutput, num_spec: int = 0,
@@ -399,39 +398,3 @@ class ModelRunner:
             self.leader.copy_blocks(pairs)
         for src, dst in pairs:
             self.kv_cache[dst].copy_(self.kv_cache[src])
-
-
-def _verify_ids(out: SchedulerOutput, last: list[int], drafts: dict[str, list[int]],
-                k: int) -> list[int] | None:
-    """The input ids the next verify step will bring ([last, k drafts] per request), or None
-    when some request did not get k drafts (the launched verify is then discarded)."""
-    ids: list[int] = []
-    for s, t in zip(out.scheduled, last):
-        d = drafts.get(s.request.request_id, [])
-        if len(d) != k:
-            return None
-        ids += [t] + d
-    return ids
-
-
-def maybe_draft_graphs(config: EngineConfig, spec: SpecConfig, model: Model,
-                       head: torch.nn.Module, kv_cache: torch.Tensor) -> DraftGraphs | None:
-    """Static-shape drafting per spec.draft_graphs: replayed as CUDA graphs when the engine
-    captures graphs on CUDA ("auto" or "on"), run eagerly elsewhere ("on" only)."""
-    graphs = config.use_cuda_graphs and kv_cache.device.type == "cuda"
-    if spec.draft_graphs == "off" or (spec.draft_graphs == "auto" and not graphs):
-        return None
-    draft = DraftGraphs(model, head, kv_cache, config.cache.block_size,
-                        config.scheduler.max_model_len, spec.num_speculative_tokens,
-                        config.scheduler.max_num_seqs, use_graphs=graphs)
-    if config.use_triton:
-        draft.use_accept_kernel(fused_kernels().spec_accept)
-    return draft
-
-
-def _max_spec_batch(spec: SpecConfig, max_num_seqs: int) -> int:
-    """The largest batch for which the adaptive policy still drafts."""
-    drafting = [b for b, cap in spec.batch_k_caps if cap > 0]
-    if not spec.batch_k_caps:
-        return max_num_seqs
-    return min(max_num_seqs, max(drafting, default=0))

@@ -39,7 +39,8 @@ import torch
 
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.engine.exec.device_io import to_device
+from pdserve.engine.exec.device_io import HostCopy, to_device
+from pdserve.engine.exec.logits_processors import apply_min_p, apply_penalties, apply_top_k_top_p
 from pdserve.engine.structured.matcher import BitmaskFiller, GrammarState, apply_bitmask
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
@@ -98,97 +99,6 @@ class SamplerState:
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[Logprobs | None]  # per row: (chosen logprob, top-N [(token, logprob)]) or None
-
-
-def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor) -> torch.Tensor:
-    """Penalised copy of logits [B, V].
-
-    prompt_mask [B, V] bool, counts [B, V] output-token counts, the three penalties [B].
-    Repetition (vLLM/HF): tokens seen in prompt or output get logit / r if positive, * r
-    otherwise. Then OpenAI's: logit -= frequency * count + presence * (count > 0).
-    """
-    counts_f = counts.to(logits.dtype)
-    in_output = counts > 0
-    seen = prompt_mask | in_output
-    r = repetition[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    return logits - frequency[:, None] * counts_f - presence[:, None] * in_output.to(logits.dtype)
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits [B, V] outside each row's top-k, then outside its top-p nucleus.
-
-    top_k [B] int64 (V = off), top_p [B] float (1 = off). The nucleus is computed on the
-    top-k survivors' renormalised distribution: the smallest prefix (by descending
-    probability) whose mass reaches top_p; the most likely token is always kept. Ties at
-    the k-th value are broken by sort order, so exactly k tokens survive.
-    """
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
-    rank = torch.arange(vocab, device=logits.device)
-    drop = rank[None, :] >= top_k[:, None]  # [B, V] in sorted order
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability strictly ahead of each token
-    # rows with top_p == 1 skip this: fp rounding can push mass_before to 1.0 in the tail
-    drop |= (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
-    drop[:, 0] = False
-    mask = torch.zeros_like(drop).scatter_(-1, order, drop)  # back to vocabulary order
-    return logits.masked_fill(mask, float("-inf"))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p [B] times the row's top probability."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-class HostCopy:
-    """An asynchronous device -> host copy of int64 ids through a reused pinned buffer, so
-    work queued after start() does not delay wait() (a plain .tolist() would queue behind it).
-
-    The copy runs on a side stream, after the work that produced the ids: on the compute
-    stream it would sit between this step's sampling and the next step's inputs and forward
-    (~3 us per copy at batch 1 on an H100, bench/results/diag_spec_k0_*). The ids must not
-    be overwritten before wait() (fresh tensors are kept alive for the side stream; static
-    graph outputs are replayed again only after the host has read them)."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
-        self._produced: torch.cuda.Event | None = None
-        self._stream: torch.cuda.Stream | None = None
-        self._n = 0
-        self._ids: list[int] | None = None
-
-    def start(self, ids: torch.Tensor) -> None:
-        """Queue the copy of ids (any shape; wait() returns them flattened)."""
-        ids = ids.reshape(-1)
-        self._n = ids.numel()
-        if ids.device.type != "cuda":  # nothing runs ahead of the host on a CPU
-            self._ids = ids.tolist()
-            return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(ids.device)
-            self._event, self._produced = torch.cuda.Event(), torch.cuda.Event()
-        if self._buf is None or self._buf.numel() < self._n:
-            self._buf = torch.empty(max(self._n, 256), dtype=torch.int64, pin_memory=True)
-        self._produced.record()  # on the compute stream, after the ids' producer
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(self._produced)
-            self._buf[:self._n].copy_(ids, non_blocking=True)
-            self._event.record(self._stream)
-        ids.record_stream(self._stream)
-        self._ids = None
-
-    def wait(self) -> list[int]:
-        if self._ids is not None:
-            return self._ids
-        self._event.synchronize()
-        return self._buf[:self._n].tolist()
 
 
 class Sampler:

@@ -34,10 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.engine.core.config import EngineConfig, SpecConfig
 from pdserve.engine.core.request import Request
 from pdserve.engine.exec.cuda_graphs import bucket_for, decode_buckets
-from pdserve.engine.exec.sampler import HostCopy
+from pdserve.engine.exec.device_io import HostCopy
 from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.layers import fused_kernels
 
 
 @dataclass
@@ -322,3 +324,18 @@ def _views(flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]
         out[name] = flat[at:at + size]
         at += size
     return out
+
+
+def maybe_draft_graphs(config: EngineConfig, spec: SpecConfig, model: torch.nn.Module,
+                       head: torch.nn.Module, kv_cache: torch.Tensor) -> DraftGraphs | None:
+    """Static-shape drafting per spec.draft_graphs: replayed as CUDA graphs when the engine
+    captures graphs on CUDA ("auto" or "on"), run eagerly elsewhere ("on" only)."""
+    graphs = config.use_cuda_graphs and kv_cache.device.type == "cuda"
+    if spec.draft_graphs == "off" or (spec.draft_graphs == "auto" and not graphs):
+        return None
+    draft = DraftGraphs(model, head, kv_cache, config.cache.block_size,
+                        config.scheduler.max_model_len, spec.num_speculative_tokens,
+                        config.scheduler.max_num_seqs, use_graphs=graphs)
+    if config.use_triton:
+        draft.use_accept_kernel(fused_kernels().spec_accept)
+    return draft

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.core.request import Request
-from pdserve.engine.exec.sampler import SAMPLING_EPS, HostCopy
+from pdserve.engine.core.scheduler import SchedulerOutput
+from pdserve.engine.exec.device_io import HostCopy
+from pdserve.engine.exec.sampler import SAMPLING_EPS
 from pdserve.engine.spec.draft_graphs import DraftRow
 from pdserve.engine.spec.spec_decoder import SpecDecoder, greedy_accept
 
@@ -104,3 +106,16 @@ class VerifyAhead:
             self.spec.free_request_drafts(r.request_id)
         self.launched += 1
         return LaunchedVerify(self.spec, items, k_next, self._argmax, out)
+
+
+def verify_ids(out: SchedulerOutput, last: list[int], drafts: dict[str, list[int]],
+                k: int) -> list[int] | None:
+    """The input ids the next verify step will bring ([last, k drafts] per request), or None
+    when some request did not get k drafts (the launched verify is then discarded)."""
+    ids: list[int] = []
+    for s, t in zip(out.scheduled, last):
+        d = drafts.get(s.request.request_id, [])
+        if len(d) != k:
+            return None
+        ids += [t] + d
+    return ids

@@ -6,13 +6,8 @@ import torch
 
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.engine.exec.sampler import (
-    Sampler,
-    SamplerState,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-)
+from pdserve.engine.exec.logits_processors import apply_min_p, apply_penalties, apply_top_k_top_p
+from pdserve.engine.exec.sampler import Sampler, SamplerState
 
 V = 32
 

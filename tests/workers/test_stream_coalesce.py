@@ -4,7 +4,7 @@ from __future__ import annotations
 import queue
 
 from pdserve.decode_worker.service import _coalesce
-from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.core.outputs import RequestOutput
 
 
 def _out(ids: list[int], text: str, finished: bool = False) -> RequestOutput:
