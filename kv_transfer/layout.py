@@ -174,6 +174,19 @@ def block_descriptors(base_addr: int, layout: KVLayout, device_id: int) -> np.nd
     return run_descriptors(base_addr, layout.block_bytes, np.arange(n), np.ones(n), device_id)
 
 
+def blocks_per_descriptor(layout: KVLayout, mode: str, max_bytes: int | None) -> int | None:
+    """The most whole blocks one descriptor may cover under `max_bytes` (None: no cap)."""
+    if max_bytes is None:
+        return None
+    if mode == "prepped":
+        raise ValueError("max_descriptor_bytes: only supported with descriptor_mode="
+                         "'coalesced' (NIXL merges prepped descriptors itself)")
+    if max_bytes < layout.block_bytes:
+        raise ValueError(f"max_descriptor_bytes: {max_bytes} is below one block "
+                         f"({layout.block_bytes} bytes)")
+    return max_bytes // layout.block_bytes
+
+
 def check_block_ids(local: Sequence[int], remote: Sequence[int], local_num_blocks: int,
                     remote_num_blocks: int) -> tuple[list[int], list[int]]:
     """The (local, remote) id pairs of one read as ints, checked: same length, inside each

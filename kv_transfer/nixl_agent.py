@@ -41,6 +41,15 @@ def nixl_call(wid: str, what: str, fn: Any, *args: Any) -> Any:
                               f"{type(e).__name__}: {e}") from e
 
 
+def read_xfer(agent: Any, wid: str, local: Any, local_mem: str, remote: Any,
+              ep: Any) -> Any:
+    """A READ transfer handle from the remote ranges of `ep` (a RankEndpoint: its agent and
+    memory type) into the local ranges; ranges as (address, bytes, device) rows."""
+    return nixl_call(wid, "initialize_xfer", agent.initialize_xfer, "READ",
+                     agent.get_xfer_descs(local, local_mem),
+                     agent.get_xfer_descs(remote, ep.kv_mem_type), ep.agent_name)
+
+
 def wait_done(agent: Any, handle: Any, state: str, deadline: float, not_before: float,
               wid: str) -> None:
     """Poll until DONE (and not before `not_before`, the injected delay) or deadline."""

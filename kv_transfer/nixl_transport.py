@@ -4,20 +4,11 @@ Each worker registers its whole KV tensor with NIXL once, publishes a `PeerInfo`
 NIXL metadata + address + layout + compatibility), and adds the peers the router introduces.
 Decode pulls: `read_blocks` READs remote blocks straight into local blocks.
 
-Descriptors (the measured cost is ~8 us each; DESIGN.md). Two modes, same descriptor count:
-  "coalesced" (default): per read, pair up (local, remote) ids into runs where both sides
-      advance by one (layout.coalesce_pairs) and hand NIXL one descriptor per run
-      (initialize_xfer). `max_descriptor_bytes` can cap a run's size.
-  "prepped": per peer, prepare block-granularity descriptor lists once (prep_xfer_dlist,
-      one entry per block of the pool) and build each read by index (make_prepped_xfer).
-      NIXL merges index-adjacent entries that are contiguous on both sides, so a read also
-      costs one descriptor per run (verified through NIXL telemetry in the tests), minus the
-      per-read validation; it cannot cap descriptor size.
-Measured (bench/lab/bench_kv_transfer.py, Qwen3-8B KV of 10,000 tokens = 1.47 GB, cuda:0 ->
-cuda:1 on two NVLinked H200s, UCX_TLS=cuda_ipc,cuda_copy,tcp; medians of 10): one coalesced
-descriptor 5.1 ms (287 GB/s), same via "prepped" 5.5 ms, capped at 16 MiB (90 descriptors)
-6.3 ms, runs of 4 blocks (157) 6.0 ms, one per block (625) 9.6 ms; torch peer copy 3.8 ms.
-So "coalesced" with no cap is the default: fewest descriptors, and the count is ours.
+Descriptors cost ~8 us each (docs/design.md, KV transfer). "coalesced" (default): per read,
+(local, remote) id pairs that both advance by one form runs (layout.coalesce_pairs), one
+descriptor per run, optionally capped by `max_descriptor_bytes`. "prepped": per peer,
+block-granularity lists prepared once (prep_xfer_dlist), each read built by index; NIXL
+merges adjacent entries, so it costs the same descriptors minus per-read validation.
 
 Tensor parallelism: each rank of a TP worker has its own transport (`tp`, `rank`) over its
 own KV tensor; rank 0 publishes the group's PeerInfo (handshake.group_peer_info). Every
@@ -71,9 +62,9 @@ from .handshake import (
     local_tp_info,
     normalize_config,
 )
-from .layout import block_descriptors, check_block_ids
+from .layout import block_descriptors, blocks_per_descriptor, check_block_ids
 from .metrics import KVMetrics, kv_metrics
-from .nixl_agent import descriptor_count, make_agent, nixl_call, try_release, wait_done
+from .nixl_agent import descriptor_count, make_agent, nixl_call, read_xfer, try_release, wait_done
 from .tp_pull import SourcePull, byte_ranges, descriptors, rank_sources
 
 log = logging.getLogger(__name__)
@@ -106,7 +97,8 @@ class NixlKVTransport:
         self.layout = cache_layout(kv_cache, compat)
         self.tp = local_tp_info(self.layout, compat, tp, rank)
         self.rank = rank
-        self._max_blocks = self._blocks_per_descriptor(descriptor_mode, max_descriptor_bytes)
+        self._max_blocks = blocks_per_descriptor(self.layout, descriptor_mode,
+                                                max_descriptor_bytes)
         self.worker_id = worker_id
         self.incarnation = secrets.token_hex(8)
         self.descriptor_mode = descriptor_mode
@@ -139,17 +131,6 @@ class NixlKVTransport:
         self._retiring: list[_Peer] = []  # replaced/removed peers with reads in flight
         self._inflight = 0
         self._closed = False
-
-    def _blocks_per_descriptor(self, mode: str, max_bytes: int | None) -> int | None:
-        if max_bytes is None:
-            return None
-        if mode == "prepped":
-            raise ValueError("max_descriptor_bytes: only supported with descriptor_mode="
-                             "'coalesced' (NIXL merges prepped descriptors itself)")
-        if max_bytes < self.layout.block_bytes:
-            raise ValueError(f"max_descriptor_bytes: {max_bytes} is below one block "
-                             f"({self.layout.block_bytes} bytes)")
-        return max_bytes // self.layout.block_bytes
 
     def peer_info(self) -> PeerInfo:
         """This rank's own PeerInfo (a TP group publishes group_peer_info of rank 0's)."""
@@ -381,12 +362,11 @@ class NixlKVTransport:
         hb, first = self.layout.head_bytes, src.pulls[0]
         src_off, dst_off, nbytes = (0, 0, self.layout.block_bytes) if src.whole else \
             (first.src_head * hb, first.dst_head * hb, first.count * hb)
-        ep, agent = src.endpoint, self._agent
-        local = [(self._scratch.data_ptr() + dst_off, nbytes, self._device_id)]
-        remote = [(ep.kv_base_addr + src_off, nbytes, ep.kv_device_id)]
-        return nixl_call(peer.info.worker_id, "initialize_xfer", agent.initialize_xfer,
-                          "READ", agent.get_xfer_descs(local, self._mem_type),
-                          agent.get_xfer_descs(remote, ep.kv_mem_type), ep.agent_name)
+        ep = src.endpoint
+        return read_xfer(self._agent, peer.info.worker_id,
+                         [(self._scratch.data_ptr() + dst_off, nbytes, self._device_id)],
+                         self._mem_type, [(ep.kv_base_addr + src_off, nbytes, ep.kv_device_id)],
+                         ep)
 
     def _make_handle(self, peer: _Peer, src: SourcePull, ranges: np.ndarray,
                      local_ids: list[int], remote_ids: list[int]) -> Any:
@@ -398,12 +378,10 @@ class NixlKVTransport:
             return nixl_call(wid, "make_prepped_xfer", agent.make_prepped_xfer,
                               "READ", self._local_dlist, np.asarray(local_ids, np.int32),
                               dlist, np.asarray(remote_ids, np.int32))
-        local = descriptors(self._info.kv_base_addr, ranges[:, 1], ranges[:, 2],
-                            self._device_id)
-        remote = descriptors(ep.kv_base_addr, ranges[:, 0], ranges[:, 2], ep.kv_device_id)
-        return nixl_call(wid, "initialize_xfer", agent.initialize_xfer, "READ",
-                          agent.get_xfer_descs(local, self._mem_type),
-                          agent.get_xfer_descs(remote, ep.kv_mem_type), ep.agent_name)
+        return read_xfer(agent, wid, descriptors(self._info.kv_base_addr, ranges[:, 1],
+                                                 ranges[:, 2], self._device_id),
+                         self._mem_type, descriptors(ep.kv_base_addr, ranges[:, 0], ranges[:, 2],
+                                                     ep.kv_device_id), ep)
 
     def _free(self, handle: Any, peer: _Peer) -> bool:
         """Release a transfer handle; False (kept for later) if NIXL cannot abort it yet."""
