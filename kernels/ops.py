@@ -10,10 +10,10 @@ from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
 from pdserve.kernels.decode_attention import (
     MAX_GROUP_ROWS,
     Prologue,
-    choose_num_splits,
     fused_decode_attention,
     paged_decode_attention,
 )
+from pdserve.kernels.decode_attention_config import choose_num_splits
 from pdserve.kernels.fp8_gemm import fp8_gemm, quant_act
 from pdserve.kernels.fused_moe import Fp8Experts, fused_experts, fused_moe
 from pdserve.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS

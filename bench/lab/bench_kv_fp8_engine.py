@@ -43,7 +43,7 @@ from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.exec.kv_cache import allocate_kv_cache, data_layers, layer_views  # noqa: E402
 from pdserve.engine.llm import build_engine  # noqa: E402
 from pdserve.engine.model.presets import get_preset, param_count  # noqa: E402
-from pdserve.kernels.decode_attention import decode_tiles  # noqa: E402
+from pdserve.kernels.decode_attention_config import decode_tiles  # noqa: E402
 from pdserve.kernels.kv_quant import FP8  # noqa: E402
 
 GIB = 1 << 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.decode_attention import choose_num_splits
+from pdserve.kernels.decode_attention_config import choose_num_splits
 from pdserve.kernels.ops import paged_decode_attention
 from pdserve.kernels.reference import paged_attention_ref
 

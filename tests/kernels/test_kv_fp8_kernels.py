@@ -15,13 +15,12 @@ from pdserve.engine.core.config import ModelConfig
 from pdserve.engine.exec.kv_cache import LayerKV, allocate_kv_cache, layer_views
 from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
 from pdserve.kernels.decode_attention import (
-    FP8_LOADS,
-    DecodeTiles,
     Prologue,
     _word_loads,
     fused_decode_attention,
     paged_decode_attention,
 )
+from pdserve.kernels.decode_attention_config import FP8_LOADS, DecodeTiles
 from pdserve.kernels.kv_quant import FP8, KVScales, check_scales, write_kv_fp8_ref
 from pdserve.kernels.kv_write import write_kv
 from pdserve.kernels.prefill_attention import paged_prefill_attention
