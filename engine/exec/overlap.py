@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.core.scheduler import ScheduledRequest
+from pdserve.engine.core.scheduler_output import ScheduledRequest
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model

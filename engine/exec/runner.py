@@ -22,7 +22,7 @@ import torch
 
 from pdserve.engine.core.config import ConfigError, EngineConfig, SpecConfig
 from pdserve.engine.core.request import Request
-from pdserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.dist import parallel
 from pdserve.engine.dist.lockstep import Leader
 from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs

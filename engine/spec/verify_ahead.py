@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.core.request import Request
-from pdserve.engine.core.scheduler import SchedulerOutput
+from pdserve.engine.core.scheduler_output import SchedulerOutput
 from pdserve.engine.exec.device_io import HostCopy
 from pdserve.engine.exec.sampler import SAMPLING_EPS
 from pdserve.engine.spec.draft_graphs import DraftRow

@@ -19,7 +19,8 @@ from pdserve.engine.core.block_manager import NoFreeBlocksError
 from pdserve.engine.core.config import CacheConfig, SchedulerConfig
 from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.scheduler_output import SchedulerOutput
 
 REPO = Path(__file__).resolve().parents[2]
 EOS = 2
