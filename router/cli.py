@@ -101,8 +101,10 @@ def check_tp(args: argparse.Namespace, model_config: object) -> str | None:
     (engine/dist/rank.py check_tp_serving_args) is refused here rather than in every worker."""
     from pdserve.engine.dist.heads import check_model_split
     from pdserve.engine.dist.rank import check_tp_serving_args
+    from pdserve.engine.dist.shard import fp8_split_problem
 
     roles = ["colocated"] if args.colocated else ["prefill", "decode"]
+    block = _fp8_source_block(args)
     for role in roles:
         tp = role_tp(args)[role]
         flag = "--prefill-tp" if role == "prefill" else "--decode-tp"
@@ -111,7 +113,27 @@ def check_tp(args: argparse.Namespace, model_config: object) -> str | None:
             check_tp_serving_args(engine_args(args, tensor_parallel_size=tp))
         except ConfigError as e:
             return f"{flag} {tp}: {e}"
+        problem = fp8_split_problem(model_config, tp, block) if block and tp > 1 else None
+        if problem:
+            return f"{flag} {tp}: {problem}"
     return None
+
+
+def _fp8_source_block(args: argparse.Namespace) -> tuple[int, int] | None:
+    """The scale block of weights that are FP8 before they are sharded: a block-FP8
+    checkpoint's, or a preset drawn in FP8 (--quantization fp8). A float checkpoint with
+    --quantization fp8 quantizes each rank's shard after the split, so nothing to check."""
+    from pdserve.engine.model.fp8 import DEFAULT_BLOCK
+    from pdserve.engine.model.loader import resolve_model
+    from pdserve.engine.model.weights import read_hf_config_quant
+
+    source = resolve_model(args.model)
+    if source.kind == "preset":
+        return DEFAULT_BLOCK if getattr(args, "quantization", None) == "fp8" else None
+    if source.kind != "hf":
+        return None
+    quant = read_hf_config_quant(source.path)[1]
+    return quant.block if quant is not None and quant.strategy == "block" else None
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -230,6 +230,33 @@ def _col_scales(name: str, scale: torch.Tensor, pieces: Pieces, k: int, block: B
 
 # -- whole modules --------------------------------------------------------------------------
 
+def fp8_split_problem(cfg: ModelConfig, tp: int, block: Block) -> str | None:
+    """What _col_scales would refuse at load, found from the shape alone: the first
+    column-split FP8 weight (o_proj; down_proj of the dense layers; the shared and routed
+    experts' down) whose columns on some rank would cut a scale block of `block`, with the
+    field named; None when every rank's part is whole blocks. Lets a launcher refuse before
+    any worker starts (router/cli.py check_tp)."""
+    widths = {"o_proj.weight": cfg.num_heads * cfg.head_dim}
+    layers = range(cfg.num_layers + cfg.num_mtp_layers)
+    if cfg.moe is None or not all(cfg.moe.is_moe_layer(i) for i in layers):
+        widths["down_proj.weight"] = cfg.intermediate_size
+    if cfg.moe is not None:
+        widths["experts.w2"] = cfg.moe.intermediate_size
+        if cfg.moe.num_shared_experts:
+            widths["shared_experts.down_proj.weight"] = (cfg.moe.intermediate_size
+                                                         * cfg.moe.num_shared_experts)
+    try:
+        for rank in range(tp):
+            plan = ShardPlan(cfg, tp, rank)
+            for name, k in widths.items():
+                field = "moe_intermediate_size" if name == "experts.w2" else name
+                grid = torch.empty(1, -(-k // block[1]), device="meta")
+                _col_scales(f"{name}_scale", grid, plan.col_pieces(field, k), k, block)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _fp8_blocks(full: nn.Module) -> dict[str, tuple[str, ...]]:
     """FP8 module name -> its scale parameter names (weight_scale / w13_scale, w2_scale)."""
     out: dict[str, tuple[str, ...]] = {}

@@ -7,6 +7,8 @@ ops hold at once while a rank loads stay within its shard plus one full tensor."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.engine.core.config import ConfigError
-from pdserve.engine.dist.shard import shard_model, shard_mtp_head
+from pdserve.engine.dist.shard import fp8_split_problem, shard_model, shard_mtp_head
 from pdserve.engine.model.fp8 import quantize_blockwise
 from pdserve.engine.model.fp8_convert import scale_blocks
 from pdserve.engine.model.gguf_weights import load_gguf, open_gguf
@@ -26,6 +28,7 @@ from pdserve.engine.model.loader import (
     load_tokenizer_and_config,
     resolve_model,
 )
+from pdserve.engine.model.presets import get_preset
 from pdserve.engine.model.shard_load import load_hf_mtp_shard, rank_shard, resolve_mtp_shard
 from pdserve.engine.model.weights import WeightsError, empty_model, read_hf_config
 from pdserve.engine.spec.mtp_head import load_hf_mtp, random_head
@@ -158,6 +161,28 @@ def test_fp8_column_split_inside_a_block_is_refused_naming_the_scale(
     with pytest.raises(ConfigError, match=r"^layers\.0\.mlp\.down_proj\.weight_scale: "
                                           r"columns \[48, 96\)"):
         load_model(str(folder), tp=2, rank=1)
+
+
+def test_serve_refuses_an_fp8_split_inside_a_block_before_any_worker(
+        tiny: dict[str, Path], tmp_path: Path) -> None:
+    """`pdserve serve` finds that refusal from the shapes alone (fp8_split_problem) and exits
+    2 naming the flag and the scale before Ray starts, instead of launching workers that fail
+    at load and get relaunched. Real shapes: GLM-4.5-Air's dense down_proj (10944 columns) and
+    Qwen3-30B-A3B's experts at TP 4 (768 / 4 = 192) cut 128-column blocks; Qwen3-8B does not."""
+    folder = _write_fp8(tiny["qwen3"], tmp_path / "fp8", (16, 32))  # down_proj: 48 columns
+    cfg = read_hf_config(folder)
+    assert fp8_split_problem(cfg, 2, (16, 32)).startswith(
+        "down_proj.weight_scale: columns [0, 48)")
+    assert fp8_split_problem(cfg, 2, (16, 16)) is None  # 48 columns = 3 whole blocks
+    assert "down_proj.weight_scale" in fp8_split_problem(get_preset("glm-4.5-air"), 2, (128, 128))
+    assert "experts.w2_scale" in fp8_split_problem(get_preset("qwen3-30b-a3b"), 4, (128, 128))
+    assert fp8_split_problem(get_preset("qwen3-30b-a3b"), 2, (128, 128)) is None
+    assert fp8_split_problem(get_preset("qwen3-8b"), 8, (128, 128)) is None
+    r = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "serve", "--model",
+                        str(folder), "--port", "0", "--grpc-port", "0", "--decode-tp", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "--decode-tp 2: down_proj.weight_scale: columns [0, 48)" in r.stderr
 
 
 def test_a_misshapen_tensor_is_refused_with_its_full_shape(tiny: dict[str, Path],
