@@ -6,14 +6,14 @@
 
 Placement: one bundle per rank, STRICT_PACK (all on one node: NCCL over NVLink, and a rank
 lost means the node or the process, never a network split inside the worker). Rank 0 hosts
-the group's TCP store and is the one the router talks to (phase 2: it runs the Worker's
-gRPC server and the scheduler, worker/server.py); ranks > 0 run the lockstep Follower.
+the group's TCP store and is the one the router talks to (a serving worker's rank 0 runs the
+gRPC server and the scheduler: worker/tp_worker.py); ranks > 0 run the lockstep Follower.
 
 Failure: rank actors run with max_restarts=0. One rank cannot rejoin a running group (its
 peers' communicators are gone with it), so a dead rank fails the whole group: its peers'
 next collective or keep-alive raises GroupError (engine/dist/group.py deadlines), and a rank
-that hits one ends its process. The owner (phase 2: router/pool.py RayWorkerRef, which
-already relaunches a dead worker with backoff) sees rank 0 die, and launch_tp_group for the
+that hits one ends its process. The owner (router/pool.py RayWorkerRef, which
+relaunches a dead worker with backoff) sees rank 0 die, and launch_tp_group for the
 next generation first removes the previous generation's placement group, which kills any
 rank still alive, then starts a fresh group: new store, new incarnation, peers re-introduced.
 """
@@ -47,7 +47,7 @@ class RankActor:
         self.store = None
         self.group = None
         self.leader = None
-        self._model = None  # phase 1: (LeaderModel | Follower); phase 2: the engine
+        self._model = None  # load: LeaderModel | Follower; load_engine: LLMEngine | Follower
         self._lock = threading.Lock()  # the leader's control channel: one sender at a time
         self._stop = threading.Event()
 
@@ -72,9 +72,9 @@ class RankActor:
         return self.group.rank
 
     def load(self, cfg: object, seed: int = 0) -> dict:
-        """Phase 1: the rank's shard of a seeded random model `cfg` (ModelConfig), then rank 0
-        leads (keep-alives on a thread) and the others follow on a thread. Phase 2 builds
-        the engine here instead: build_engine(args, parallel=...)."""
+        """The rank's shard of a seeded random model `cfg` (ModelConfig), then rank 0 leads
+        (keep-alives on a thread) and the others follow on a thread: the group's mechanics
+        without an engine (tests/dist/test_tp_group_ray.py); load_engine serves."""
         import torch
 
         from pdserve.engine.dist.lockstep import Follower, Leader, LeaderModel
@@ -98,7 +98,7 @@ class RankActor:
                 "num_kv_heads": local.config.num_kv_heads}
 
     def load_engine(self, args: object) -> dict:
-        """Phase 2: every rank loads the checkpoint of `args` (EngineArgs) and keeps its
+        """Every rank loads the checkpoint of `args` (EngineArgs) and keeps its
         shard (engine/llm.py load_rank); rank 0 builds the engine (scheduler, sampler) with
         a Leader, the others follow on a thread until STOP or a GroupError."""
         from pdserve.engine.dist.lockstep import Leader
@@ -174,8 +174,8 @@ class RankActor:
         os._exit(1)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        """Rank 0, phase 1: greedy decoding of `prompts` in lockstep (tests; phase 2 serves
-        requests over gRPC through the engine)."""
+        """Rank 0 after load: greedy decoding of `prompts` in lockstep (tests; a serving
+        worker decodes through its engine instead)."""
         from pdserve.engine.dist.steps import greedy_batch
 
         with self._lock:
@@ -202,7 +202,7 @@ class TPGroupHandle:
 
     @property
     def leader(self):
-        """Rank 0's actor: the one the router reaches (phase 2: endpoints, gRPC)."""
+        """Rank 0's actor: the one the router reaches (endpoints, gRPC)."""
         return self.ranks[0]
 
     def call(self, rank: int | None, method: str, *args: object, timeout_s: float = 120) -> object:

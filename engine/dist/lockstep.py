@@ -220,8 +220,8 @@ def _same_step(launched: HostBatch, batch: HostBatch) -> bool:
 
 
 class LeaderModel:
-    """Rank 0's forward in lockstep: announce, then run its own shard (what ModelRunner's
-    _forward and _sample call in phase 2)."""
+    """Rank 0's forward in lockstep without an engine: announce, then run its own shard
+    (engine/dist/steps.py and the group tests; the engine's ModelRunner announces itself)."""
 
     def __init__(self, leader: Leader, model: Model, kv_cache: torch.Tensor) -> None:
         self.leader, self.model, self.kv_cache = leader, model, kv_cache

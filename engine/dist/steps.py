@@ -1,5 +1,5 @@
 """A minimal greedy driver for a lockstep TP model without the scheduler: smoke checks of a
-rank group (worker/tp_group.py) and the TP tests. The engine's runner replaces it in phase 2.
+rank group (worker/tp_group.py) and the TP tests; serving goes through the engine's runner.
 
 Sequence i keeps its KV in blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq).
 """
