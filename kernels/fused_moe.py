@@ -17,6 +17,14 @@ per MoE block with 4 launches, 33.5 with 3. In the whole decode step
 (3.64 -> 3.48 ms) router + alignment went from 0.75 to 0.31 ms of the critical path, but
 gate_up's share rose from 0.74 to 0.97 ms (bench/results/moe_h200_2026-11-25.json,
 moe_h200_2026-11-25_tuned.json; not yet explained).
+Batch-1 decode layers hand the block the un-normed rows (fused_moe norm): the router
+normalises in its prologue and stores the normed rows for gate_up, so the post-attention norm
+kernel is gone, and it is a PDL launch behind o_proj's GEMV (pdl). H200, Qwen3-30B-A3B bf16,
+same-build A/B of the batch-1 step (CUDA-graph replays): 2.528 -> 2.428 ms, 7 -> 6 kernels per
+MoE decoder layer; critical path per step: norm 0.108 -> 0 ms, router 0.252 -> 0.232, gate_up
+0.763 -> 0.773, down 0.467 -> 0.491. Without the router's PDL launch no gain (2.545 vs 2.534
+ms); gate_up normalising in its own prologue instead of reading the stored rows: 2.471 ms
+(bench/results/moe_h200_2026-11-25_b1_s14b.json, "norm_in_router_ab").
 Nothing synchronises with the host and every shape depends on T only, so a decode step can
 be captured in a CUDA graph. Experts without tokens cost nothing (kernels.moe_align).
 
@@ -38,7 +46,15 @@ from pdserve.kernels.fp8_scales import FP8_DTYPE, Block, check_scales
 from pdserve.kernels.moe_align import moe_align
 from pdserve.kernels.moe_gemm import MoeConfig, down_counters, moe_down, moe_gate_up, pick_moe_config
 from pdserve.kernels.moe_gemv import GemvMoeConfig, moe_down_gemv, moe_gate_up_gemv, use_gemv
-from pdserve.kernels.moe_route import RouteConfig, moe_route, moe_route_align, route_aligns
+from pdserve.kernels.moe_route import (
+    Norm,
+    RouteConfig,
+    check_norm,
+    moe_route,
+    moe_route_align,
+    route_aligns,
+)
+from pdserve.kernels.rmsnorm import fused_add_rmsnorm
 
 # The down GEMM's deterministic top-k sum keeps fp32 rows [T * top_k, H]; batches beyond this
 # many bytes of them run in token chunks (each chunk reads the experts' weights again): at
@@ -179,13 +195,19 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
               topk_group: int = 1, renormalize: bool = True, routed_scaling: float = 1.0,
               config: MoeConfig | GemvMoeConfig | None = None,
               route_config: RouteConfig | None = None,
-              max_chunk: int | None = None, fp8: Fp8Experts | None = None) -> torch.Tensor:
+              max_chunk: int | None = None, fp8: Fp8Experts | None = None,
+              norm: Norm | None = None, pdl: bool = False) -> torch.Tensor:
     """The MoE block's routed experts for x [T, H]: moe_route (router_weight [E, H] and the
     routing arguments as kernels.reference.moe_route_ref) then fused_experts. Returns a new
     [T, H] in x.dtype. 4 launches for a batch of up to chunk_tokens(H, top_k) tokens; 3 for
     decode-sized batches (route_aligns: the router's launch aligns the pairs too); 3 with no
     alignment at all where the one-row GEMVs serve (kernels.moe_gemv.use_gemv). fp8 and
-    config: as fused_experts'."""
+    config: as fused_experts'. norm (weight [H], eps): x holds the un-normed rows h and the
+    block runs on rmsnorm(h) * weight: on the GEMV path the router normalises (its prologue)
+    and stores the normed rows for gate_up (no norm kernel: 3 launches), else one
+    fused_add_rmsnorm launch first.
+    pdl: on the GEMV path the router is a programmatic dependent launch (behind a pdserve
+    kernel that triggers its dependents, e.g. the o_proj GEMV of kernels.gemv)."""
     check_tensor("router_weight", router_weight, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("w13", w13, ndim=3, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
     if router_weight.shape[0] != w13.shape[0]:
@@ -198,9 +220,13 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     device = x.device if isinstance(x, torch.Tensor) else None
     if T and _gemv_path(config, T, top_k, E):  # route (PDL trigger), gate_up, down
         _check_weights(x, w13, w2, fp8)
-        wts, ids = moe_route(x, router_weight, top_k, config=route_config,
-                             trigger_dependents=True, **routing)
-        return _gemv_experts(x, w13, w2, wts, ids, config, fp8, pdl=True)
+        wts, ids, *normed = moe_route(x, router_weight, top_k, config=route_config,
+                                      trigger_dependents=True, norm=norm, pdl=pdl, **routing)
+        return _gemv_experts(normed[0] if normed else x, w13, w2, wts, ids, config, fp8,
+                             pdl=True)
+    if norm is not None:  # the grouped GEMMs take normed rows: one norm kernel first
+        check_norm(norm, check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES))
+        x, _ = fused_add_rmsnorm(x, None, norm[0], norm[1])
     if route_aligns(T, E, H, top_k, route_config, device) and \
             T <= (max_chunk or chunk_tokens(H, top_k)):
         return _fused_decode(x, router_weight, w13, w2, top_k, routing, config, route_config,

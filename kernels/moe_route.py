@@ -31,6 +31,11 @@ Decode batches (moe_route_align: one row block, at most MAX_ALIGN_PAIRS pairs): 
 that selects also aligns the pairs for the grouped GEMMs (kernels.moe_align.align_few) and
 zeroes the down GEMM's counters, so the MoE block is 3 launches instead of 4, and it lets the
 next (PDL) launch be scheduled at its start.
+
+The MoE block's RMSNorm (moe_route norm; kernels.fused_moe has the measurements): the router
+takes the un-normed rows h, the norm weight scales the activation lanes and each row's rstd
+(h^2 summed per lane) its dot products; program (b, 0) stores the normed rows in h.dtype for
+the expert GEMVs. pdl: its first weight step loads before the PDL wait.
 """
 from __future__ import annotations
 
@@ -62,13 +67,14 @@ from pdserve.kernels.moe_align import (
     few_pairs,
     zero_int32,
 )
+from pdserve.kernels.moe_select import select_store
 
 MAX_EXPERTS = 512  # selection holds [16, E_P] fp32 tiles in registers
 MAX_TOP_K = 16
 MAX_ALIGN_PAIRS = MAX_FEW  # moe_route_align: the (token, slot) pairs its last program aligns
 SCORINGS = ("softmax", "sigmoid")
-_BIG = tl.constexpr(2147483647)  # "no index": above every expert id
-_NO_KEY = tl.constexpr(-(2 ** 63))  # below every key of _order_keys (taken or padding)
+# the MoE block's RMSNorm in the router's prologue: (norm weight [H], eps) (moe_route norm)
+Norm = tuple[torch.Tensor, float]
 
 
 @dataclass(frozen=True)
@@ -120,154 +126,85 @@ def pick_route_config(T: int, E: int, H: int, device: torch.device | None = None
 
 
 @jit
-def _logits_dot(x_rows, w_rows, row_ok, e_ok, H, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
-    """Router logits [BLOCK_T, BLOCK_E] on the tensor cores. fp32 router: the products of
-    bf16 inputs are exact in fp32; DOT_DTYPE is fp32 whenever x and the weight differ in
-    dtype or either is fp32 (then PREC "tf32x3" on a GPU, "ieee" in the interpreter)."""
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+def _x_tile(x_rows, nw_ptr, row_ok, offs_k, H, ss, NORM: tl.constexpr):
+    """x [BLOCK_T, BLOCK_K] in fp32; NORM: times the norm weight, ss += x^2 (per lane)."""
+    k_ok = offs_k < H
+    x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0).to(tl.float32)
+    if NORM:
+        ss += x * x
+        x = x * tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    return x, ss
+
+
+@jit
+def _logits_step(acc, x, w, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
+                 USE_DOT: tl.constexpr):
+    if USE_DOT:  # acc [BLOCK_T, BLOCK_E]
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PREC)
+    else:  # acc [BLOCK_T, BLOCK_E, BLOCK_K]: per-lane products, reduced after the loop
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     return acc
 
 
 @jit
-def _logits_fma(x_rows, w_rows, row_ok, e_ok, H, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """The same on the CUDA cores: fp32 products [BLOCK_T, BLOCK_E, BLOCK_K] accumulated per
-    lane and reduced once after the loop (no cross-lane sums inside it), as kernels.gemv."""
-    acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], tl.float32)
+def _logits(x_rows, w_rows, w0, nw_ptr, row_ok, e_ok, H, eps, BLOCK_T: tl.constexpr,
+            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+            PREC: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr):
+    """Router logits [BLOCK_T, BLOCK_E] in fp32; w0: the first K step's weights (loaded before
+    the PDL wait). USE_DOT: on the tensor cores (fp32 router: DOT_DTYPE fp32 whenever x and
+    the weight differ in dtype or either is fp32, then PREC "tf32x3" on a GPU); else on the
+    CUDA cores, fp32 products [BLOCK_T, BLOCK_E, BLOCK_K] accumulated per lane and reduced
+    once after the loop (no cross-lane sums inside it), as kernels.gemv. NORM: x holds
+    un-normed rows h; the rows' rstd (from ss, h^2 per lane) scales the dot products."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], tl.float32)
+    x, ss = _x_tile(x_rows, nw_ptr, row_ok, offs_k, H, tl.zeros([BLOCK_T, BLOCK_K], tl.float32),
+                    NORM)
+    acc = _logits_step(acc, x, w0, DOT_DTYPE, PREC, USE_DOT)
+    for k0 in range(BLOCK_K, H, BLOCK_K):
+        w = tl.load(w_rows + (k0 + offs_k)[None, :],
+                    mask=e_ok[:, None] & (k0 + offs_k < H)[None, :], other=0.0)
+        x, ss = _x_tile(x_rows, nw_ptr, row_ok, k0 + offs_k, H, ss, NORM)
+        acc = _logits_step(acc, x, w, DOT_DTYPE, PREC, USE_DOT)
+    logits = acc if USE_DOT else tl.sum(acc, axis=2)
+    rstd = tl.rsqrt(tl.sum(ss, axis=1) / H + eps)  # [BLOCK_T]; unused without NORM
+    if NORM:  # rmsnorm's per-row scale commutes with the dot product
+        logits = logits * rstd[:, None]
+    return logits, rstd
+
+
+@jit
+def _store_normed(x_rows, nw_ptr, xn_ptr, rows, row_ok, rstd, H, stride_xn,
+                  BLOCK_K: tl.constexpr):
+    """xn[rows] = h * rstd * norm weight, stored in xn's dtype as kernels.rmsnorm stores it
+    (h: these rows of x, read again from L1/L2), for the expert GEMVs behind the router."""
+    xn_rows = xn_ptr + rows[:, None].to(tl.int64) * stride_xn
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
-        x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    return tl.sum(acc, axis=2)
-
-
-@jit
-def _group_keep(choice, e, E, group_size, n_group, topk_group, BLOCK_T: tl.constexpr,
-                E_P: tl.constexpr, NG_P: tl.constexpr):
-    """[BLOCK_T, E_P] bool: the experts of each row's topk_group best groups, a group scoring
-    the sum of its best two choices (lowest index first on ties)."""
-    grp = e // group_size
-    gidx = tl.arange(0, NG_P)
-    in_e = (e < E)[None, :]
-    gscore = tl.full([BLOCK_T, NG_P], float("-inf"), tl.float32)
-    for g in range(n_group):
-        member = in_e & (grp == g)[None, :]
-        m1 = tl.max(tl.where(member, choice, float("-inf")), axis=1)
-        i1 = tl.min(tl.where(member & (choice == m1[:, None]), e[None, :], _BIG), axis=1)
-        m2 = tl.max(tl.where(member & (e[None, :] != i1[:, None]), choice, float("-inf")), axis=1)
-        gscore = tl.where(gidx[None, :] == g, (m1 + m2)[:, None], gscore)
-    avail = tl.broadcast_to((gidx < n_group)[None, :], [BLOCK_T, NG_P])
-    keep = tl.zeros([BLOCK_T, E_P], tl.int1)
-    for _ in range(topk_group):
-        gm = tl.max(tl.where(avail, gscore, float("-inf")), axis=1)
-        gi = tl.min(tl.where(avail & (gscore == gm[:, None]), gidx[None, :], _BIG), axis=1)
-        keep = keep | (grp[None, :] == gi[:, None])
-        avail = avail & (gidx[None, :] != gi[:, None])
-    return keep
-
-
-@jit
-def _order_keys(choice, e):
-    """int64 keys that order like (choice, -index): one max reduction per selected expert
-    finds the best choice and breaks its ties to the lowest index (a max, a min over equal
-    choices and a sum per expert, as before, put 24 cross-warp reductions in a top-8).
-    High word: the float's bits made to order as signed ints; low word: 2^31 - 1 - index."""
-    bits = (choice + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 and 0.0 share a key
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - e).to(tl.int64)
-
-
-@jit
-def _key_choice(key):
-    """The choice a key of _order_keys holds (its high word, the bit transform undone)."""
-    ordered = (key >> 32).to(tl.int32)
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@jit
-def _topk(choice, weight_src, e, E, BLOCK_T: tl.constexpr, E_P: tl.constexpr,
-          TOP_K: tl.constexpr, K_P: tl.constexpr, WEIGHT_IS_CHOICE: tl.constexpr):
-    """Iterative max over choice [BLOCK_T, E_P] (lowest index on ties): ids [BLOCK_T, K_P]
-    int32 and the weight_src values at them, fp32; columns >= TOP_K are 0. With
-    WEIGHT_IS_CHOICE (softmax) the weight comes out of the key: one reduction per expert."""
-    keys = tl.where((e < E)[None, :], _order_keys(choice, e[None, :]), _NO_KEY)
-    kk = tl.arange(0, K_P)[None, :]
-    wts = tl.zeros([BLOCK_T, K_P], tl.float32)
-    ids = tl.zeros([BLOCK_T, K_P], tl.int32)
-    for i in tl.static_range(TOP_K):
-        m = tl.max(keys, axis=1)
-        idx = 0x7FFFFFFF - m.to(tl.int32)  # the low word
-        hit = e[None, :] == idx[:, None]
-        if WEIGHT_IS_CHOICE:  # -inf: a NaN choice (softmax weights are >= 0); NaN as before
-            w = _key_choice(m)
-            w = tl.where(w == float("-inf"), float("nan"), w)
-        else:
-            w = tl.sum(tl.where(hit, weight_src, 0.0), axis=1)
-        wts = tl.where(kk == i, w[:, None], wts)
-        ids = tl.where(kk == i, idx[:, None], ids)
-        keys = tl.where(hit, _NO_KEY, keys)
-    return wts, ids
-
-
-@jit
-def _select_store(logits, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size, n_group,
-                  topk_group, scaling, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  GROUPED: tl.constexpr, RENORM: tl.constexpr, TOP_K: tl.constexpr,
-                  K_P: tl.constexpr, NG_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                  E_P: tl.constexpr):
-    """Score logits [BLOCK_T, E_P], select top-k, store weights fp32 / ids int32 [T, TOP_K]."""
-    e = tl.arange(0, E_P)
-    e_ok = (e < E)[None, :]
-    if SIGMOID:
-        weight_src = tl.where(e_ok, tl.sigmoid(tl.where(e_ok, logits, 0.0)), 0.0)
-        choice = weight_src
-        if HAS_BIAS:
-            choice += tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
-        choice = tl.where(choice != choice, float("-inf"), choice)  # NaN: never chosen first
-        if GROUPED:
-            choice = tl.where(_group_keep(choice, e, E, group_size, n_group, topk_group,
-                                          BLOCK_T, E_P, NG_P), choice, float("-inf"))
-    else:
-        z = tl.where(e_ok, logits, float("-inf"))
-        p = tl.exp(z - tl.max(z, axis=1)[:, None])
-        weight_src = p / tl.sum(p, axis=1)[:, None]
-        choice = tl.where(weight_src != weight_src, float("-inf"), weight_src)
-    wts, ids = _topk(choice, weight_src, e, E, BLOCK_T, E_P, TOP_K, K_P, not SIGMOID)
-    if RENORM:
-        denom = tl.sum(wts, axis=1)[:, None]
-        if SIGMOID:  # as the reference (and transformers' sigmoid routers)
-            denom += 1e-20
-        wts = wts / denom
-    wts = wts * scaling
-    kk = tl.arange(0, K_P)
-    out = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
-    mask = row_ok[:, None] & (kk < TOP_K)[None, :]
-    tl.store(wts_ptr + out, wts, mask=mask)
-    tl.store(ids_ptr + out, ids, mask=mask)
+        m = row_ok[:, None] & k_ok[None, :]
+        h = tl.load(x_rows + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        tl.store(xn_rows + offs_k[None, :], h * rstd[:, None] * w[None, :], mask=m)
 
 
 @jit
 def _route_kernel(x_ptr, w_ptr, bias_ptr, wts_ptr, ids_ptr, part_ptr, count_ptr, sorted_ptr,
-                  expert_ptr, npad_ptr, zero_ptr, T, E, H, stride_x, stride_w, group_size,
-                  n_group, topk_group, scaling, ROWS, BLOCKS, ZERO_N,
+                  expert_ptr, npad_ptr, zero_ptr, nw_ptr, xn_ptr, T, E, H, stride_x,
+                  stride_xn, stride_w, group_size, n_group, topk_group, scaling, eps, ROWS,
+                  BLOCKS, ZERO_N,
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
                   RENORM: tl.constexpr, TOP_K: tl.constexpr, K_P: tl.constexpr,
                   NG_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   E_P: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
                   ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, N_P: tl.constexpr,
-                  R_CHUNK: tl.constexpr, TRIGGER: tl.constexpr):
-    if TRIGGER:  # the next kernel (a PDL launch) may be scheduled now; it waits for this one
-        tl.extra.cuda.gdc_launch_dependents()
+                  R_CHUNK: tl.constexpr, NORM: tl.constexpr, TRIGGER: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     tb = tl.program_id(0)
     s = tl.program_id(1)
     rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -275,11 +212,16 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, wts_ptr, ids_ptr, part_ptr, count_ptr,
     es = s * BLOCK_E + tl.arange(0, BLOCK_E)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
     w_rows = w_ptr + es[:, None].to(tl.int64) * stride_w
-    if USE_DOT:
-        logits = _logits_dot(x_rows, w_rows, row_ok, es < E, H, BLOCK_T, BLOCK_E, BLOCK_K,
-                             DOT_DTYPE, PREC)
-    else:
-        logits = _logits_fma(x_rows, w_rows, row_ok, es < E, H, BLOCK_T, BLOCK_E, BLOCK_K)
+    k0 = tl.arange(0, BLOCK_K)  # the first K step's weights: never written, so before the wait
+    w0 = tl.load(w_rows + k0[None, :], mask=(es < E)[:, None] & (k0 < H)[None, :], other=0.0)
+    if USE_PDL:  # a PDL launch: the kernel before (o_proj) wrote x
+        tl.extra.cuda.gdc_wait()
+    if TRIGGER:  # the next kernel (a PDL launch) may be scheduled now; it waits for this one
+        tl.extra.cuda.gdc_launch_dependents()
+    logits, rstd = _logits(x_rows, w_rows, w0, nw_ptr, row_ok, es < E, H, eps, BLOCK_T,
+                           BLOCK_E, BLOCK_K, DOT_DTYPE, PREC, USE_DOT, NORM)
+    if NORM and s == 0:  # one program per row block stores its normed rows
+        _store_normed(x_rows, nw_ptr, xn_ptr, rows, row_ok, rstd, H, stride_xn, BLOCK_K)
     last = True
     if SPLITS > 1:
         # scratch [row blocks * BLOCK_T, E_P] fp32: this slice's columns of this row block
@@ -293,7 +235,7 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, wts_ptr, ids_ptr, part_ptr, count_ptr,
             full = tl.load(base + tl.arange(0, E_P)[None, :], cache_modifier=".cg")
         else:
             full = logits
-        _select_store(full, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size,
+        select_store(full, rows, row_ok, bias_ptr, wts_ptr, ids_ptr, E, group_size,
                       n_group, topk_group, scaling, SIGMOID, HAS_BIAS, GROUPED, RENORM,
                       TOP_K, K_P, NG_P, BLOCK_T, E_P)
         if ALIGN:  # one row block holds every token: align its pairs here (see moe_route)
@@ -333,6 +275,18 @@ def _check_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scori
                              f"hold top_k = {top_k} (1..n_group = {n_group} groups)")
 
 
+def check_norm(norm: Norm | None, x: torch.Tensor) -> None:
+    """norm: None or (weight [H] float on x's device, eps > 0) for rows x [T, H]."""
+    if norm is None:
+        return
+    if not isinstance(norm, tuple) or len(norm) != 2:
+        raise TypeError(f"norm: expected (weight, eps), got {type(norm).__name__}")
+    check_tensor("norm weight", norm[0], shape=(x.shape[1],), dtypes=FLOAT_DTYPES,
+                 device=x.device, last_contiguous=True)
+    if not isinstance(norm[1], (int, float)) or not norm[1] > 0:
+        raise ValueError(f"norm: eps must be a number > 0, got {norm[1]!r}")
+
+
 def _check_route_config(cfg: RouteConfig, e_p: int) -> None:
     low = 16 if cfg.tensor_cores else 1
     sizes_ok = all(v >= lo and v & (v - 1) == 0 for v, lo in
@@ -345,18 +299,27 @@ def _check_route_config(cfg: RouteConfig, e_p: int) -> None:
 def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring: str = "softmax",
               correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
               renormalize: bool = True, routed_scaling: float = 1.0,
-              config: RouteConfig | None = None, trigger_dependents: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              config: RouteConfig | None = None, trigger_dependents: bool = False,
+              norm: Norm | None = None, pdl: bool = False) -> tuple[torch.Tensor, ...]:
     """x [T, H] (rows may be strided), router_weight [E, H] (any float dtype; fp32 math) ->
     (topk_weights [T, top_k] float32, topk_ids [T, top_k] int32), both new contiguous tensors,
     each row in descending order of choice, as kernels.reference.moe_route_ref computes them.
     correction_bias [E] and n_group > 1 (then topk_group) are for scoring "sigmoid" only.
     One kernel launch; no host synchronisation (CUDA-graph safe once warmed up: the split
     path's scratch and counters are allocated on the first launch). trigger_dependents: as
-    moe_route_align's (kernels.moe_gemv's launches behind it)."""
+    moe_route_align's (kernels.moe_gemv's launches behind it). norm (weight [H], eps): x
+    holds un-normed rows h; the router scores rmsnorm(h) * weight (fp32, unrounded) and also
+    returns those rows in x.dtype, [T, H] contiguous, as kernels.rmsnorm computes them (the
+    experts' input: the norm kernel before the MoE block is gone). pdl: a programmatic
+    dependent launch: it loads its first weight step, then waits for the kernel before it
+    (which wrote x), then triggers its dependents."""
     _check_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group)
+    check_norm(norm, x)
     routing = (scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling)
-    return _launch(x, router_weight, top_k, routing, config, None, trigger_dependents)[:2]
+    xn = None if norm is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    wts, ids = _launch(x, router_weight, top_k, routing, config, None, trigger_dependents,
+                       (norm, xn), pdl)[:2]
+    return (wts, ids) if xn is None else (wts, ids, xn)
 
 
 def route_aligns(T: int, E: int, H: int, top_k: int, config: RouteConfig | None = None,
@@ -394,9 +357,12 @@ def moe_route_align(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, bl
 
 def _launch(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, routing: tuple,
             config: RouteConfig | None, align: tuple[int, torch.Tensor | None] | None,
-            trigger: bool) -> tuple[torch.Tensor, ...]:
-    """The launch behind moe_route / moe_route_align (arguments checked by them)."""
+            trigger: bool, normed: tuple = (None, None), pdl: bool = False
+            ) -> tuple[torch.Tensor, ...]:
+    """The launch behind moe_route / moe_route_align (arguments checked by them); normed:
+    (norm, the [T, H] rows it stores) or (None, None)."""
     scoring, correction_bias, n_group, topk_group, renormalize, routed_scaling = routing
+    norm, xn = normed
     T, H = x.shape
     E = router_weight.shape[0]
     wts = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
@@ -421,15 +387,18 @@ def _launch(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, routing: t
     bias = correction_bias if correction_bias is not None else wts
     _route_kernel[(row_blocks, splits)](
         x, router_weight, bias, wts, ids, part, count, *aligned,
-        zero if zero is not None else ids, T, E, H, x.stride(0), router_weight.stride(0),
-        E // n_group, n_group, topk_group, float(routed_scaling), aligned[0].numel(),
-        aligned[1].numel(), 0 if zero is None else zero.numel(),
+        zero if zero is not None else ids, x if norm is None else norm[0],
+        x if xn is None else xn, T, E, H, x.stride(0), H, router_weight.stride(0),
+        E // n_group, n_group, topk_group, float(routed_scaling),
+        0.0 if norm is None else float(norm[1]), aligned[0].numel(), aligned[1].numel(),
+        0 if zero is None else zero.numel(),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
         GROUPED=n_group > 1, RENORM=bool(renormalize), TOP_K=top_k,
         K_P=max(2, next_pow2(top_k)), NG_P=max(2, next_pow2(n_group)), BLOCK_T=cfg.block_t,
         BLOCK_E=cfg.block_e, E_P=e_p, BLOCK_K=cfg.block_k, SPLITS=splits,
         DOT_DTYPE=dot, PREC="tf32x3" if dot == tl.float32 and not interpreting() else "ieee",
         USE_DOT=cfg.tensor_cores, ALIGN=align is not None, BLOCK_M=block_m,
-        N_P=n_p, R_CHUNK=r_chunk, TRIGGER=trigger and pdl_launch(x)["USE_PDL"],
-        num_warps=cfg.num_warps)
+        N_P=n_p, R_CHUNK=r_chunk, NORM=norm is not None,
+        TRIGGER=trigger and pdl_launch(x)["USE_PDL"], num_warps=cfg.num_warps,
+        **(pdl_launch(x) if pdl else {"USE_PDL": False}))
     return (wts, ids, *aligned) if align is not None else (wts, ids)

@@ -159,8 +159,8 @@ class DecoderLayer(nn.Module):
         prologue, SiLU-and-mul in down_proj's, both residual adds in the epilogues of o_proj
         and down_proj, and QK-norm + RoPE + the KV write in the attention kernel. Returns (the
         residual stream after the layer, None): the adds are done, so the next layer (or final
-        norm) takes x alone. A MoE layer returns (its MLP output, residual) instead: its
-        experts run after their own norm, as in forward."""
+        norm) takes x alone. A MoE layer returns (its MLP output, residual) instead; at batch 1
+        its norm rides in the router's prologue (MoEBlock.forward_normed): 6 kernels."""
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv, h = linear_gemv(x, attn.qkv_proj, "norm", residual, ln1.weight, ln1.eps)
@@ -173,8 +173,10 @@ class DecoderLayer(nn.Module):
         # with TP, rank 0 alone adds the residual: the all-reduce then holds it once
         add = self.adds_residual
         h = self.reduce(linear_gemv(o, attn.o_proj, add=h if add else None, prefetch=True))
-        if not isinstance(mlp, SwiGLUMLP):
-            return self.reduce(mlp(ln2(h))), h
+        if not isinstance(mlp, SwiGLUMLP):  # MoE: the norm rides in the router (batch 1),
+            # a PDL launch behind o_proj unless an all-reduce comes between (PDL behind a
+            # non-Triton kernel broke CUDA-graph captures, kernels/rmsnorm.py)
+            return self.reduce(mlp.forward_normed(h, ln2, pdl=self.reduce is _identity)), h
         gate_up, _ = linear_gemv(h, mlp.gate_up_proj, "norm", None, ln2.weight, ln2.eps)
         return self.reduce(linear_gemv(gate_up, mlp.down_proj, "silu",
                                        add=h if add else None)), None

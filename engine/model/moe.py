@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.core.config import ModelConfig, MoEConfig
-from pdserve.engine.model.layers import SwiGLUMLP, fused_kernels
+from pdserve.engine.model.layers import RMSNorm, SwiGLUMLP, fused_kernels
 from pdserve.kernels.reference import moe_experts_ref, moe_route_ref
 
 
@@ -91,17 +91,33 @@ class MoEBlock(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
-    def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> sum over the top_k experts of weight * expert(x), [T, H] in x.dtype."""
+    def forward_normed(self, h: torch.Tensor, norm: RMSNorm, pdl: bool = False) -> torch.Tensor:
+        """self(norm(h)) for un-normed rows h [T, H] (the decoder's batch-1 GEMV path). With the
+        fused kernel and no shared expert the block takes h and the norm's weight and eps:
+        at batch 1 the router normalises in its prologue and stores the normed rows for the
+        experts, so no norm kernel runs (kernels.fused_moe norm). pdl: the kernel before is
+        a pdserve GEMV (no all-reduce between), so the router may be a PDL launch."""
+        kernel = fused_moe_kernel() if self.fused else None
+        if kernel is None or self.shared_experts is not None:  # GLM's shared expert: norm(h)
+            return self(norm(h))
+        return self.routed_experts(h, norm=(norm.weight, norm.eps), pdl=pdl)
+
+    def routed_experts(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+                       pdl: bool = False) -> torch.Tensor:
+        """x [T, H] -> sum over the top_k experts of weight * expert(x), [T, H] in x.dtype.
+        norm, pdl: fused_moe's (x un-normed; forward_normed's, fused kernel only)."""
         bias = self.gate.e_score_correction_bias
         kernel = fused_moe_kernel() if self.fused else None
+        if kernel is None and norm is not None:
+            raise ValueError("norm: only the fused MoE kernel takes un-normed rows")
         if kernel is not None:  # the seam: router, grouped GEMMs and the top-k sum fused
+            prologue = {} if norm is None else {"norm": norm, "pdl": pdl}
             ex = self.experts
             fp8 = None if ex.w13_scale is None else fused_kernels().Fp8Experts(
                 ex.w13_scale, ex.w2_scale, ex.blocks)  # FP8 experts: their scales too
             extra = {"fp8": fp8} if fp8 is not None else {}  # float experts: routing only
             return kernel(x, self.gate.weight, ex.w13, ex.w2, self.top_k, correction_bias=bias,
-                          **extra, **self.routing)
+                          **extra, **prologue, **self.routing)
         weights, ids = moe_route_ref(x, self.gate.weight, self.top_k, correction_bias=bias,
                                      **self.routing)  # [T, top_k] each
         return moe_experts_ref(x, *self.experts.dense(x.dtype), weights, ids)
