@@ -1,4 +1,20 @@
-"""Shared pytest setup: the `gpu` marker skips without CUDA."""
+"""Shared pytest setup: the `gpu` marker skips without CUDA; work units for pytest-xdist.
+
+CI runs the suite on 2 pytest-xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`,
+README.md's test command, with OMP_NUM_THREADS=1: torch's OpenMP threads of two busy
+processes on 2 cores spin against each other and ran 5x slower), and xdist hands out work
+by group (group_of):
+- each test file is a group of its own, so a module's fixtures (a served cluster, a loaded
+  model, a Prometheus) are built once, on one worker, as in a serial run;
+- the files that use the test process's own Ray instance (RAY_FILES: they call
+  tests.workers.cluster's start_ray) form one group, so one Ray instance serves them all,
+  started once (a file missing from the list still passes: its worker starts a Ray instance
+  of its own, which runs beside the other one);
+- the longest groups are handed out first (SLOWEST_FIRST), so the run does not end with one
+  worker busy on a long file while the other idles.
+The same order is used without xdist. (xdist's own `--dist loadgroup` cannot do this here: it
+tags node ids through an attribute pytest 9.2 no longer reads, so its groups are ignored.)
+"""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +25,61 @@ from pdserve.kernels.triton_mode import select_triton_mode
 # imports triton, and importing pdserve never chooses it (kernels/triton_mode.py).
 select_triton_mode()
 
+RAY_GROUP = "ray-in-process"
+RAY_FILES = frozenset({
+    "tests/dist/test_tp_group_ray.py",
+    "tests/workers/test_disagg.py",
+    "tests/workers/test_stress.py",
+    "tests/workers/test_tp_disagg.py",
+    "tests/workers/test_tp_spec_serving.py",
+})
+# The groups that take longest on 2 CPU cores, longest first (measured 2026-11-25; the
+# order only changes the run's wall time, never which tests run). The others follow in
+# collection order.
+SLOWEST_FIRST = (
+    RAY_GROUP,
+    "tests/router/test_e2e_failover.py",
+    "tests/engine/test_engine.py",
+    "tests/router/test_e2e_serve.py",
+    "tests/engine/test_spec_decode_smollm.py",
+    "tests/engine/test_draft_vocab.py",
+    "tests/engine/test_overlap.py",
+    "tests/router/test_e2e_continuation.py",
+    "tests/dist/test_tp_engine.py",
+    "tests/engine/test_mtp.py",
+    "tests/deploy/test_cluster_observability.py",
+    "tests/workers/test_tp_failover.py",
+    "tests/engine/test_mtp_checkpoint.py",
+    "tests/engine/test_spec_overlap.py",
+)
+
+
+def group_of(nodeid: str) -> str:
+    """A test's work unit: RAY_GROUP for the RAY_FILES, else its file."""
+    path = nodeid.split("::", 1)[0]
+    return RAY_GROUP if path in RAY_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile`, with group_of's units in place of plain files."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _skip_gpu_tests(items)
+    _order_by_group(items)
+
+
+def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     try:
         import torch
         has_cuda = torch.cuda.is_available()
@@ -22,3 +91,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _order_by_group(items: list[pytest.Item]) -> None:
+    """Group by group: SLOWEST_FIRST's first, the others in the order they were collected
+    (each group's tests keep their order). xdist takes its work queue from this order."""
+    groups = [group_of(item.nodeid) for item in items]
+    first_seen: dict[str, int] = {}
+    for group in groups:
+        first_seen.setdefault(group, len(first_seen))
+    rank = {g: i for i, g in enumerate(SLOWEST_FIRST)}
+    order = sorted(range(len(items)), key=lambda i: (rank.get(groups[i], len(rank)),
+                                                     first_seen[groups[i]], i))
+    items[:] = [items[i] for i in order]

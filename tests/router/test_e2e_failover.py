@@ -36,7 +36,7 @@ DRAIN_S = 4.0
 def server():
     # no --api-key, no secret file: serve makes a cluster secret that this test never learns
     srv = ServeProcess(["--prefill", "2", "--decode", "1", "--lease-ttl", "10",
-                        "--request-timeout", "120", "--drain-timeout", str(DRAIN_S),
+                        "--request-timeout", "300", "--drain-timeout", str(DRAIN_S),
                         "--max-inflight", "300"])
     yield srv
     srv.stop()
@@ -234,7 +234,7 @@ def stream_until_end(server, i: int, started: threading.Event) -> list[dict | st
 def test_sigterm_to_the_process_group_drains(server):
     """Last test: SIGTERM to the whole process group (systemd's default) while 10 streams
     run. Every stream ends with [DONE] (finished, or an error chunk at the drain deadline),
-    and every process, Ray's included, exits within the drain timeout plus 10 s."""
+    and every process, Ray's included, exits within the drain timeout plus 30 s."""
     family = [server.proc.pid] + [p.pid for p in psutil.Process(server.proc.pid).children(True)]
     starts = [threading.Event() for _ in range(10)]
     with ThreadPoolExecutor(10) as pool:
@@ -252,5 +252,5 @@ def test_sigterm_to_the_process_group_drains(server):
     assert any("error" in ev[-2] for ev in outcomes)  # 400 tokens outlast a 4 s drain on CPU
     wait_until(lambda: not [p for p in family if psutil.pid_exists(p) and
                             psutil.Process(p).status() != psutil.STATUS_ZOMBIE],
-               DRAIN_S + 10 - (time.monotonic() - t0), "every process to exit")
+               DRAIN_S + 30 - (time.monotonic() - t0), "every process to exit")
     assert server.proc.wait(5) == 0

@@ -6,6 +6,7 @@ is refused at the handshake naming the field, within the call's deadline."""
 from __future__ import annotations
 
 import pytest
+import ray
 
 from pdserve.proto import pdserve_pb2 as pb
 
@@ -20,10 +21,57 @@ from tests.workers.cluster import (
     tokens_of,
     wait_until,
 )
-from tests.workers.tp_cluster import head_digests, start_tp_worker, stop
+from tests.workers.tp_cluster import head_digests, start_tp_worker, start_tp_workers, stop
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 3, 50, 2, 9], [99, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13]]
 GREEDY = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _serve_pair_like(p, d, want: list[list[int]], tag: str) -> None:
+    """Each prompt through prefill `p` and decode `d`: greedy equals `want`, the decode ranks'
+    KV heads equal the prefill ranks', nothing leaks."""
+    ptp, dtp = p.cfg.engine.tensor_parallel_size, d.cfg.engine.tensor_parallel_size
+    reply = introduce(p, d)
+    assert reply.accepted, reply.reason
+    for i, prompt in enumerate(PROMPTS):
+        rid = f"{tag}-p{ptp}d{dtp}-{i}"
+        res = prefill(p, rid, prompt, GREEDY)
+        heads = head_digests(p, list(res.kv.block_ids), len(prompt))
+        toks, reason = tokens_of(decode_stream(d, rid, prompt, GREEDY, res))
+        assert (toks, reason) == (want[i], "length"), f"P{ptp}->D{dtp} prompt {i}"
+        pulls = {r: (loc, n) for r, _, loc, n in ray.get(d.actor.recent_pulls.remote())}
+        local, n = pulls[rid]
+        assert head_digests(d, local, n) == heads, f"P{ptp}->D{dtp} prompt {i}"
+    wait_until(lambda: idle(p) and idle(d), 20, "both workers idle (no leaked blocks)")
+
+
+@pytest.mark.parametrize("family", ["llama_1kv", "qwen3_moe"])
+def test_between_tp_sizes_on_a_replicated_kv_head_and_a_moe_model(tmp_path, family) -> None:
+    """The same two pairs on the other tiny models: one KV head (replicated on both ranks of
+    a TP-2 worker: each reads it from the one TP-1 rank, a TP-1 decode reads it from either
+    prefill replica) and a Qwen3-MoE (experts split inside each rank). First in the module:
+    it runs before the module's shared workers start, so theirs are the only ones up."""
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
+
+    from tests.dist.tp_models import save_tiny
+    from tests.workers.tp_cluster import ENGINE
+
+    model = str(save_tiny(family, tmp_path / family))
+    with LLM(model, **{k: v for k, v in ENGINE.items() if k != "max_num_seqs"}) as llm:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        want = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+    start_ray()
+    # P TP-2 -> D TP-1, then P TP-1 -> D TP-2
+    p2, d1, p1, d2 = start_tp_workers(
+        [("prefill", f"{family}-p2", 2), ("decode", f"{family}-d1", 1),
+         ("prefill", f"{family}-p1", 1), ("decode", f"{family}-d2", 2)],
+        model, lease_ttl_s=5.0, tp_timeout_s=60.0)
+    try:
+        _serve_pair_like(p2, d1, want, family)
+        _serve_pair_like(p1, d2, want, family)
+    finally:
+        stop(p2, d1, p1, d2)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +96,13 @@ def colocated(model) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def workers(model):
-    """Workers started on first use and shared by the module's tests: get(role, tp)."""
+    """The module's four workers, started together (tp_cluster.start_tp_workers) and shared
+    by its tests: get(role, tp)."""
     start_ray()
-    started: dict[tuple[str, int], object] = {}
-
-    def get(role: str, tp: int):
-        if (role, tp) not in started:
-            started[role, tp] = start_tp_worker(role, f"tp{tp}-{role}", model, tp,
-                                                lease_ttl_s=5.0, tp_timeout_s=20.0)
-        return started[role, tp]
-    yield get
+    keys = [("prefill", 2), ("decode", 2), ("decode", 1), ("prefill", 1)]
+    started = dict(zip(keys, start_tp_workers([(role, f"tp{tp}-{role}", tp) for role, tp in keys],
+                                              model, lease_ttl_s=5.0, tp_timeout_s=60.0)))
+    yield lambda role, tp: started[role, tp]
     stop(*started.values())
 
 
@@ -76,8 +121,6 @@ def test_disaggregated_between_tp_sizes_equals_colocated_and_kv_is_bitwise(
         want = head_digests(p, list(res.kv.block_ids), len(prompt))
         toks, reason = tokens_of(decode_stream(d, rid, prompt, GREEDY, res))
         assert (toks, reason) == (colocated[i], "length"), f"prompt {i}"
-        import ray
-
         pulls = {r: (loc, n) for r, _, loc, n in ray.get(d.actor.recent_pulls.remote())}
         local, n = pulls[rid]
         assert head_digests(d, local, n) == want, f"prompt {i}: KV heads differ"
@@ -87,49 +130,6 @@ def test_disaggregated_between_tp_sizes_equals_colocated_and_kv_is_bitwise(
     pulled = metric_value(scrape(d), "pdserve:kv_transfer_bytes_total") - pulled_before
     assert pulled == blocks * 2 * 2 * 4 * 2 * 16 * 4
     wait_until(lambda: idle(p) and idle(d), 20, "both workers idle (no leaked blocks)")
-
-
-@pytest.mark.parametrize("family", ["llama_1kv", "qwen3_moe"])
-def test_between_tp_sizes_on_a_replicated_kv_head_and_a_moe_model(tmp_path, family) -> None:
-    """The same two pairs on the other tiny models: one KV head (replicated on both ranks of
-    a TP-2 worker: each reads it from the one TP-1 rank, a TP-1 decode reads it from either
-    prefill replica) and a Qwen3-MoE (experts split inside each rank)."""
-    from pdserve.engine.core.sampling_params import SamplingParams
-    from pdserve.engine.llm import LLM
-
-    from tests.dist.tp_models import save_tiny
-    from tests.workers.tp_cluster import ENGINE
-
-    model = str(save_tiny(family, tmp_path / family))
-    with LLM(model, **{k: v for k, v in ENGINE.items() if k != "max_num_seqs"}) as llm:
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        want = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
-    start_ray()
-    started = []
-    try:
-        for ptp, dtp in ((2, 1), (1, 2)):
-            p = start_tp_worker("prefill", f"{family}-p{ptp}", model, ptp, lease_ttl_s=5.0,
-                                tp_timeout_s=20.0)
-            started.append(p)
-            d = start_tp_worker("decode", f"{family}-d{dtp}", model, dtp, lease_ttl_s=5.0,
-                                tp_timeout_s=20.0)
-            started.append(d)
-            reply = introduce(p, d)
-            assert reply.accepted, reply.reason
-            import ray
-
-            for i, prompt in enumerate(PROMPTS):
-                rid = f"{family}-p{ptp}d{dtp}-{i}"
-                res = prefill(p, rid, prompt, GREEDY)
-                heads = head_digests(p, list(res.kv.block_ids), len(prompt))
-                toks, reason = tokens_of(decode_stream(d, rid, prompt, GREEDY, res))
-                assert (toks, reason) == (want[i], "length"), f"P{ptp}->D{dtp} prompt {i}"
-                pulls = {r: (loc, n) for r, _, loc, n in ray.get(d.actor.recent_pulls.remote())}
-                local, n = pulls[rid]
-                assert head_digests(d, local, n) == heads, f"P{ptp}->D{dtp} prompt {i}"
-            wait_until(lambda: idle(p) and idle(d), 20, "both workers idle (no leaked blocks)")
-    finally:
-        stop(*started)
 
 
 def test_tp_worker_serves_colocated_like_tp1(workers, colocated) -> None:

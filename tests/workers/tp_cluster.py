@@ -17,18 +17,56 @@ from tests.workers.cluster import Worker
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_num_seqs=8)
 
 
-def start_tp_worker(role: str, worker_id: str, model: str, tp: int, timeout_s: float = 300,
-                    generation: int = 0, **kw: object) -> Worker:
-    """A worker of `tp` ranks (tp 1: the plain worker actor), up and answering gRPC."""
+def launch_tp(role: str, worker_id: str, model: str, tp: int, generation: int = 0,
+              **kw: object) -> tuple[ray.actor.ActorHandle, WorkerConfig]:
+    """A worker of `tp` ranks (tp 1: the plain worker actor), launched: its actor(s) load the
+    model while the caller goes on; connect() waits for it."""
     from pdserve.worker.actor import launch_worker
 
     cfg = WorkerConfig.of(role, worker_id, SECRET, metrics_port=0, model=model,
                           tensor_parallel_size=tp, **{**ENGINE, **kw})
     actor = launch_tp_worker(cfg, generation, num_cpus=0.1) if tp > 1 else \
         launch_worker(cfg, num_cpus=0)
+    return actor, cfg
+
+
+def connect(actor: ray.actor.ActorHandle, cfg: WorkerConfig, timeout_s: float = 300) -> Worker:
+    """The launched worker once it answers: its gRPC stub."""
     ep = ray.get(actor.endpoints.remote(), timeout=timeout_s)
     ch = make_channel(ep["grpc_address"], cluster_secret=SECRET)
     return Worker(actor, cfg, ep["grpc_address"], pbg.WorkerStub(ch), ch)
+
+
+def start_tp_worker(role: str, worker_id: str, model: str, tp: int, timeout_s: float = 300,
+                    generation: int = 0, **kw: object) -> Worker:
+    """A worker of `tp` ranks (tp 1: the plain worker actor), up and answering gRPC."""
+    return connect(*launch_tp(role, worker_id, model, tp, generation, **kw), timeout_s)
+
+
+def start_tp_workers(specs: list[tuple[str, str, int]], model: str, timeout_s: float = 300,
+                     **kw: object) -> list[Worker]:
+    """Workers (role, worker_id, tp), in `specs` order. The single-process TP-1 workers are
+    launched first and load while the TP-2 workers start one at a time: a TP worker's rank 0
+    waits at most tp_timeout_s for its followers to join, so no other TP worker's ranks load
+    beside them. A failure kills every worker launched."""
+    launched: dict[int, tuple[ray.actor.ActorHandle, WorkerConfig]] = {}
+    workers: dict[int, Worker] = {}
+    try:
+        for i, (role, wid, tp) in enumerate(specs):
+            if tp == 1:
+                launched[i] = launch_tp(role, wid, model, tp, **kw)
+        for i, (role, wid, tp) in enumerate(specs):
+            if tp > 1:
+                launched[i] = launch_tp(role, wid, model, tp, **kw)
+                workers[i] = connect(*launched[i], timeout_s)
+        for i, (actor, cfg) in launched.items():
+            if i not in workers:
+                workers[i] = connect(actor, cfg, timeout_s)
+        return [workers[i] for i in range(len(specs))]
+    except BaseException:
+        for actor, _ in launched.values():
+            ray.kill(actor, no_restart=True)
+        raise
 
 
 def head_digests(w: Worker, block_ids: list[int], num_tokens: int) -> dict[int, list[str]]:
