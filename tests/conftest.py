@@ -1,9 +1,11 @@
 """Shared pytest setup: the `gpu` marker skips without CUDA; work units for pytest-xdist.
 
 CI runs the suite on 2 pytest-xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`,
-README.md's test command, with OMP_NUM_THREADS=1: torch's OpenMP threads of two busy
-processes on 2 cores spin against each other and ran 5x slower), and xdist hands out work
-by group (group_of):
+README.md's test command). Two settings there keep the two workers from starving each
+other: OMP_NUM_THREADS=1 (two busy processes with 2 torch threads each on 2 cores spin
+against each other: 5x slower) and RAY_worker_niceness=0 (Ray starts its workers at nice
+15, so a cluster's workers got almost no CPU while the other test process computed, and
+missed their deadlines). xdist hands out work by group (group_of):
 - each test file is a group of its own, so a module's fixtures (a served cluster, a loaded
   model, a Prometheus) are built once, on one worker, as in a serial run;
 - the files that use the test process's own Ray instance (RAY_FILES: they call

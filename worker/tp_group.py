@@ -255,6 +255,8 @@ def launch_tp_group(worker_id: str, tp: int, generation: int = 0, num_gpus: floa
         handle = TPGroupHandle(worker_id, generation, pg, ranks)
         address = ray.get(ranks[0].open_store.remote(), timeout=ready_timeout_s)
         deadline = time.monotonic() + ready_timeout_s
+        # every rank's process up before any join starts its group deadline (timeout_s)
+        ray.get([a.ping.remote() for a in ranks], timeout=ready_timeout_s)
         got = ray.get([a.join.remote(address) for a in ranks],
                       timeout=max(1.0, deadline - time.monotonic()))
         if got != list(range(tp)):

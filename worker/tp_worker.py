@@ -45,6 +45,7 @@ from pdserve.worker.tp_group import RankActor, group_name, remove_previous
 log = logging.getLogger(__name__)
 
 DIE_DELAY_S = 0.2  # lets open streams send their error before the process ends
+FOLLOWER_START_TIMEOUT_S = 300.0  # Ray starting the follower ranks' processes
 
 
 class TPWorkerActor(WorkerActor):
@@ -82,6 +83,9 @@ class TPWorkerActor(WorkerActor):
         pcfg = ParallelConfig.for_device(tp, 0, f"tcp://{host}:0", rank_device(cfg), timeout)
         store = open_store(pcfg)
         pcfg = dataclasses.replace(pcfg, init_address=f"tcp://{host}:{store.port}")
+        # the followers' processes are up first: the join deadline (tp_timeout_s) is for
+        # joining, not for Ray starting a process (CUDA init on a GPU node takes seconds)
+        ray.get([f.ping.remote() for f in self.followers], timeout=FOLLOWER_START_TIMEOUT_S)
         started = [f.serve_follower.remote(cfg, pcfg.init_address) for f in self.followers]
         parts = load_rank(cfg.engine, join=lambda: TPGroup(pcfg, store))
         self.group = parts.group
