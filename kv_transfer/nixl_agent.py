@@ -15,20 +15,36 @@ SPIN_POLLS = 200  # busy polls (GPU reads finish in ms) before backing off
 POLL_SLEEP_S = 0.0002
 
 
+# The UCX backend's progress thread waits this long (µs) on UCX's event fd between polls. nixl's
+# Python API hard-codes 0, which makes that thread spin on sched_yield: a whole core per agent,
+# idle or not (measured: 100% of a core idle; 2.7% with a delay), stolen from the launch-bound
+# decode loop on a GPU node and from every other process on a small one. Incoming traffic
+# still wakes the thread at once through the event fd.
+PROGRESS_DELAY_US = 100
+
+
 def make_agent(name: str, backends: Sequence[str], num_threads: int) -> Any:
     # Imported here: `import nixl` loads UCX and CUDA plugins; handshake users don't need it.
+    from nixl import _bindings
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    config = nixl_agent_config(
-        enable_prog_thread=True, enable_listen_thread=False,  # no socket metadata exchange
-        capture_telemetry=True,  # per-transfer descriptor counts
-        num_threads=num_threads, backends=list(backends),
-        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)  # concurrent reads from a pool
-    agent = nixl_agent(name, config)
-    missing = [b for b in backends if b not in agent.backends]
+    sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW  # concurrent reads from a pool
+    # The Python agent is built without backends, so no progress thread starts with its
+    # delay of 0; its native agent is then replaced by one with PROGRESS_DELAY_US before any
+    # backend exists. Every other call goes through nixl's own Python API.
+    agent = nixl_agent(name, nixl_agent_config(
+        enable_prog_thread=True, enable_listen_thread=False, backends=[], sync_mode=sync))
+    native = _bindings.nixlAgentConfig(True, False)  # progress thread, no listen thread
+    native.syncMode = sync.value
+    native.pthrDelay = PROGRESS_DELAY_US
+    native.captureTelemetry = True  # per-transfer descriptor counts
+    agent.agent = _bindings.nixlAgent(name, native)
+    missing = [b for b in backends if b not in agent.get_plugin_list()]
     if missing:
         raise KVTransferError(f"backends: NIXL plugin(s) {missing} unavailable "
                               f"(have {agent.get_plugin_list()})")
+    for backend in backends:
+        agent.create_backend(backend, {"num_threads": str(num_threads)} if num_threads else {})
     return agent
 
 
