@@ -1,8 +1,9 @@
 """Benchmark: move one prompt's KV cache between two processes with NixlKVTransport.
 
 A prefill process holds the KV on cuda:0, a decode process pulls it into cuda:1 with
-read_blocks (NIXL READ over UCX), exactly as the workers do. The same run records a torch
-peer copy (cuda:0 -> cuda:1, same bytes) as the ceiling. Scenarios vary how the blocks lie
+read_blocks (NIXL READ over UCX), exactly as the workers do (on a one-GPU host both live on
+cuda:0: the read crosses processes, not GPUs). The same run records a torch peer copy
+(cuda:0 -> cuda:1, same bytes) as the ceiling. Scenarios vary how the blocks lie
 (one contiguous run, shuffled runs of --frag-run blocks, no coalescing at all) and the
 descriptor mode, because descriptor count dominates transfer time (DESIGN.md).
 
@@ -104,6 +105,14 @@ def _digest(kv: Any, block_id: int) -> str:
     return hashlib.sha256(kv[block_id].view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
+def devices(args: argparse.Namespace) -> tuple[str, str]:
+    """(prefill device, decode device): two GPUs when there are two, else one for both."""
+    if args.device != "cuda":
+        return "cpu", "cpu"
+    import torch
+    return "cuda:0", "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
+
+
 def sample_blocks(n: int) -> list[int]:
     return sorted({0, n // 3, n // 2, n - 1})
 
@@ -113,7 +122,7 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
         import torch
 
         from pdserve.kv_transfer import NixlKVTransport
-        device = "cuda:0" if args.device == "cuda" else "cpu"
+        device = devices(args)[0]
         kv, compat = _kv_setup(args, device)
         gen = torch.Generator(device=device).manual_seed(0)
         for b in range(kv.shape[0]):  # block by block: no huge temporaries
@@ -180,7 +189,7 @@ def run_scenario(args: argparse.Namespace, kv: Any, compat: dict, info: Any, nam
 def peer_copy(args: argparse.Namespace, nbytes: int, send: Any) -> dict:
     """torch copy of the same bytes: cuda:0 -> cuda:1 on GPU, host memcpy on CPU."""
     import torch
-    src_dev, dst_dev = ("cuda:0", "cuda:1") if args.device == "cuda" else ("cpu", "cpu")
+    src_dev, dst_dev = devices(args)
     src = torch.ones(nbytes, dtype=torch.uint8, device=src_dev)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
 
@@ -201,7 +210,7 @@ def peer_copy(args: argparse.Namespace, nbytes: int, send: Any) -> dict:
     return {"src": src_dev, "dst": dst_dev, "bytes": nbytes, "median_s": statistics.median(times),
             "gb_per_s": nbytes / statistics.median(times) / 1e9, "reps_s": times,
             "peer_access": (torch.cuda.can_device_access_peer(0, 1)
-                            if args.device == "cuda" else None)}
+                            if src_dev != dst_dev else None)}
 
 
 def decode_main(conn: Any, args: argparse.Namespace, info_bytes: bytes, digests: dict) -> None:
@@ -210,7 +219,7 @@ def decode_main(conn: Any, args: argparse.Namespace, info_bytes: bytes, digests:
 
     try:
         from pdserve.kv_transfer import PeerInfo
-        device = "cuda:1" if args.device == "cuda" else "cpu"
+        device = devices(args)[1]
         kv, compat = _kv_setup(args, device)
         info = PeerInfo.from_bytes(info_bytes)
         results = [run_scenario(args, kv, compat, info, name, digests, send)
@@ -250,7 +259,8 @@ def configure_env(args: argparse.Namespace) -> dict:
 def device_name(device: str) -> str:
     import torch
     if device == "cuda":
-        return " + ".join(torch.cuda.get_device_name(i) for i in (0, 1))
+        return " + ".join(torch.cuda.get_device_name(i)
+                          for i in range(min(2, torch.cuda.device_count())))
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -262,8 +272,8 @@ def device_name(device: str) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     import torch
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
-        raise SystemExit("--device cuda needs 2 GPUs (cuda:0 -> cuda:1); use --device cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here; use --device cpu")
     env = configure_env(args)
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
@@ -272,8 +282,7 @@ def run(args: argparse.Namespace) -> dict:
     decode = None
     try:
         prefill.start()
-        progress(f"prefill process: filling {args.tokens} tokens of KV on "
-                 f"{'cuda:0' if args.device == 'cuda' else 'cpu'}")
+        progress(f"prefill process: filling {args.tokens} tokens of KV on {devices(args)[0]}")
         _, info_bytes, digests = _expect(p_conn, args.timeout, "prefill process")
         decode = ctx.Process(target=decode_main, args=(d_child, args, info_bytes, digests),
                              daemon=True)
