@@ -15,11 +15,11 @@ from pdserve.engine.exec.kv_cache import (
     layer_views,
 )
 from pdserve.engine.llm import build_engine
-from pdserve.engine.model.attention import make_metadata
 from pdserve.engine.model.loader import load_model
 from pdserve.kernels.kv_quant import FP8
 
 from tests.engine.hf_families import Paged, PagedFP8
+from tests.engine.paged_greedy import BLOCK_SIZE, TABLE, capital_answer
 from tests.engine.perplexity import TEXT, perplexity
 
 
@@ -70,23 +70,10 @@ def test_perplexity_within_2_percent_of_float_kv(smol) -> None:
 def test_fp8_kv_answers_paris(smol) -> None:
     """Greedy, one token per step over the fp8 cache (decode-appended blocks included)."""
     model, cfg, tok = smol
-    tokens = tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]))
-    bs, table = 16, [3, 0, 5, 1, 4]
-    kv = allocate_kv_cache(cfg, 6, bs, FP8, "cpu")
-    new, out = tokens, []
-    with torch.no_grad():
-        for _ in range(12):
-            n = len(tokens) + len(out)
-            meta = make_metadata([len(new)], [n], [table], bs)
-            hidden = model(torch.tensor(new), torch.arange(n - len(new), n), meta, kv)
-            nxt = int(model.compute_logits(hidden[-1:]).argmax())
-            if nxt in cfg.eos_token_ids:
-                break
-            out.append(nxt)
-            new = [nxt]
-    assert block_scales(kv)[table[:2]].gt(0).all()  # the blocks it filled have scales
-    assert "Paris" in tok.decode(out)
+    kv = allocate_kv_cache(cfg, 6, BLOCK_SIZE, FP8, "cpu")
+    answer = capital_answer(model, cfg, tok, kv)
+    assert block_scales(kv)[TABLE[:2]].gt(0).all()  # the blocks it filled have scales
+    assert "Paris" in answer
 
 
 def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:

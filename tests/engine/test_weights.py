@@ -25,6 +25,8 @@ from pdserve.engine.model.loader import (
 from pdserve.engine.model.presets import get_preset, param_count, preset_names
 from pdserve.engine.model.weights import WeightsError, load_hf, random_model
 
+from tests.engine.paged_greedy import BLOCK_SIZE, capital_answer
+
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
@@ -82,22 +84,8 @@ def test_embedded_gguf_matches_transformers(smol, hf_smol) -> None:
 def test_embedded_model_answers_paris(smol) -> None:
     """Greedy decode, one token per step through the paged cache, as the engine runs it."""
     model, cfg, tok = smol
-    tokens = tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]))
-    bs, table = 16, [3, 0, 5, 1, 4]
-    kv = allocate_kv_cache(cfg, 6, bs, torch.float32, "cpu")
-    new, out = tokens, []
-    with torch.no_grad():
-        for _ in range(12):
-            n = len(tokens) + len(out)
-            meta = make_metadata([len(new)], [n], [table], bs)
-            hidden = model(torch.tensor(new), torch.arange(n - len(new), n), meta, kv)
-            nxt = int(model.compute_logits(hidden[-1:]).argmax())
-            if nxt in cfg.eos_token_ids:
-                break
-            out.append(nxt)
-            new = [nxt]
-    assert "Paris" in tok.decode(out)
+    kv = allocate_kv_cache(cfg, 6, BLOCK_SIZE, torch.float32, "cpu")
+    assert "Paris" in capital_answer(model, cfg, tok, kv)
 
 
 # -- GGUF files written here -------------------------------------------------------------------
