@@ -18,12 +18,12 @@ transfer handle per source rank, all posted before the first wait, one deadline 
 Whole-block pulls (equal TP, rank r <- rank r) coalesce into runs as at TP 1.
 
 Thread-safety: `read_blocks` may run from many threads at once (the NIXL agent runs in
-reader-writer sync mode; the peer table is under a lock; each read holds its own transfer
-handle). `add_peer`/`remove_peer` are safe concurrently with reads: a replaced or removed
-peer is dropped from NIXL when its last in-flight read finishes, and new reads on it raise
-StalePeerError (replaced) or UnknownPeerError (removed). The caller must not use the
-destination blocks while a read is in flight.
-`close()` waits (bounded) for in-flight reads, then releases everything.
+reader-writer sync mode; the peer table, kv_transfer/nixl_peers.py, is under a lock; each
+read holds its own transfer handle). `add_peer`/`remove_peer` are safe concurrently with
+reads: a replaced or removed peer is dropped from NIXL when its last in-flight read
+finishes, and new reads on it raise StalePeerError (replaced) or UnknownPeerError (removed).
+The caller must not use the destination blocks while a read is in flight. `close()` waits
+(bounded) for in-flight reads, then releases everything.
 
 No pickle: nixl_agent's only pickle paths (get_serialized_descs / deserialize_descs) and its
 socket metadata exchange (listener thread, send_local_metadata) are not used; metadata
@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -47,17 +45,13 @@ from pdserve.engine.core.tp import TPKVInfo
 from .errors import (
     KVTransferError,
     KVTransferTimeout,
-    StalePeerError,
     TransferStats,
-    UnknownPeerError,
 )
 from .faults import FaultInjector, InjectedFault
 from .handshake import (
-    HandshakeError,
     PeerInfo,
     RankEndpoint,
     cache_layout,
-    check_new_peer,
     compat_hash,
     local_tp_info,
     normalize_config,
@@ -65,22 +59,12 @@ from .handshake import (
 from .layout import block_descriptors, blocks_per_descriptor, check_block_ids
 from .metrics import KVMetrics, kv_metrics
 from .nixl_agent import descriptor_count, make_agent, nixl_call, read_xfer, try_release, wait_done
-from .tp_pull import SourcePull, byte_ranges, descriptors, rank_sources
+from .nixl_peers import Peer, PeerTable
+from .tp_pull import SourcePull, byte_ranges, descriptors
 
 log = logging.getLogger(__name__)
 
 DescriptorMode = Literal["coalesced", "prepped"]
-
-
-@dataclass
-class _Peer:
-    info: PeerInfo
-    sources: list[SourcePull]  # this rank's pull_plan row, by source rank
-    # source rank -> nixl_prepped_dlist_handle ("prepped" mode, whole-block sources)
-    remote_dlists: dict[int, Any] = field(default_factory=dict)
-    inflight: int = 0
-    retired: bool = False
-    leaked: list = field(default_factory=list)
 
 
 class NixlKVTransport:
@@ -126,11 +110,8 @@ class NixlKVTransport:
             kv_base_addr=kv_cache.data_ptr(), kv_device_id=self._device_id,
             kv_mem_type=self._mem_type, layout=self.layout, compat_hash=compat_hash(compat),
             compat_config=compat, tp=self.tp)
-        self._lock = threading.Condition()
-        self._peers: dict[str, _Peer] = {}
-        self._retiring: list[_Peer] = []  # replaced/removed peers with reads in flight
-        self._inflight = 0
-        self._closed = False
+        self._table = PeerTable(self._agent, self._info, self.tp, rank,
+                                prepped=descriptor_mode == "prepped")
 
     def peer_info(self) -> PeerInfo:
         """This rank's own PeerInfo (a TP group publishes group_peer_info of rank 0's)."""
@@ -143,103 +124,17 @@ class NixlKVTransport:
     # ---- peers ---------------------------------------------------------------------------
 
     def add_peer(self, info: PeerInfo) -> None:
-        """Trust `info` for reads; refuses incompatible peers (IncompatiblePeerError naming
-        the field, `tp.<field>` for TP maps that cannot pair), replaces older incarnations.
-        Loads the NIXL agents of the peer's ranks that this rank reads from."""
-        check_new_peer(self._info, info)
-        sources = rank_sources(info, self.tp, self.rank)
-        with self._lock:
-            self._check_open()
-            old = self._peers.get(info.worker_id)
-            if old is not None and old.info.incarnation == info.incarnation:
-                if old.info.ranks != info.ranks:
-                    raise HandshakeError(f"peer_info.agent_metadata: changed for {info.worker_id!r}"
-                                         f" incarnation {info.incarnation}")
-                return  # same peer announced again
-            peer = _Peer(info, sources, remote_dlists=self._load_peer(info, sources))
-            self._peers[info.worker_id] = peer
-            if old is not None:
-                self._retire(old)
-        log.info("kv peer %s incarnation %s added%s", info.worker_id, info.incarnation,
-                 f" (replaces {old.info.incarnation})" if old is not None else "")
+        """Trust `info` for reads (nixl_peers.PeerTable.add): refuses incompatible peers
+        naming the field, replaces older incarnations, loads the agents of the peer's ranks
+        this rank reads from."""
+        self._table.add(info)
 
     def remove_peer(self, worker_id: str) -> bool:
-        with self._lock:
-            peer = self._peers.pop(worker_id, None)
-            if peer is not None:
-                self._retire(peer)
-        return peer is not None
+        return self._table.remove(worker_id)
 
     def peers(self) -> dict[str, str]:
         """worker_id -> incarnation of the peers reads may target now."""
-        with self._lock:
-            return {wid: p.info.incarnation for wid, p in self._peers.items()}
-
-    def _load_peer(self, info: PeerInfo, sources: list[SourcePull]) -> dict[int, Any]:
-        """Load each source rank's agent (and, "prepped", its block descriptors); on any
-        failure unload what was loaded. Caller holds the lock."""
-        loaded: list[str] = []
-        dlists: dict[int, Any] = {}
-        try:
-            for src in sources:
-                loaded.append(self._load_agent(info, src))
-                if self.descriptor_mode == "prepped" and src.whole:
-                    dlists[src.src_rank] = self._prep_remote(info, src)
-        except BaseException:
-            for handle in dlists.values():
-                try_release(handle)
-            for name in loaded:
-                self._unload_agent(name)
-            raise
-        return dlists
-
-    def _load_agent(self, info: PeerInfo, src: SourcePull) -> str:
-        ep = src.endpoint
-        try:
-            name = self._agent.add_remote_agent(ep.agent_metadata)
-        except Exception as e:
-            raise KVTransferError(f"peer {info.worker_id!r}: NIXL refused the agent metadata "
-                                  f"of its rank {src.src_rank}") from e
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != ep.agent_name:
-            self._unload_agent(name)
-            field_name = "agent_name" if src.src_rank == 0 else f"ranks[{src.src_rank}].agent_name"
-            raise HandshakeError(f"peer_info.{field_name}: {ep.agent_name!r} but its NIXL "
-                                 f"metadata names {name!r}")
-        return name
-
-    def _prep_remote(self, info: PeerInfo, src: SourcePull) -> Any:
-        ep = src.endpoint
-        descs = block_descriptors(ep.kv_base_addr, info.layout, ep.kv_device_id)
-        try:
-            return self._agent.prep_xfer_dlist(ep.agent_name, descs, ep.kv_mem_type)
-        except Exception as e:  # e.g. the advertised KV range is not what the peer registered
-            raise KVTransferError(f"peer {info.worker_id!r}: NIXL could not prepare the block "
-                                  f"descriptors of its rank {src.src_rank}") from e
-
-    def _unload_agent(self, name: str) -> None:
-        try:
-            self._agent.remove_remote_agent(name)
-        except Exception:
-            log.warning("removing NIXL agent %s failed", name, exc_info=True)
-
-    def _retire(self, peer: _Peer) -> None:
-        """Caller holds the lock. Drop now, or when the peer's last read finishes."""
-        peer.retired = True
-        if peer.inflight == 0:
-            self._drop(peer)
-        else:
-            self._retiring.append(peer)
-
-    def _drop(self, peer: _Peer) -> None:
-        for handle in peer.leaked:  # reads that timed out and could not be aborted then
-            try_release(handle)
-        for handle in peer.remote_dlists.values():
-            try_release(handle)
-        in_use = {s.agent_name for p in self._peers.values() for s in p.sources}
-        for src in peer.sources:
-            if src.agent_name not in in_use:
-                self._unload_agent(src.agent_name)
+        return self._table.incarnations()
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -254,7 +149,7 @@ class NixlKVTransport:
         """
         start = time.monotonic()
         try:
-            peer = self._acquire(peer_worker_id, incarnation)
+            peer = self._table.acquire(peer_worker_id, incarnation, self.worker_id)
         except KVTransferError:
             self._metrics.transfer_failed()
             raise
@@ -267,33 +162,11 @@ class NixlKVTransport:
             self._metrics.transfer_failed()
             raise
         finally:
-            self._unacquire(peer)
+            self._table.release(peer)
         self._metrics.transfer_done(stats.bytes, stats.seconds, stats.descriptors)
         return stats
 
-    def _acquire(self, worker_id: str, incarnation: str) -> _Peer:
-        with self._lock:
-            self._check_open()
-            peer = self._peers.get(worker_id)
-            if peer is None:
-                raise UnknownPeerError(f"peer {worker_id!r}: not added to {self.worker_id!r}")
-            if peer.info.incarnation != incarnation:
-                raise StalePeerError(f"peer {worker_id!r}: incarnation {incarnation} is stale "
-                                     f"(current {peer.info.incarnation}); it restarted")
-            peer.inflight += 1
-            self._inflight += 1
-            return peer
-
-    def _unacquire(self, peer: _Peer) -> None:
-        with self._lock:
-            peer.inflight -= 1
-            self._inflight -= 1
-            if peer.retired and peer.inflight == 0 and peer in self._retiring:
-                self._retiring.remove(peer)
-                self._drop(peer)
-            self._lock.notify_all()
-
-    def _read(self, peer: _Peer, local_ids: list[int], remote_ids: list[int],
+    def _read(self, peer: Peer, local_ids: list[int], remote_ids: list[int],
               deadline: float, start: float) -> TransferStats:
         wid = peer.info.worker_id
         if not local_ids:
@@ -314,7 +187,7 @@ class NixlKVTransport:
         nbytes = int(sum(int(r[:, 2].sum()) for r in ranges))
         return TransferStats(nbytes, time.monotonic() - start, descriptors, len(local_ids))
 
-    def _run(self, makers: list[Any], runs: list[int], peer: _Peer, deadline: float,
+    def _run(self, makers: list[Any], runs: list[int], peer: Peer, deadline: float,
              delay_s: float) -> int:
         """Make and post one transfer per source rank, then wait for all by `deadline`, and
         release them; returns NIXL's descriptor count (summed)."""
@@ -348,15 +221,15 @@ class NixlKVTransport:
         No KV block of this worker is written.
         """
         start = time.monotonic()
-        peer = self._acquire(peer_worker_id, incarnation)
+        peer = self._table.acquire(peer_worker_id, incarnation, self.worker_id)
         try:
             makers = [lambda s=src: self._scratch_handle(peer, s) for src in peer.sources]
             self._run(makers, [1] * len(makers), peer, deadline, 0.0)
         finally:
-            self._unacquire(peer)
+            self._table.release(peer)
         return time.monotonic() - start
 
-    def _scratch_handle(self, peer: _Peer, src: SourcePull) -> Any:
+    def _scratch_handle(self, peer: Peer, src: SourcePull) -> Any:
         # a whole block, or the first slice into where it would land (slices of different
         # sources land in different heads, so concurrent warm-ups never overlap)
         hb, first = self.layout.head_bytes, src.pulls[0]
@@ -368,7 +241,7 @@ class NixlKVTransport:
                          self._mem_type, [(ep.kv_base_addr + src_off, nbytes, ep.kv_device_id)],
                          ep)
 
-    def _make_handle(self, peer: _Peer, src: SourcePull, ranges: np.ndarray,
+    def _make_handle(self, peer: Peer, src: SourcePull, ranges: np.ndarray,
                      local_ids: list[int], remote_ids: list[int]) -> Any:
         """One READ from source rank `src`: its byte ranges (or, "prepped" and whole blocks,
         the block indices into the prepared lists)."""
@@ -383,32 +256,19 @@ class NixlKVTransport:
                          self._mem_type, descriptors(ep.kv_base_addr, ranges[:, 0], ranges[:, 2],
                                                      ep.kv_device_id), ep)
 
-    def _free(self, handle: Any, peer: _Peer) -> bool:
+    def _free(self, handle: Any, peer: Peer) -> bool:
         """Release a transfer handle; False (kept for later) if NIXL cannot abort it yet."""
         if try_release(handle):
             return True
-        with self._lock:
-            peer.leaked.append(handle)
+        self._table.keep_leaked(peer, handle)
         return False
 
     # ---- lifetime ------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise KVTransferError(f"transport of {self.worker_id!r} is closed")
-
     def close(self, drain_timeout_s: float = 5.0) -> None:
         """Wait (bounded) for in-flight reads, then drop peers and deregister memory."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._lock.wait_for(lambda: self._inflight == 0, timeout=drain_timeout_s)
-            peers = list(self._peers.values()) + self._retiring
-            self._peers.clear()
-            self._retiring = []
-            for peer in peers:
-                self._drop(peer)
+        if not self._table.close(drain_timeout_s):
+            return  # closed before
         if self._local_dlist is not None:
             try_release(self._local_dlist)
         try:
