@@ -1,0 +1,87 @@
+"""EngineLoop (engine/engine_loop.py) around a real engine on the tiny Qwen3 preset: the loop
+thread runs commands and steps, publishes each request's outputs to its subscriber, a
+failing command reaches only its caller, and a dying engine ends every open stream (a fake
+engine whose step raises) and refuses later calls."""
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from pdserve.engine.core.outputs import RequestOutput
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine_loop import EngineLoop, EngineLoopError
+from pdserve.engine.llm import build_engine
+
+TINY = dict(device="cpu", block_size=4, num_blocks=64)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _drain(q: queue.Queue, deadline_s: float = 60) -> list[int]:
+    """Tokens published to `q` until the request finishes (each get has a deadline)."""
+    tokens: list[int] = []
+    while True:
+        item = q.get(timeout=deadline_s)
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, RequestOutput)
+        tokens += item.new_token_ids
+        if item.finished:
+            return tokens
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return build_engine("tiny-qwen3", **TINY)
+
+
+def test_requests_added_by_command_stream_what_the_engine_generates(engine) -> None:
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 50]]
+    for i, prompt in enumerate(prompts):  # the same engine stepped on this thread first
+        engine.add_request(prompt, GREEDY, request_id=f"direct-{i}")
+    outs = engine.generate_until_done(deadline_s=120)
+    want = [sum((o.new_token_ids for o in outs if o.request_id == f"direct-{i}"), [])
+            for i in range(len(prompts))]
+    assert all(len(w) == GREEDY.max_tokens for w in want)
+    loop = EngineLoop(engine).start()
+    try:
+        subs = [loop.subscribe(f"r{i}") for i in range(len(prompts))]
+        for i, prompt in enumerate(prompts):  # the idle loop wakes on each command
+            loop.call(lambda e, i=i, p=prompt: e.add_request(p, GREEDY, request_id=f"r{i}"))
+        assert [_drain(q) for q in subs] == want
+        assert not loop.call(lambda e: e.has_unfinished())
+    finally:
+        loop.stop()
+
+
+def test_a_failing_command_reaches_its_caller_and_the_loop_goes_on(engine) -> None:
+    loop = EngineLoop(engine).start()
+    try:
+        with pytest.raises(KeyError, match="no such thing"):
+            loop.call(lambda e: {}["no such thing"])
+        assert loop.call(lambda e: 41 + 1) == 42
+        assert loop.fatal is None
+    finally:
+        loop.stop()
+
+
+def test_a_dying_engine_ends_open_streams_and_refuses_calls(engine) -> None:
+    class Broken:
+        """An engine whose step raises: what a device fault looks like to the loop."""
+        idle = True
+
+        def has_unfinished(self) -> bool:
+            return True
+
+        def step(self) -> list[RequestOutput]:
+            raise RuntimeError("device lost")
+
+    loop = EngineLoop(Broken())  # type: ignore[arg-type]
+    q = loop.subscribe("open-stream")
+    loop.start()
+    item = q.get(timeout=30)
+    assert isinstance(item, EngineLoopError) and "device lost" in str(item)
+    loop.stop(timeout_s=5)
+    with pytest.raises(EngineLoopError, match="died"):
+        loop.call(lambda e: None, timeout_s=5)
+
