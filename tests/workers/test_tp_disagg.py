@@ -27,21 +27,39 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 3, 50, 2, 9], [99, 1, 2, 3, 4, 5, 6, 7,
 GREEDY = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+def _offline_greedy(model: str) -> list[list[int]]:
+    """The offline engine at TP 1 on PROMPTS: what every pair must produce."""
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
+
+    from tests.workers.tp_cluster import ENGINE
+
+    with LLM(model, **{k: v for k, v in ENGINE.items() if k != "max_num_seqs"}) as llm:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+
+
+def _serve_one(p, d, rid: str, prompt: list[int], want: list[int]) -> list[int]:
+    """`prompt` through prefill `p` and decode `d`: greedy equals `want` and the KV heads the
+    decode ranks pulled equal the prefill ranks'. Returns the decode-side blocks."""
+    res = prefill(p, rid, prompt, GREEDY)
+    assert res.kv.num_tokens == len(prompt)
+    heads = head_digests(p, list(res.kv.block_ids), len(prompt))
+    toks, reason = tokens_of(decode_stream(d, rid, prompt, GREEDY, res))
+    assert (toks, reason) == (want, "length"), rid
+    pulls = {r: (loc, n) for r, _, loc, n in ray.get(d.actor.recent_pulls.remote())}
+    local, n = pulls[rid]
+    assert head_digests(d, local, n) == heads, f"{rid}: KV heads differ"
+    return local
+
+
 def _serve_pair_like(p, d, want: list[list[int]], tag: str) -> None:
-    """Each prompt through prefill `p` and decode `d`: greedy equals `want`, the decode ranks'
-    KV heads equal the prefill ranks', nothing leaks."""
+    """Each prompt through `p` and `d` (_serve_one), then nothing leaks."""
     ptp, dtp = p.cfg.engine.tensor_parallel_size, d.cfg.engine.tensor_parallel_size
     reply = introduce(p, d)
     assert reply.accepted, reply.reason
     for i, prompt in enumerate(PROMPTS):
-        rid = f"{tag}-p{ptp}d{dtp}-{i}"
-        res = prefill(p, rid, prompt, GREEDY)
-        heads = head_digests(p, list(res.kv.block_ids), len(prompt))
-        toks, reason = tokens_of(decode_stream(d, rid, prompt, GREEDY, res))
-        assert (toks, reason) == (want[i], "length"), f"P{ptp}->D{dtp} prompt {i}"
-        pulls = {r: (loc, n) for r, _, loc, n in ray.get(d.actor.recent_pulls.remote())}
-        local, n = pulls[rid]
-        assert head_digests(d, local, n) == heads, f"P{ptp}->D{dtp} prompt {i}"
+        _serve_one(p, d, f"{tag}-p{ptp}d{dtp}-{i}", prompt, want[i])
     wait_until(lambda: idle(p) and idle(d), 20, "both workers idle (no leaked blocks)")
 
 
@@ -51,16 +69,10 @@ def test_between_tp_sizes_on_a_replicated_kv_head_and_a_moe_model(tmp_path, fami
     a TP-2 worker: each reads it from the one TP-1 rank, a TP-1 decode reads it from either
     prefill replica) and a Qwen3-MoE (experts split inside each rank). First in the module:
     it runs before the module's shared workers start, so theirs are the only ones up."""
-    from pdserve.engine.core.sampling_params import SamplingParams
-    from pdserve.engine.llm import LLM
-
     from tests.dist.tp_models import save_tiny
-    from tests.workers.tp_cluster import ENGINE
 
     model = str(save_tiny(family, tmp_path / family))
-    with LLM(model, **{k: v for k, v in ENGINE.items() if k != "max_num_seqs"}) as llm:
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        want = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+    want = _offline_greedy(model)
     start_ray()
     # P TP-2 -> D TP-1, then P TP-1 -> D TP-2
     p2, d1, p1, d2 = start_tp_workers(
@@ -83,15 +95,7 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def colocated(model) -> list[list[int]]:
-    """The offline engine at TP 1: what every pair must produce."""
-    from pdserve.engine.core.sampling_params import SamplingParams
-    from pdserve.engine.llm import LLM
-
-    from tests.workers.tp_cluster import ENGINE
-
-    with LLM(model, **{k: v for k, v in ENGINE.items() if k != "max_num_seqs"}) as llm:
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+    return _offline_greedy(model)
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +119,7 @@ def test_disaggregated_between_tp_sizes_equals_colocated_and_kv_is_bitwise(
     pulled_before = metric_value(scrape(d), "pdserve:kv_transfer_bytes_total")
     blocks = 0
     for i, prompt in enumerate(PROMPTS):
-        rid = f"p{ptp}d{dtp}-{i}"
-        res = prefill(p, rid, prompt, GREEDY)
-        assert res.kv.num_tokens == len(prompt)
-        want = head_digests(p, list(res.kv.block_ids), len(prompt))
-        toks, reason = tokens_of(decode_stream(d, rid, prompt, GREEDY, res))
-        assert (toks, reason) == (colocated[i], "length"), f"prompt {i}"
-        pulls = {r: (loc, n) for r, _, loc, n in ray.get(d.actor.recent_pulls.remote())}
-        local, n = pulls[rid]
-        assert head_digests(d, local, n) == want, f"prompt {i}: KV heads differ"
-        blocks += len(local)
+        blocks += len(_serve_one(p, d, f"p{ptp}d{dtp}-{i}", prompt, colocated[i]))
     # the worker's metric counts every rank's bytes: whole blocks of all KV heads (2 layers,
     # K and V, 4 tokens, 2 KV heads, 16 dims, float32)
     pulled = metric_value(scrape(d), "pdserve:kv_transfer_bytes_total") - pulled_before
