@@ -118,7 +118,7 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     import ray
 
     from pdserve.router.cli import engine_args, role_tp
-    from pdserve.router.pool import RayWorkerRef
+    from pdserve.router.worker_refs import RayWorkerRef
     from pdserve.worker.actor import launch_worker
     from pdserve.worker.config import WorkerConfig
     from pdserve.worker.tp_worker import launch_tp_worker

@@ -1,7 +1,8 @@
 """Worker registry: endpoints, gRPC channels, health polling, peer introduction, breakers.
 
-Each worker is reached through a `WorkerRef` (a Ray actor in production; a fixed address in
-unit tests) that says where its gRPC service listens and under which incarnation. The pool:
+Each worker is reached through a `WorkerRef` (router/worker_refs.py: a Ray actor in
+production; a fixed address in unit tests) that says where its gRPC service listens and
+under which incarnation. The pool:
   * polls every worker's Health RPC; a failure opens the worker's breaker (routing skips it);
     while open, probes re-read its endpoints (a Ray actor that restarted has a new
     incarnation and port), reconnect, re-introduce peers, and close the breaker on a good
@@ -15,129 +16,18 @@ Client errors (4xx) are never reported here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import grpc
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_aio_channel
+from pdserve.router.worker_refs import WorkerRef
 
 log = logging.getLogger(__name__)
-
-
-class WorkerRef(Protocol):
-    worker_id: str
-    role: str
-
-    async def endpoints(self) -> dict: ...  # grpc_address, incarnation, metrics_address, ...
-
-    async def alive(self) -> bool | None: ...  # process liveness apart from gRPC (None = unknown)
-
-    async def shutdown(self) -> None: ...
-
-    def lifecycle(self) -> dict: ...  # restarts so far, next restart in s, gave up (for /health)
-
-
-class StaticWorkerRef:
-    """A worker at a fixed address (tests, or workers started outside Ray)."""
-
-    def __init__(self, worker_id: str, role: str, grpc_address: str, incarnation: str = "",
-                 metrics_address: str = "") -> None:
-        self.worker_id, self.role = worker_id, role
-        self.info = {"worker_id": worker_id, "role": role, "grpc_address": grpc_address,
-                     "incarnation": incarnation, "metrics_address": metrics_address}
-
-    async def endpoints(self) -> dict:
-        return dict(self.info)
-
-    async def alive(self) -> bool | None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-    def lifecycle(self) -> dict:
-        return {}
-
-
-class RayWorkerRef:
-    """A worker actor (worker/actor.py): Ray tells where it listens and whether it lives.
-
-    Restarts are ours, not Ray's (actors run with max_restarts=0): when the actor has died,
-    the next endpoints() call launches a fresh one, `launch(generation=n)` for the nth
-    relaunch, after a backoff that
-    doubles from `backoff_s` up to `max_backoff_s` with each restart in a row (it starts over
-    once a worker has served for `stable_s`). So a pool that lost every worker keeps coming
-    back, however often it dies; `max_restarts` (-1 = no limit) can end that.
-    """
-
-    def __init__(self, actor, worker_id: str, role: str,
-                 launch: Callable[..., object] | None = None,
-                 max_restarts: int = -1, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 stable_s: float = 60.0) -> None:
-        self.actor, self.worker_id, self.role = actor, worker_id, role
-        self._launch, self.max_restarts = launch, max_restarts
-        self._backoff = (backoff_s, max_backoff_s, stable_s)
-        self.restarts = 0
-        self._in_a_row = 0
-        self._next_at = 0.0  # monotonic time of the next allowed launch
-        self._up_since: float | None = None
-
-    async def endpoints(self) -> dict:
-        import ray
-
-        try:
-            ep = await self.actor.endpoints.remote()
-        except ray.exceptions.ActorDiedError:
-            self._up_since = None
-            self._maybe_relaunch()
-            raise
-        now = time.monotonic()
-        self._up_since = self._up_since or now
-        if now - self._up_since >= self._backoff[2]:
-            self._in_a_row = 0  # it served for a while: the next crash starts a new series
-        return ep
-
-    def _maybe_relaunch(self) -> None:
-        import ray
-
-        if self._launch is None or self.gave_up or time.monotonic() < self._next_at:
-            return
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor, no_restart=True)
-        self.restarts += 1
-        self.actor = self._launch(generation=self.restarts)
-        self._in_a_row += 1
-        base, cap, _ = self._backoff
-        self._next_at = time.monotonic() + min(cap, base * 2 ** (self._in_a_row - 1))
-        log.warning("worker %s died: launched a new one (restart %d)", self.worker_id,
-                    self.restarts)
-
-    @property
-    def gave_up(self) -> bool:
-        return 0 <= self.max_restarts <= self.restarts
-
-    def lifecycle(self) -> dict:
-        wait = max(0.0, self._next_at - time.monotonic())
-        return {"restarts": self.restarts, "next_restart_in_s": round(wait, 1),
-                "gave_up": self.gave_up}
-
-    async def alive(self) -> bool | None:
-        await self.actor.ping.remote()
-        return True
-
-    async def shutdown(self) -> None:
-        import ray
-
-        try:
-            await self.actor.shutdown.remote()
-        finally:
-            ray.kill(self.actor, no_restart=True)
 
 
 class Breaker:

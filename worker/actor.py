@@ -1,7 +1,7 @@
 """Ray actor that hosts one Worker (prefill, decode or colocated).
 
 Ray owns placement (num_gpus=1 on GPU hosts, CPU actors otherwise); restarts are the
-router's (router/pool.py RayWorkerRef relaunches a dead worker with backoff). Only
+router's (router/worker_refs.py RayWorkerRef relaunches a dead worker with backoff). Only
 control-plane calls go through Ray (endpoints, ping); requests and KV move over gRPC and
 NIXL. A relaunched actor builds a new runtime: new incarnation, new ports, so the router
 re-reads endpoints() and re-introduces peers.

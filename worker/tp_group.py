@@ -12,7 +12,7 @@ gRPC server and the scheduler: worker/tp_worker.py); ranks > 0 run the lockstep 
 Failure: rank actors run with max_restarts=0. One rank cannot rejoin a running group (its
 peers' communicators are gone with it), so a dead rank fails the whole group: its peers'
 next collective or keep-alive raises GroupError (engine/dist/group.py deadlines), and a rank
-that hits one ends its process. The owner (router/pool.py RayWorkerRef, which
+that hits one ends its process. The owner (router/worker_refs.py RayWorkerRef, which
 relaunches a dead worker with backoff) sees rank 0 die, and launch_tp_group for the
 next generation first removes the previous generation's placement group, which kills any
 rank still alive, then starts a fresh group: new store, new incarnation, peers re-introduced.

@@ -66,7 +66,7 @@ def worker_configs(cfg: dict, setup: str) -> list:
 
 
 def launch(cfg: dict, setup: str) -> list:
-    from pdserve.router.pool import RayWorkerRef
+    from pdserve.router.worker_refs import RayWorkerRef
     from pdserve.worker.actor import launch_worker
 
     num_gpus, num_cpus = (1, 1) if cfg["device"].startswith("cuda") else (0, 0.25)
