@@ -23,6 +23,16 @@ from pdserve.router.tools import ToolFormat, pick_format
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a chat request renders (vLLM's chat extensions): with the assistant's generation
+    prompt, or continuing the final (assistant) message; `variables` are extra template
+    variables (chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: tuple[tuple[str, object], ...] = ()
+
+
 @dataclass
 class Frontend:
     model_id: str
@@ -63,16 +73,24 @@ class Frontend:
             raise BadRequest(f"{param}: must not be empty", param=param)
         return ids
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Apply the model's chat template (with the generation prompt, and the tools when
-        given: router/structured.py decides) and tokenize."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: TemplateOptions | None = None) -> list[int]:
+        """Apply the model's chat template (the tools when given: router/structured.py
+        decides; `options`: the generation prompt, continuing the final message, template
+        variables) and tokenize."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise BadRequest("messages: this model has no chat template; use /v1/completions",
                              param="messages")
-        extra = {"tools": tools} if tools else {}
+        opts = options or TemplateOptions()
+        extra: dict = dict(opts.variables)
+        if tools:
+            extra["tools"] = tools
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      **extra)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=opts.add_generation_prompt,
+                continue_final_message=opts.continue_final_message, **extra)
+        except TokenizerError as e:  # continue_final_message on a template that hides it
+            raise BadRequest(str(e), param="continue_final_message") from e
         except Exception as e:  # jinja's TemplateError (the template's raise_exception) and kin
             raise BadRequest(f"messages: the chat template rejected them: {e}", param="messages") from e
         # the template already wrote any BOS/special tokens (transformers does the same)

@@ -22,7 +22,7 @@ from pdserve.engine.core.sampling_params import (
 )
 from pdserve.router.dispatch import Delta
 from pdserve.router.errors import BadRequest
-from pdserve.router.frontend import CHAT_ROLES, Frontend
+from pdserve.router.frontend import CHAT_ROLES, Frontend, TemplateOptions
 from pdserve.router.structured import (
     Check,
     output_constraint,
@@ -146,13 +146,55 @@ def _build_params(kw: dict, max_tokens: int) -> SamplingParams:
         raise BadRequest.from_invalid(e) from e
 
 
+# Fields other OpenAI-compatible servers (OpenAI, vLLM) take that pdserve does not: refused by
+# name, because ignoring them would change what the client gets. field -> (values that mean
+# "off", why).
+_UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
+    "echo": ((None, False), "not supported"),
+    "suffix": ((None, ""), "not supported"),
+    "prompt_logprobs": ((None,), "not supported"),
+    "min_tokens": ((None, 0), "not supported"),
+    "use_beam_search": ((None, False), "not supported"),
+    "include_stop_str_in_output": ((None, False), "not supported"),
+    "chat_template": ((None,), "not supported: the model's own chat template is used"),
+    "functions": ((None,), "not supported: use tools"),
+    "function_call": ((None,), "not supported: use tool_choice"),
+    **{f"guided_{kind}": ((None,), f"not supported: use structured_outputs.{kind}")
+       for kind in ("json", "regex", "choice", "grammar")},
+}
+# apply_chat_template's own arguments and what the renderer sets: not template variables
+_TEMPLATE_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                            "continue_final_message", "bos_token", "eos_token",
+                            "chat_template", "tokenize"})
+
+
 def _check_unsupported(body: dict) -> None:
-    if body.get("echo"):
-        raise BadRequest("echo: not supported", param="echo")
+    for name, (off, why) in _UNSUPPORTED.items():
+        if body.get(name) not in off:
+            raise BadRequest(f"{name}: {why}", param=name)
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise BadRequest("best_of: not supported (use n)", param="best_of")
-    if body.get("suffix"):
-        raise BadRequest("suffix: not supported", param="suffix")
+
+
+def _template_options(body: dict, messages: list[dict]) -> TemplateOptions:
+    """vLLM's chat extensions: add_generation_prompt, continue_final_message (an assistant
+    prefill the model continues) and chat_template_kwargs."""
+    gen = _get(body, "add_generation_prompt", _BOOL, True)
+    cont = _get(body, "continue_final_message", _BOOL, False)
+    if cont and gen:
+        raise BadRequest("continue_final_message: set add_generation_prompt to false with it",
+                         param="continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise BadRequest("continue_final_message: the last message must be the assistant's",
+                         param="continue_final_message")
+    variables = body.get("chat_template_kwargs") or {}
+    if not isinstance(variables, dict):
+        raise BadRequest("chat_template_kwargs: must be an object", param="chat_template_kwargs")
+    for key in variables:
+        if key in _TEMPLATE_ARGS:
+            raise BadRequest(f"chat_template_kwargs: {key!r} is not a template variable (it is "
+                             "the request's own)", param="chat_template_kwargs")
+    return TemplateOptions(gen, cont, tuple(sorted(variables.items())))
 
 
 def _model(body: dict, fe: Frontend) -> str:
@@ -253,7 +295,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     fmt = fe.tool_format()
     template = (fe.tokenizer.chat_template or "") if fe.tokenizer is not None else ""
     messages, offered = template_inputs(_messages(body), tools, fmt, template)
-    ids = fe.encode_chat(messages, tools=offered)
+    ids = fe.encode_chat(messages, tools=offered, options=_template_options(body, messages))
     kw = _sampling_kwargs(body, fe.config.vocab_size)
     kw["structured"], checks = output_constraint(body, tools, fmt)
     want = _get(body, "logprobs", _BOOL, False)

@@ -74,6 +74,23 @@ def _render_template(template: str, **context: object) -> str:
     return env.from_string(template).render(**context)
 
 
+def _cut_after_final(text: str, final: dict) -> str:
+    """`text` cut right after the final message's content. Templates often strip a message,
+    so the content is looked up stripped; its trailing whitespace is kept when the template
+    kept it."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise TokenizerError("continue_final_message: the final message has no text to continue")
+    core = content.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise TokenizerError("continue_final_message: the chat template does not write the "
+                             "final message's text")
+    kept = content.lstrip()
+    end = at + (len(kept) if text[at:at + len(kept)] == kept else len(core))
+    return text[:end]
+
+
 class Tokenizer:
     def __init__(self, backend: Backend, *, bos_token_id: int | None,
                  eos_token_ids: tuple[int, ...], chat_template: str | None,
@@ -108,14 +125,18 @@ class Tokenizer:
         return self.id_to_piece(self.eos_token_ids[0]) if self.eos_token_ids else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: object) -> str:
-        """Render the model's jinja chat template, as transformers does (same globals/filters)."""
+                            continue_final_message: bool = False, **kwargs: object) -> str:
+        """Render the model's jinja chat template, as transformers does (same globals/filters).
+
+        continue_final_message: the text ends inside the last message (an assistant turn the
+        model should continue), without the end-of-turn the template writes after it."""
         if not self.chat_template:
             raise TokenizerError(f"{self.source}: this model has no chat template")
-        return _render_template(self.chat_template, messages=messages,
+        text = _render_template(self.chat_template, messages=messages,
                                 add_generation_prompt=add_generation_prompt,
                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                 **kwargs)
+        return _cut_after_final(text, messages[-1]) if continue_final_message else text
 
     # -- construction --------------------------------------------------------------------------
     @classmethod

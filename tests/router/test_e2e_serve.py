@@ -112,6 +112,25 @@ def test_openai_completions_and_chat(client):
     assert comp.choices[0].text == streamed and comp.usage.completion_tokens <= 12
 
 
+def test_assistant_prefill_continues_through_the_split(client, frontend):
+    """vLLM's continue_final_message: the answer continues the assistant's own words, the
+    same greedy text as /v1/completions on the prompt rendered that way."""
+    from pdserve.router.frontend import TemplateOptions
+
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    chat = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    ids = frontend.encode_chat(msgs, options=TemplateOptions(add_generation_prompt=False,
+                                                             continue_final_message=True))
+    comp = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == comp.choices[0].text
+    assert "Paris" in comp.choices[0].text
+
+
 def test_openai_n_stop_and_logprobs(client):
     model = client.models.list().data[0].id
     two = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, n=2,

@@ -179,6 +179,22 @@ BAD = [
                               "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "logit_bias": {"7": -100.01}}, 400, "logit_bias"),
+    # fields other servers take and pdserve does not: refused by name, never ignored
+    *[("/v1/completions", {"prompt": "hi", name: value}, 400, name) for name, value in (
+        ("echo", True), ("suffix", "x"), ("prompt_logprobs", 1), ("min_tokens", 3),
+        ("use_beam_search", True), ("include_stop_str_in_output", True),
+        ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
+        ("guided_grammar", "root ::= 'a'"), ("best_of", 3))],
+    *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], name: value},
+       400, name) for name, value in (
+        ("chat_template", "{{ messages }}"), ("functions", [{"name": "f"}]),
+        ("function_call", "auto"), ("add_generation_prompt", "no"),
+        ("chat_template_kwargs", ["x"]), ("chat_template_kwargs", {"messages": []}),
+        # continue_final_message: with the generation prompt on, or after a user message
+        ("continue_final_message", True))],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "continue_final_message": True, "add_generation_prompt": False},
+     400, "continue_final_message"),
 ]
 
 
