@@ -164,7 +164,7 @@ class LLMEngine:
                 req.append_token(token)
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+                detok = self._new_detok(ids, params)
                 # their text was sent; keep held back what the stream held back
                 if detok.prime(resume):
                     raise InvalidRequestError("resume_output_ids",
@@ -221,7 +221,7 @@ class LLMEngine:
             self._remote_hidden[request_id] = hidden
         text = ""
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            detok = self._new_detok(ids, params)
             self._detok[request_id] = detok
             text = detok.add([first_token]).new_text
         self._reported[request_id] = 1
@@ -368,6 +368,10 @@ class LLMEngine:
         self._remote_hidden.pop(request_id, None)
         self._reported.pop(request_id, None)
         self.runner.free_request(request_id)
+
+    def _new_detok(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                      min_tokens=params.min_tokens)
 
     def generate_until_done(self, deadline_s: float = 3600.0) -> list[RequestOutput]:
         """Run steps until every queued request finished (offline use)."""

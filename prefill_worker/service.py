@@ -47,7 +47,9 @@ class PrefillService:
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         wants_decode = params.max_tokens > 1
-        local = dataclasses.replace(params, max_tokens=1, n=1)
+        # token 0 only; min_tokens >= 1 still bans EOS for it
+        local = dataclasses.replace(params, max_tokens=1, n=1,
+                                    min_tokens=min(params.min_tokens, 1))
         q = loop.subscribe(rid)
         # the caller gone (cancelled, timed out, died) before the handle reached it: free
         handed_over = threading.Event()

@@ -258,7 +258,8 @@ class ChoiceRun:
         return res
 
     def _finish_at_prefill(self, res: pb.PrefillResult) -> None:
-        detok = self.core.frontend.detokenizer(self.prompt_ids, self.params.stop)
+        detok = self.core.frontend.detokenizer(self.prompt_ids, self.params.stop,
+                                               self.params.min_tokens)
         text = ""
         if detok is not None:
             text = detok.add([res.first_token_id]).new_text + detok.flush()

@@ -157,10 +157,11 @@ class Frontend:
             return f"<{token_id}>"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str]) -> IncrementalDetokenizer | None:
+    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str],
+                    min_tokens: int = 0) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop, min_tokens=min_tokens)
 
 
 def load_frontend(model: str | None, max_model_len: int | None = None,

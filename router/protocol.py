@@ -100,7 +100,7 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
                  "repetition_penalty"):
         if body.get(name) is not None:
             kw[name] = _get(body, name, _NUM)
-    for name in ("n", "top_k", "seed"):
+    for name in ("n", "top_k", "seed", "min_tokens"):
         if body.get(name) is not None:
             kw[name] = _get(body, name, _INT)
     if kw.get("n", 1) > MAX_N:
@@ -153,7 +153,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "echo": ((None, False), "not supported"),
     "suffix": ((None, ""), "not supported"),
     "prompt_logprobs": ((None,), "not supported"),
-    "min_tokens": ((None, 0), "not supported"),
     "use_beam_search": ((None, False), "not supported"),
     "include_stop_str_in_output": ((None, False), "not supported"),
     "chat_template": ((None,), "not supported: the model's own chat template is used"),

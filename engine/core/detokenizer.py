@@ -40,8 +40,13 @@ class DetokResult:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int],
-                 stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+                 stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
+        """min_tokens: stop strings are looked for only once this many output tokens were
+        added (vLLM's min_tokens), in the text not yet emitted."""
         self.stop = tuple(stop)
+        self._min_tokens = min_tokens
+        self._count = 0  # output tokens added
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}]: must be a non-empty string, got {s!r}")
@@ -64,6 +69,7 @@ class IncrementalDetokenizer:
         if not token_ids:
             return DetokResult("")
         self._ids.extend(token_ids)
+        self._count += len(token_ids)
         return self._release(self._held + self._decode_new(final=False), final=False)
 
     def prime(self, token_ids: Sequence[int]) -> bool:
@@ -107,7 +113,12 @@ class IncrementalDetokenizer:
 
     # -- stop strings ---------------------------------------------------------------------
     def _release(self, pending: str, final: bool) -> DetokResult:
-        """Emit `pending` (held + new text) up to a stop string or a possible stop prefix."""
+        """Emit `pending` (held + new text) up to a stop string or a possible stop prefix
+        (all of it while the output is shorter than min_tokens)."""
+        if self._count < self._min_tokens:
+            self.text += pending
+            self._held = ""
+            return DetokResult(pending)
         hit = self._find_stop(pending)
         if hit is not None:
             index, stop = hit

@@ -85,6 +85,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's: EOS and stop_token_ids are banned (and stop strings not looked for) until the
+    # output has this many tokens
+    min_tokens: int = 0
     logprobs: int | None = None  # None = off; N = chosen token + top-N alternatives
     transfer_failure_policy: str = "retry"  # disaggregated: "retry" | "recompute" | "fail"
     # token id -> bias added to that token's logit before sampling (None = off; {} becomes
@@ -139,6 +142,11 @@ class SamplingParams:
              "every stop string must be a non-empty string")
         need(all(is_int(t) and 0 <= t <= UINT32_MAX for t in self.stop_token_ids),
              "stop_token_ids", f"must be integers in [0, {UINT32_MAX}]")
+        need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
+        # a grammar may only end with EOS, which min_tokens bans: the two could deadlock
+        need(not (self.min_tokens and self.structured is not None), "min_tokens",
+             "cannot be combined with structured outputs")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         need(self.transfer_failure_policy in ("retry", "recompute", "fail"),

@@ -381,10 +381,11 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = req.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token
+        if len(req.output_token_ids) > params.min_tokens:  # the token is already appended
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
         if (len(req.output_token_ids) >= params.max_tokens
                 or req.num_tokens >= self.config.max_model_len):
             return RequestStatus.FINISHED_LENGTH, None

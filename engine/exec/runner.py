@@ -66,7 +66,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.kv_cache = kv_cache if kv_cache is not None else engine_kv_cache(
             config, model.config.num_kv_heads)
-        self.sampler = Sampler(config.seed, argmax=model.argmax)
+        self.sampler = Sampler(config.seed, model.argmax, config.model.eos_token_ids)
         self._states: dict[str, SamplerState] = {}
         self.cuda_graphs = maybe_decode_graphs(config, model, self.kv_cache)  # decode steps
         overlap = config.overlap_decode == "on" or (

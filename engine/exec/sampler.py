@@ -2,15 +2,16 @@
 
 Pipeline, per row, in this order (each row uses its own request's settings, vectorised over
 the batch with per-row parameter tensors):
-    repetition penalty -> frequency / presence penalties -> logit_bias -> grammar mask
-    -> temperature -> top-k -> top-p -> min-p -> draw (greedy rows: argmax of the penalised,
+    repetition penalty -> frequency / presence penalties -> logit_bias -> min_tokens ban
+    -> grammar mask -> temperature -> top-k -> top-p -> min-p -> draw (greedy rows: argmax of the penalised,
     biased, masked logits)
 
 logit_bias (OpenAI) is added after the penalties so that it is exactly the shift the client
 asked for: before them, the repetition penalty would divide a +100 bias of a token already
 seen by r (and frequency / presence are additive, so their order with the bias is moot). It
 comes before temperature like the logits it shifts, so +100 / -100 force / ban a token in
-greedy and random rows alike.
+greedy and random rows alike. min_tokens (vLLM's) sets EOS and the stop_token_ids to -inf while
+the output is shorter than it, after the bias, so no bias lifts them.
 
 Randomness. Every request owns a torch.Generator. The noise for output token i is drawn from
 that generator re-seeded with mix(base_seed, i), where base_seed is the request's seed (or,
@@ -73,6 +74,8 @@ class SamplerState:
     prompt_mask: torch.Tensor | None = None  # [V] bool: token occurs in the prompt
     bias_ids: torch.Tensor | None = None  # [E] int64: the request's logit_bias token ids
     bias_values: torch.Tensor | None = None  # [E] float32: their biases, in the same order
+    # [K] int64: EOS and stop_token_ids, banned while the output is shorter than min_tokens
+    min_tokens_ban: torch.Tensor | None = None
     num_observed: int = 0  # output tokens seen by observe(); must track the request
     grammar: GrammarState | None = None  # structured output: the matcher, at the output's end
 
@@ -103,10 +106,12 @@ class SampleOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         """argmax: [B, V] -> int64 [B] for the greedy rows (the model's: a Triton kernel on
-        its fused path), torch.argmax by default."""
+        its fused path), torch.argmax by default. eos_token_ids: what min_tokens bans."""
         self.seed = seed
+        self.eos_token_ids = tuple(eos_token_ids)
         self.argmax = argmax if argmax is not None else (lambda x: x.argmax(dim=-1))
         self._counter = itertools.count()  # distinct streams for unseeded requests
         self._host_copy = HostCopy()
@@ -137,6 +142,10 @@ class Sampler:
             ids, values = zip(*params.logit_bias.items())
             state.bias_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             state.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+        if params.min_tokens > len(request.output_token_ids):
+            eos = () if params.ignore_eos else self.eos_token_ids
+            banned = sorted({t for t in (*eos, *params.stop_token_ids) if t < vocab_size})
+            state.min_tokens_ban = torch.tensor(banned, dtype=torch.int64, device=device)
         return state
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
@@ -198,8 +207,10 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         bias_rows = [i for i, p in enumerate(params) if p.has_logit_bias]
+        ban_rows = [i for i, r in enumerate(requests)
+                    if len(r.output_token_ids) < r.sampling_params.min_tokens]
         greedy = [p.temperature < SAMPLING_EPS for p in params]
-        if not pen_rows and not bias_rows and all(greedy):
+        if not pen_rows and not bias_rows and not ban_rows and all(greedy):
             # argmax alone: no float copy of [B, V] (bf16 is fine), but never past the mask
             return logits if bitmask is None else apply_bitmask(logits, bitmask)
         out = logits.float()
@@ -207,6 +218,8 @@ class Sampler:
             out = self._penalise(out, params, states, pen_rows)
         if bias_rows:  # after the penalties, before temperature (module docstring)
             out = self._add_bias(out, states, bias_rows)
+        if ban_rows:  # after the bias: +100 cannot lift a banned EOS
+            out = self._ban(out, states, ban_rows)
         if bitmask is not None:  # after the bias: +100 cannot lift a forbidden token
             out = apply_bitmask(out, bitmask)
         dev, vocab = logits.device, logits.shape[-1]
@@ -268,6 +281,22 @@ class Sampler:
                                          output_size=sum(counts))
         # a request's ids are distinct (dict keys): gather + add + put, no accumulation order
         return logits.index_put((row_of, ids), logits[row_of, ids] + values)
+
+    @staticmethod
+    def _ban(logits: torch.Tensor, states: Sequence[SamplerState],
+             rows: list[int]) -> torch.Tensor:
+        """logits [B, V] with each listed row's min_tokens ban (EOS, stop_token_ids) at -inf."""
+        for i in rows:
+            if states[i].min_tokens_ban is None:
+                raise ValueError(f"states[{i}]: request has min_tokens but its state was made "
+                                 "without it (create it with Sampler.new_state)")
+        dev = logits.device
+        ids = torch.cat([states[i].min_tokens_ban for i in rows])  # [K] token ids
+        counts = [states[i].min_tokens_ban.numel() for i in rows]
+        row_of = torch.repeat_interleave(to_device(rows, torch.int64, dev),
+                                         to_device(counts, torch.int64, dev),
+                                         output_size=sum(counts))
+        return logits.index_put((row_of, ids), torch.tensor(float("-inf"), device=dev))
 
     def _noise(self, requests: Sequence[Request], states: Sequence[SamplerState],
                rows: list[int], logits: torch.Tensor) -> torch.Tensor:

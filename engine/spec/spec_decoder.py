@@ -149,7 +149,8 @@ def _speculable(req: Request) -> bool:
     """Whether a request may be drafted for. A logit_bias request may not: greedy verify (and
     the device-side verify of verify_ahead.py, and the draft graphs) take the argmax of the
     unbiased target logits, so its tokens would differ from non-speculative decoding. It
-    decodes one token per step through the sampler, which applies the bias."""
+    decodes one token per step through the sampler, which applies the bias (cap_k does the
+    same for a request still short of its min_tokens: the sampler bans its EOS)."""
     p = req.sampling_params
     return not p.has_penalties and not p.has_logit_bias and p.logprobs is None
 
@@ -271,6 +272,8 @@ class SpecDecoder:
             return 0
         n_tokens = req.num_tokens + len(emitted)
         n_out = len(req.output_token_ids) + len(emitted)
+        if n_out < p.min_tokens:  # its next tokens go through the sampler's EOS ban
+            return 0
         room = len(req.block_table) * self.block_size - n_tokens + 2
         return max(0, min(k, p.max_tokens - n_out - 1, self.max_model_len - n_tokens, room))
 

@@ -131,6 +131,20 @@ def test_assistant_prefill_continues_through_the_split(client, frontend):
     assert "Paris" in comp.choices[0].text
 
 
+def test_min_tokens_holds_eos_back_on_both_sides_of_the_split(client):
+    """P samples token 0 and D the rest: both ban EOS until min_tokens."""
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=40,
+                                           temperature=0)
+    n = plain.usage.completion_tokens
+    assert plain.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(model=model, messages=msgs, max_tokens=40,
+                                          temperature=0, extra_body={"min_tokens": n + 4})
+    assert held.usage.completion_tokens >= n + 4
+    assert held.choices[0].message.content.startswith(plain.choices[0].message.content)
+
+
 def test_openai_n_stop_and_logprobs(client):
     model = client.models.list().data[0].id
     two = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, n=2,

@@ -181,7 +181,8 @@ BAD = [
                               "logit_bias": {"7": -100.01}}, 400, "logit_bias"),
     # fields other servers take and pdserve does not: refused by name, never ignored
     *[("/v1/completions", {"prompt": "hi", name: value}, 400, name) for name, value in (
-        ("echo", True), ("suffix", "x"), ("prompt_logprobs", 1), ("min_tokens", 3),
+        ("echo", True), ("suffix", "x"), ("prompt_logprobs", 1),
+        ("min_tokens", 17), ("min_tokens", -1),  # above the default max_tokens (16), negative
         ("use_beam_search", True), ("include_stop_str_in_output", True),
         ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
         ("guided_grammar", "root ::= 'a'"), ("best_of", 3))],
