@@ -104,3 +104,22 @@ def test_stop_strings_are_looked_for_only_from_min_tokens_on(smol: LLM) -> None:
     assert "capital" not in plain.outputs[0].text and plain.outputs[0].finish_reason == "stop"
     [held] = smol.generate([text], greedy(stop=(" capital",), min_tokens=4))
     assert held.outputs[0].text.startswith(plain.outputs[0].text + " capital")
+
+
+@pytest.mark.gpu
+def test_gpu_fast_paths_hold_min_tokens_and_speculation_stays_exact() -> None:
+    """CUDA graphs, overlapped decode and MTP draft graphs: the banned stop token stays out of
+    the first min_tokens tokens, and speculation equals plain decoding."""
+    gpu = dict(device="cuda", dtype="float32", block_size=16, num_blocks=256, max_num_seqs=8,
+               use_triton=True, use_cuda_graphs=True)
+    plain = LLM("tiny-qwen3", **gpu)
+    ref = tokens(plain.generate(PROMPTS, greedy(ignore_eos=True)))
+    params = [greedy(ignore_eos=True, stop_token_ids=(ref[0][0],), min_tokens=5), greedy(),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, min_tokens=12,
+                             stop_token_ids=(ref[2][1],)),
+              greedy(min_tokens=6)]
+    want = tokens(plain.generate(PROMPTS, params))
+    assert len(want[0]) >= 5 and ref[0][0] not in want[0][:5]
+    spec = LLM("tiny-qwen3", speculative=SpecConfig(num_speculative_tokens=2, batch_k_caps=()),
+               **gpu)
+    assert tokens(spec.generate(PROMPTS, params)) == want
