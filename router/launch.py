@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pdserve.router.serve_args import add_serve_arguments, check_serve_args
+from pdserve.router.serve_args import add_serve_arguments, check_serve_args, gpu_shortfall
 
 log = logging.getLogger("pdserve.serve")
 # Streams the router keeps open on one worker at most: a worker serves gRPC from a pool of
@@ -114,6 +114,10 @@ def _cluster_secret(args: argparse.Namespace) -> str:
         else new_cluster_secret()
 
 
+class LaunchRefused(Exception):
+    """What the cluster cannot run, said before any worker starts (exit status 2)."""
+
+
 def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     import ray
 
@@ -125,6 +129,9 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
 
     gpus = ray.cluster_resources().get("GPU", 0)
     device = args.device or ("cuda" if gpus >= 1 else "cpu")
+    short = gpu_shortfall(args, gpus) if device.startswith("cuda") else None
+    if short:
+        raise LaunchRefused(short)
     # one GPU each; CPU actors take a fraction of a core so small machines host several
     num_gpus, num_cpus = (1, 1) if device.startswith("cuda") else (0, 0.25)
     fast = device.startswith("cuda") and not args.eager  # Triton kernels + CUDA graphs
@@ -269,7 +276,11 @@ async def _serve(args: argparse.Namespace) -> int:
     refs: list = []
     try:
         secret = _cluster_secret(args)
-        refs = _launch_workers(args, secret)
+        try:
+            refs = _launch_workers(args, secret)
+        except LaunchRefused as e:
+            print(f"pdserve serve: {e}", file=sys.stderr)
+            return 2
         cfg = RouterConfig(block_size=args.block_size, routing=args.routing,
                            disagg_threshold=args.disagg_threshold, max_inflight=args.max_inflight,
                            retry_budget=args.retry_budget, request_timeout_s=args.request_timeout,

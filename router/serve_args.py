@@ -113,3 +113,23 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
 
     # a joined cluster (--address) may keep the head file on the worker nodes only
     return check_speculative(args, check_files=not args.address)
+
+
+def gpu_shortfall(args: argparse.Namespace, gpus: float) -> str | None:
+    """On CUDA every worker rank takes a whole GPU: a cluster with fewer GPUs than the flags
+    ask for would leave workers pending in Ray until --startup-timeout. The message names the
+    flags and the way out."""
+    if args.colocated:
+        need, asked = args.replicas * args.decode_tp, f"--replicas {args.replicas}"
+    else:
+        need = args.prefill * args.prefill_tp + args.decode * args.decode_tp
+        asked = f"--prefill {args.prefill} --decode {args.decode}"
+    tp = (args.decode_tp,) if args.colocated else (args.prefill_tp, args.decode_tp)
+    if any(t > 1 for t in tp):
+        asked += f" (TP {' and '.join(map(str, tp))})"
+    if gpus >= need:
+        return None
+    return (f"{asked}: needs {need} GPUs, one per worker rank, and this Ray cluster has "
+            f"{gpus:g}. On one GPU serve with --colocated; or join a larger cluster "
+            "(--address), or run on CPU (--device cpu)")
+
