@@ -41,6 +41,7 @@ from pdserve.router.protocol import (
     parse_completion,
     usage_body,
 )
+from pdserve.router.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")
@@ -144,6 +145,14 @@ def create_app(core: RouterCore, api_key: str | None = None,
     async def completions(request: Request) -> Response:
         parsed = parse_completion(await read_json(request, max_body_bytes), fe)
         return await _serve(request, parsed)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict:
+        return tokenize(await read_json(request, max_body_bytes), fe)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict:
+        return detokenize(await read_json(request, max_body_bytes), fe)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -25,6 +25,7 @@ from pdserve.router.errors import BadRequest
 from pdserve.router.frontend import CHAT_ROLES, Frontend, TemplateOptions
 from pdserve.router.structured import (
     Check,
+    ToolRequest,
     output_constraint,
     parse_tools,
     template_inputs,
@@ -287,14 +288,21 @@ def content_text(c: object, where: str, role: str) -> str:
     raise BadRequest(f"{where}: must be a string or a list of text parts", param=where)
 
 
+def chat_prompt_ids(body: dict, fe: Frontend, tools: ToolRequest | None,
+                    fmt: ToolFormat) -> list[int]:
+    """The prompt a chat body renders to: its messages, the tools offered, the template
+    options (/v1/chat/completions and /tokenize alike)."""
+    template = (fe.tokenizer.chat_template or "") if fe.tokenizer is not None else ""
+    messages, offered = template_inputs(_messages(body), tools, fmt, template)
+    return fe.encode_chat(messages, tools=offered, options=_template_options(body, messages))
+
+
 def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int]) -> ParsedRequest:
     model = _model(body, fe)
     _check_unsupported(body)
     tools = parse_tools(body)
     fmt = fe.tool_format()
-    template = (fe.tokenizer.chat_template or "") if fe.tokenizer is not None else ""
-    messages, offered = template_inputs(_messages(body), tools, fmt, template)
-    ids = fe.encode_chat(messages, tools=offered, options=_template_options(body, messages))
+    ids = chat_prompt_ids(body, fe, tools, fmt)
     kw = _sampling_kwargs(body, fe.config.vocab_size)
     kw["structured"], checks = output_constraint(body, tools, fmt)
     want = _get(body, "logprobs", _BOOL, False)

@@ -279,7 +279,8 @@ def test_oversized_bodies_get_413_by_header_and_by_stream(cluster):
 
 def test_api_key_guards_all_but_health_and_metrics(cluster):
     rt, _, _ = cluster
-    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+                 "/detokenize"):
         method = httpx.get if path == "/v1/models" else httpx.post
         r = method(rt.url + path, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -288,6 +289,32 @@ def test_api_key_guards_all_but_health_and_metrics(cluster):
     metrics = httpx.get(rt.url + "/metrics").text
     assert "pdserve:time_to_first_token_seconds" in metrics
     assert httpx.get(rt.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def test_tokenize_counts_what_a_completion_reports_and_detokenize_inverts_it(cluster, frontend):
+    _, _, client = cluster
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).json()
+    tok = client.post("/tokenize", json={"messages": msgs, "return_token_strs": True}).json()
+    assert tok["count"] == len(tok["tokens"]) == chat["usage"]["prompt_tokens"]
+    assert tok["max_model_len"] == frontend.max_model_len
+    assert "".join(tok["token_strs"]) == frontend.tokenizer.decode(tok["tokens"],
+                                                                   skip_special_tokens=False)
+    plain = client.post("/tokenize", json={"prompt": "Hello there"}).json()
+    assert plain["tokens"] == frontend.encode_prompt("Hello there") and plain["token_strs"] is None
+    back = client.post("/detokenize", json={"tokens": plain["tokens"]}).json()
+    assert back == {"prompt": "Hello there"}
+    for path, body, param in (
+            ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+            ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+            ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                           "continue_final_message": True}, "continue_final_message"),
+            ("/detokenize", {"tokens": "abc"}, "tokens"),
+            ("/detokenize", {"tokens": [2**31]}, "tokens")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert client.post("/tokenize", json={"prompt": "a", "model": "nope"}).status_code == 404
 
 
 def test_overload_429_and_drain_503_with_retry_after(cluster):
