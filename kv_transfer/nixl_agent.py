@@ -38,7 +38,11 @@ def make_agent(name: str, backends: Sequence[str], num_threads: int) -> Any:
     native.syncMode = sync.value
     native.pthrDelay = PROGRESS_DELAY_US
     native.captureTelemetry = True  # per-transfer descriptor counts
-    agent.agent = _bindings.nixlAgent(name, native)
+    if isinstance(getattr(agent, "agent", None), _bindings.nixlAgent):
+        agent.agent = _bindings.nixlAgent(name, native)
+    else:  # a nixl whose Python agent keeps its native one elsewhere: unpaced, but working
+        log.warning("nixl %s: cannot pace the UCX progress thread; it will hold a core",
+                    getattr(_bindings, "__version__", "?"))
     missing = [b for b in backends if b not in agent.get_plugin_list()]
     if missing:
         raise KVTransferError(f"backends: NIXL plugin(s) {missing} unavailable "
