@@ -267,18 +267,9 @@ class Sampler:
         all E (row, token) entries of the batch. Out of place: `logits` may be the caller's
         tensor (float32 logits come through .float() uncopied), and the raw logprobs and the
         other rows must not see the bias."""
-        for i in rows:
-            if states[i].bias_ids is None:
-                raise ValueError(f"states[{i}]: request has a logit_bias but its state was made "
-                                 "without it (create it with Sampler.new_state)")
-        dev = logits.device
-        ids = torch.cat([states[i].bias_ids for i in rows])  # [E] token ids
+        row_of, ids = _entries([states[i].bias_ids for i in rows], rows, "a logit_bias",
+                               logits.device)
         values = torch.cat([states[i].bias_values for i in rows])  # [E] biases
-        counts = [states[i].bias_ids.numel() for i in rows]
-        # [E] row of each entry; output_size spares CUDA a sync to size the result
-        row_of = torch.repeat_interleave(to_device(rows, torch.int64, dev),
-                                         to_device(counts, torch.int64, dev),
-                                         output_size=sum(counts))
         # a request's ids are distinct (dict keys): gather + add + put, no accumulation order
         return logits.index_put((row_of, ids), logits[row_of, ids] + values)
 
@@ -286,17 +277,9 @@ class Sampler:
     def _ban(logits: torch.Tensor, states: Sequence[SamplerState],
              rows: list[int]) -> torch.Tensor:
         """logits [B, V] with each listed row's min_tokens ban (EOS, stop_token_ids) at -inf."""
-        for i in rows:
-            if states[i].min_tokens_ban is None:
-                raise ValueError(f"states[{i}]: request has min_tokens but its state was made "
-                                 "without it (create it with Sampler.new_state)")
-        dev = logits.device
-        ids = torch.cat([states[i].min_tokens_ban for i in rows])  # [K] token ids
-        counts = [states[i].min_tokens_ban.numel() for i in rows]
-        row_of = torch.repeat_interleave(to_device(rows, torch.int64, dev),
-                                         to_device(counts, torch.int64, dev),
-                                         output_size=sum(counts))
-        return logits.index_put((row_of, ids), torch.tensor(float("-inf"), device=dev))
+        row_of, ids = _entries([states[i].min_tokens_ban for i in rows], rows, "min_tokens",
+                               logits.device)
+        return logits.index_put((row_of, ids), torch.tensor(float("-inf"), device=logits.device))
 
     def _noise(self, requests: Sequence[Request], states: Sequence[SamplerState],
                rows: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -344,3 +327,20 @@ class Sampler:
                     f"request {req.request_id}: sampler state saw {st.num_observed} output "
                     f"tokens, request has {len(req.output_token_ids)}; call state.observe() "
                     "for every appended token")
+
+
+def _entries(per_row: list[torch.Tensor | None], rows: list[int], what: str,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) of every entry of the listed rows' token-id tensors, as two [E]
+    tensors: the indices of one batched index_put."""
+    for row, ids in zip(rows, per_row):
+        if ids is None:
+            raise ValueError(f"states[{row}]: request has {what} but its state was made "
+                             "without it (create it with Sampler.new_state)")
+    counts = [t.numel() for t in per_row]  # type: ignore[union-attr]
+    # output_size spares CUDA a sync to size the result
+    row_of = torch.repeat_interleave(to_device(rows, torch.int64, device),
+                                     to_device(counts, torch.int64, device),
+                                     output_size=sum(counts))
+    return row_of, torch.cat(per_row)  # type: ignore[arg-type]
+
