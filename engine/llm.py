@@ -58,6 +58,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[Completion]
     num_cached_tokens: int = 0
+    # with prompt_logprobs: prompt token i + 1's (id, logprob, top-N) given tokens 0..i
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 def default_device() -> str:
@@ -246,6 +248,8 @@ class LLM:
         for out in self.engine.generate_until_done():
             res, i = groups[out.request_id]
             _accumulate(res.outputs[i], out)
+            if out.prompt_logprobs is not None and res.prompt_logprobs is None:
+                res.prompt_logprobs = out.prompt_logprobs
             res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
         return results
 

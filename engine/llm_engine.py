@@ -154,6 +154,8 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         resume = self._check_resume(list(resume_output_ids), params)
         params.check_vocab(self.config.model.vocab_size)  # logit_bias ids index the logits
+        if params.prompt_logprobs is not None and self.runner.leader is not None:
+            raise InvalidRequestError("prompt_logprobs", "not supported with tensor parallelism")
         compiled = self._compiled(params)  # cached when a worker service compiled it first
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
@@ -286,6 +288,11 @@ class LLMEngine:
                                  may_overlap=not self.scheduler.has_new_work())
         t2 = time.perf_counter()
         self.last_step = result
+        for s in out.scheduled:  # prefill chunks: kept until the request's first output
+            lps = result.prompt_logprobs.get(s.request.request_id)
+            if lps:  # a recomputed (preempted) prefill scores positions it already has
+                seen = len(s.request.prompt_logprobs) - s.request.num_computed_tokens
+                s.request.prompt_logprobs += lps[max(0, seen):]
         updated = self.scheduler.update_from_output(out, result.sampled)
         for rid, drafts in result.drafts.items():  # verified in the request's next step
             self.scheduler.set_spec_tokens(rid, drafts)
@@ -331,7 +338,9 @@ class LLMEngine:
         output = RequestOutput(
             rid, new_ids, text, req.is_finished, req.status.finish_reason,
             [lp] if lp is not None else [], req.num_prompt_tokens, len(req.output_token_ids),
-            req.num_cached_tokens, result.hidden.get(rid))
+            req.num_cached_tokens, result.hidden.get(rid),
+            req.prompt_logprobs if start == 0 and req.sampling_params.prompt_logprobs is not None
+            else None)
         if req.is_finished:
             self._forget(rid)
         return output

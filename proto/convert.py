@@ -5,7 +5,8 @@ from pdserve.engine.core.sampling_params import SamplingParams, StructuredOutput
 from pdserve.proto import pdserve_pb2 as pb
 
 _OPTIONAL = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-             "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "min_tokens")
+             "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "min_tokens",
+             "prompt_logprobs")
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -66,6 +67,11 @@ def logprob_to_proto(token_id: int, lp: tuple[float, list[tuple[int, float]]]) -
     chosen, top = lp
     return pb.TokenLogprob(token_id=token_id, logprob=chosen,
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+
+
+def prompt_logprobs_to_proto(lps: list[tuple[int, float, list[tuple[int, float]]]]
+                             ) -> list[pb.TokenLogprob]:
+    return [logprob_to_proto(token, (chosen, top)) for token, chosen, top in lps]
 
 
 def logprob_from_proto(msg: pb.TokenLogprob) -> tuple[float, list[tuple[int, float]]]:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.router.admission import FairGate, completions_problem, timeout_problem
-from pdserve.router.dispatch import ChoiceRun, Delta
+from pdserve.router.deltas import Delta
+from pdserve.router.dispatch import ChoiceRun
 from pdserve.router.errors import BadRequest, Draining, Overloaded, RouterError
 from pdserve.router.frontend import Frontend
 from pdserve.router.metrics import RouterMetrics
@@ -224,6 +225,8 @@ async def collect(deltas: AsyncIterator[Delta], n: int) -> list[Delta]:
         a.text += d.text
         a.token_ids += d.token_ids
         a.logprobs += d.logprobs
+        if d.prompt_logprobs is not None:
+            a.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason:
             a.finish_reason, a.completion_tokens, a.cached_tokens = \
                 d.finish_reason, d.completion_tokens, d.cached_tokens

@@ -20,8 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -29,6 +28,7 @@ from pdserve.engine.core.block_manager import compute_block_hashes
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.convert import params_to_proto
+from pdserve.router.deltas import Delta, logprobs_of
 from pdserve.router.errors import (
     BadRequest,
     KVTransferFailed,
@@ -41,20 +41,6 @@ from pdserve.router.policies import blocks_needed, straight_to_decode
 from pdserve.router.pool import WorkerState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Delta:
-    """New output of one completion: text and tokens since the previous delta."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    # per token: (token id, logprob, [(alternative id, logprob), ...])
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    completion_tokens: int = 0  # set on the last delta
-    cached_tokens: int = 0
 
 
 class Retry(Exception):
@@ -80,6 +66,8 @@ class ChoiceRun:
         self.first_msg_at: float | None = None  # the decode stream's first message
         self.last_emit: float | None = None
         self.sent_ids: list[int] = []  # tokens of this completion already sent to the client
+        self.prompt_lps: list | None = None  # prompt_logprobs, from the worker that prefilled
+        self.prompt_lps_sent = False
         self.continued = False  # a decode worker failed after output started
         self.last_failure = ""
         self.waiting = False
@@ -255,6 +243,7 @@ class ChoiceRun:
         self.stages.prefill = min(st.prefill, wall)
         self.stages.prefill_queue = wall - self.stages.prefill
         self.core.prefill_policy.prefilled(self.hashes, p.worker_id)
+        self._keep_prompt_logprobs(res.prompt_logprobs)
         return res
 
     def _finish_at_prefill(self, res: pb.PrefillResult) -> None:
@@ -263,10 +252,7 @@ class ChoiceRun:
         text = ""
         if detok is not None:
             text = detok.add([res.first_token_id]).new_text + detok.flush()
-        lps = []
-        if res.HasField("first_logprob"):
-            lp = res.first_logprob
-            lps = [(res.first_token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])]
+        lps = logprobs_of([res.first_logprob]) if res.HasField("first_logprob") else []
         self._emit(Delta(self.index, text, [res.first_token_id], lps, res.finish_reason,
                          completion_tokens=1, cached_tokens=res.num_cached_tokens))
 
@@ -356,16 +342,23 @@ class ChoiceRun:
     def _emit_output(self, msg: pb.DecodeOutput) -> None:
         if not msg.token_ids and not msg.text and not msg.finish_reason:
             return  # a stages-only message
-        lps = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-               for lp in msg.logprobs]
-        delta = Delta(self.index, msg.text, list(msg.token_ids), lps, msg.finish_reason or None)
+        self._keep_prompt_logprobs(msg.prompt_logprobs)  # a request prefilled on D
+        delta = Delta(self.index, msg.text, list(msg.token_ids), logprobs_of(msg.logprobs),
+                      msg.finish_reason or None)
         if msg.finish_reason:
             delta.completion_tokens = msg.usage.completion_tokens or len(self.sent_ids) + len(msg.token_ids)
             # a continuation's prefix-cache hits may cover sent tokens: count prompt ones only
             delta.cached_tokens = min(msg.usage.cached_tokens, len(self.prompt_ids))
         self._emit(delta)
 
+    def _keep_prompt_logprobs(self, lps: Sequence[pb.TokenLogprob]) -> None:
+        """The first prompt logprobs a worker sends (a continued stream's are not new)."""
+        if lps and self.prompt_lps is None:
+            self.prompt_lps = logprobs_of(lps)
+
     def _emit(self, delta: Delta) -> None:
+        if self.prompt_lps is not None and not self.prompt_lps_sent:
+            delta.prompt_logprobs, self.prompt_lps_sent = self.prompt_lps, True
         now = time.monotonic()
         m = self.core.metrics
         n = len(delta.token_ids)
@@ -397,3 +390,4 @@ def _prefer(workers: list[WorkerState], excluded: set[str]) -> list[WorkerState]
     """Workers not yet tried for this request, or all of them when every one was tried."""
     fresh = [w for w in workers if w.worker_id not in excluded]
     return fresh or workers
+

@@ -27,7 +27,7 @@ from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.convert import params_from_proto
 from pdserve.proto.rpc import TLSConfig, api_key_interceptor, make_server
 from pdserve.router.core import Job, RouterCore
-from pdserve.router.dispatch import Delta
+from pdserve.router.deltas import Delta
 from pdserve.router.errors import BadRequest, RouterError
 from pdserve.router.frontend import CHAT_ROLES
 from pdserve.router.protocol import content_text
@@ -149,6 +149,9 @@ def _to_proto(request_id: str, d: Delta) -> pb.GenerateResponse:
     for tok, lp, top in d.logprobs:
         msg.logprobs.append(pb.TokenLogprob(token_id=tok, logprob=lp,
                                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top]))
+    for tok, lp, top in d.prompt_logprobs or ():
+        msg.prompt_logprobs.append(pb.TokenLogprob(
+            token_id=tok, logprob=lp, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top]))
     return msg
 
 

@@ -30,15 +30,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.core import Job, RouterCore, collect
-from pdserve.router.dispatch import Delta
+from pdserve.router.deltas import Delta
 from pdserve.router.errors import BadRequest, PayloadTooLarge, RouterError, Unauthorized
-from pdserve.router.protocol import (
-    ParsedRequest,
+from pdserve.router.protocol import ParsedRequest, parse_chat, parse_completion
+from pdserve.router.responses import (
     chat_choice,
     chat_chunk_choice,
     completion_choice,
-    parse_chat,
-    parse_completion,
+    echoed,
     usage_body,
 )
 from pdserve.router.tokenize import detokenize, tokenize
@@ -254,11 +253,19 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _echoed(parsed: ParsedRequest, d: Delta, fe) -> Delta:
+    """Choice d.index's prompt in front of its first delta (completions fan out n choices
+    per prompt, in prompt order)."""
+    return echoed(d, parsed.prompts[d.index // parsed.params.n], fe, parsed.logprobs)
+
+
 def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> dict:
     if parsed.kind == "chat":
         choices = [chat_choice(d, fe, parsed.logprobs, parsed.tool_format) for d in deltas]
         obj = "chat.completion"
     else:
+        if parsed.echo:
+            deltas = [_echoed(parsed, d, fe) for d in deltas]
         choices = [completion_choice(d, fe, parsed.logprobs) for d in deltas]
         obj = "text_completion"
     prompt_tokens = sum(len(p) for p in parsed.prompts)
@@ -293,6 +300,9 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                     stream = parsers[delta.index] if parsers is not None else None
                     yield chunk([chat_chunk_choice(delta, fe, parsed.logprobs, stream)])
                 else:
+                    if parsed.echo and delta.index not in seen:
+                        seen.add(delta.index)
+                        delta = _echoed(parsed, delta, fe)
                     off = offsets.get(delta.index, 0)
                     offsets[delta.index] = off + len(delta.text)
                     yield chunk([completion_choice(delta, fe, parsed.logprobs, off)])

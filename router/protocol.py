@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> validated core jobs, and core deltas -> OpenAI response bodies.
+"""OpenAI request bodies -> validated core jobs (router/responses.py renders the answers).
 
 Validation is explicit: every field is type-checked by hand and a bad one raises BadRequest
 naming it (`param`), so wrong types give 400, never a 500. Sampling ranges are checked by
@@ -20,7 +20,6 @@ from pdserve.engine.core.sampling_params import (
     InvalidRequestError,
     SamplingParams,
 )
-from pdserve.router.dispatch import Delta
 from pdserve.router.errors import BadRequest
 from pdserve.router.frontend import CHAT_ROLES, Frontend, TemplateOptions
 from pdserve.router.structured import (
@@ -31,7 +30,7 @@ from pdserve.router.structured import (
     template_inputs,
     tool_calls_of,
 )
-from pdserve.router.tools import ToolFormat, ToolStream, chunk_delta
+from pdserve.router.tools import ToolFormat
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -53,6 +52,7 @@ class ParsedRequest:
     # grammars to compile before dispatch, each with the field it came from (400 naming it)
     checks: list[Check] = field(default_factory=list)
     tool_format: ToolFormat | None = None  # chat with tools offered: parse calls out of text
+    echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
 
 
 def _get(body: dict, name: str, what: str, default: object = None) -> object:
@@ -151,7 +151,6 @@ def _build_params(kw: dict, max_tokens: int) -> SamplingParams:
 # name, because ignoring them would change what the client gets. field -> (values that mean
 # "off", why).
 _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "echo": ((None, False), "not supported"),
     "suffix": ((None, ""), "not supported"),
     "prompt_logprobs": ((None,), "not supported"),
     "use_beam_search": ((None, False), "not supported"),
@@ -231,6 +230,9 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
         if not 0 <= lp <= MAX_LOGPROBS:
             raise BadRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {lp}", param="logprobs")
         kw["logprobs"] = lp
+    echo = _get(body, "echo", _BOOL, False)
+    if echo and lp is not None:  # the prompt's logprobs lead the choice's (lm-eval's scoring)
+        kw["prompt_logprobs"] = lp
     stream, usage = _stream_flags(body)
     max_tokens = _get(body, "max_tokens", _INT, 16)
     if body.get("tools"):
@@ -238,7 +240,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     kw["structured"], checks = output_constraint(body)  # response_format, structured_outputs
     params = _build_params(kw, max_tokens)
     return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
-                         checks)
+                         checks, echo=echo)
 
 
 # -- chat -------------------------------------------------------------------------------------
@@ -300,6 +302,8 @@ def chat_prompt_ids(body: dict, fe: Frontend, tools: ToolRequest | None,
 def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int]) -> ParsedRequest:
     model = _model(body, fe)
     _check_unsupported(body)
+    if body.get("echo") not in (None, False):
+        raise BadRequest("echo: only /v1/completions echoes the prompt", param="echo")
     tools = parse_tools(body)
     fmt = fe.tool_format()
     ids = chat_prompt_ids(body, fe, tools, fmt)
@@ -323,73 +327,3 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     params = _build_params(kw, max_tokens)
     parsing = fmt if tools is not None and tools.choice != "none" else None
     return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing)
-
-
-# -- responses --------------------------------------------------------------------------------
-
-def usage_body(prompt_tokens: int, deltas: list[Delta]) -> dict:
-    completion = sum(d.completion_tokens or len(d.token_ids) for d in deltas)
-    cached = max((d.cached_tokens for d in deltas), default=0)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def completion_logprobs(d: Delta, fe: Frontend, offset: int) -> dict:
-    """Legacy completions shape; `offset` is the choice's text length before this delta."""
-    tokens, offsets = [], []
-    for tok, _, _ in d.logprobs:
-        text = fe.token_text(tok)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in d.logprobs],
-            "top_logprobs": [{fe.token_text(t): v for t, v in top} for _, _, top in d.logprobs],
-            "text_offset": offsets}
-
-
-def chat_logprobs(d: Delta, fe: Frontend) -> dict:
-    def entry(tok: int, lp: float) -> dict:
-        text = fe.token_text(tok)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    return {"content": [dict(entry(tok, lp), top_logprobs=[entry(t, v) for t, v in top])
-                        for tok, lp, top in d.logprobs]}
-
-
-def completion_choice(d: Delta, fe: Frontend, want_lp: bool, offset: int = 0) -> dict:
-    return {"index": d.index, "text": d.text,
-            "logprobs": completion_logprobs(d, fe, offset) if want_lp else None,
-            "finish_reason": d.finish_reason}
-
-
-def chat_choice(d: Delta, fe: Frontend, want_lp: bool, tools: ToolFormat | None = None) -> dict:
-    """The whole message; with tools offered, calls parsed out of the text (OpenAI's
-    finish_reason "tool_calls" when the model stopped after making one)."""
-    message: dict = {"role": "assistant", "content": d.text}
-    finish = d.finish_reason
-    if tools is not None:
-        parsed = tools.parse(d.text)
-        message["content"] = parsed.content
-        if parsed.tool_calls:
-            message["tool_calls"] = parsed.tool_calls
-            finish = "tool_calls" if finish == "stop" else finish
-    return {"index": d.index, "message": message,
-            "logprobs": chat_logprobs(d, fe) if want_lp else None, "finish_reason": finish}
-
-
-def chat_chunk_choice(d: Delta, fe: Frontend, want_lp: bool,
-                      stream: ToolStream | None = None) -> dict:
-    """One chunk's choice; with tools offered, `stream` (this choice's parser) turns the text
-    into content and tool_calls deltas."""
-    finish = d.finish_reason
-    if stream is None:
-        delta = {"content": d.text} if d.text or not d.finish_reason else {}
-    else:
-        events = stream.feed(d.text) + (stream.finish() if finish else [])
-        delta = chunk_delta(events)
-        if finish == "stop" and stream.calls:
-            finish = "tool_calls"
-    return {"index": d.index, "delta": delta,
-            "logprobs": chat_logprobs(d, fe) if want_lp and d.logprobs else None,
-            "finish_reason": finish}

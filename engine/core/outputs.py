@@ -19,6 +19,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     hidden: object | None = None  # torch.Tensor [hidden] pre-norm, when the step kept it
+    # on a request's first output, with prompt_logprobs: prompt token i + 1's (id, logprob,
+    # top-N)
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -89,6 +89,8 @@ class SamplingParams:
     # output has this many tokens
     min_tokens: int = 0
     logprobs: int | None = None  # None = off; N = chosen token + top-N alternatives
+    # None = off; N: each prompt token's logprob given the ones before it, + the top N there
+    prompt_logprobs: int | None = None
     transfer_failure_policy: str = "retry"  # disaggregated: "retry" | "recompute" | "fail"
     # token id -> bias added to that token's logit before sampling (None = off; {} becomes
     # None). hash=False: a dict is unhashable, and equal params hash equal without it
@@ -149,6 +151,9 @@ class SamplingParams:
              "cannot be combined with structured outputs")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        need(self.prompt_logprobs is None
+             or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         need(self.transfer_failure_policy in ("retry", "recompute", "fail"),
              "transfer_failure_policy", "must be one of retry, recompute, fail")
         need(self.structured is None or isinstance(self.structured, StructuredOutput),

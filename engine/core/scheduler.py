@@ -308,7 +308,9 @@ class Scheduler:
             if self._waits_for_leader(req):
                 skipped.append(self.waiting.popleft())
                 continue
-            computed = bm.get_computed_blocks(req)
+            # prompt logprobs need every prompt position computed: no cached prefix
+            computed = [] if req.sampling_params.prompt_logprobs is not None else \
+                bm.get_computed_blocks(req)
             num_new = min(req.num_tokens - len(computed) * bm.block_size, budget)
             completes = len(computed) * bm.block_size + num_new == req.num_tokens
             lookahead = self.num_lookahead_tokens if completes else 0

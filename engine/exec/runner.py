@@ -29,6 +29,7 @@ from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.device_io import rows_of
 from pdserve.engine.exec.kv_cache import engine_kv_cache
 from pdserve.engine.exec.overlap import DecodeAhead
+from pdserve.engine.exec.prompt_logprobs import prompt_logprobs
 from pdserve.engine.exec.sampler import Sampler, SamplerState
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
@@ -47,6 +48,7 @@ class StepResult:
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
     hidden: dict[str, torch.Tensor]  # pre-norm last hidden state, [hidden] (prefill role / MTP)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # next step's drafts (MTP)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # engine/exec/prompt_logprobs.py
 
 
 class ModelRunner:
@@ -171,7 +173,7 @@ class ModelRunner:
                        for r in range(last - len(s.spec_token_ids), last + 1)]
         hidden, prenorm = self._forward(out, batch, [row for _, row in plain], verify_rows)
         t1 = time.perf_counter()
-        result = StepResult({}, {}, {})
+        result = StepResult({}, {}, {}, {}, prompt_logprobs(self.model, hidden, out, ends))
         caught_up = False  # the MTP catch-up already ran, from the sampler's device ids
         if plain:
             catch_up = self._may_catch_up_early(out, num_spec)

@@ -145,6 +145,40 @@ def test_min_tokens_holds_eos_back_on_both_sides_of_the_split(client):
     assert held.choices[0].message.content.startswith(plain.choices[0].message.content)
 
 
+def test_echo_with_logprobs_scores_the_prompt_through_the_split(server, client, frontend):
+    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 1): the prompt
+    leads the text and the logprobs, its first token without one; the prefill worker's
+    prompt logprobs equal the offline engine's; streamed equals not streamed."""
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
+
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = frontend.encode_prompt(prompt)
+    kw = dict(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    comp = client.completions.create(**kw)
+    lp = comp.choices[0].logprobs
+    assert comp.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    [offline] = LLM(None, device="cpu", dtype="float32").generate(
+        [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(
+        [c for _, c, _ in offline.prompt_logprobs], abs=1e-3)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == comp.choices[0].text
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True)
+    assert plain.choices[0].text == comp.choices[0].text and plain.choices[0].logprobs is None
+    with make_channel(server.grpc_address) as ch:  # the gRPC face: prompt_logprobs as asked
+        req = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(
+            max_tokens=1, temperature=0, prompt_logprobs=2))
+        [msg] = pbg.PdserveStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=120)
+    assert [p.token_id for p in msg.prompt_logprobs] == ids[1:]
+    assert [p.logprob for p in msg.prompt_logprobs] == pytest.approx(lp.token_logprobs[1:len(ids)],
+                                                                     abs=1e-5)
+
+
 def test_openai_n_stop_and_logprobs(client):
     model = client.models.list().data[0].id
     two = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, n=2,

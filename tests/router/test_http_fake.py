@@ -181,7 +181,7 @@ BAD = [
                               "logit_bias": {"7": -100.01}}, 400, "logit_bias"),
     # fields other servers take and pdserve does not: refused by name, never ignored
     *[("/v1/completions", {"prompt": "hi", name: value}, 400, name) for name, value in (
-        ("echo", True), ("suffix", "x"), ("prompt_logprobs", 1),
+        ("echo", "yes"), ("suffix", "x"), ("prompt_logprobs", 1),
         ("min_tokens", 17), ("min_tokens", -1),  # above the default max_tokens (16), negative
         ("use_beam_search", True), ("include_stop_str_in_output", True),
         ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
@@ -189,7 +189,7 @@ BAD = [
     *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], name: value},
        400, name) for name, value in (
         ("chat_template", "{{ messages }}"), ("functions", [{"name": "f"}]),
-        ("function_call", "auto"), ("add_generation_prompt", "no"),
+        ("function_call", "auto"), ("add_generation_prompt", "no"), ("echo", True),
         ("chat_template_kwargs", ["x"]), ("chat_template_kwargs", {"messages": []}),
         # continue_final_message: with the generation prompt on, or after a user message
         ("continue_final_message", True))],

@@ -1,0 +1,56 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs): in each prefill chunk, the logprob of
+every prompt token given the tokens before it, and the top N at its position -- what
+lm-eval-harness's loglikelihood tasks read through /v1/completions with echo.
+
+A chunk of `q` rows at positions start..start+q-1 scores the prompt tokens at positions
+start+1..start+q (those inside the prompt): row j's logits predict token start+j+1. The
+first prompt token has no logprob. Such requests skip the prefix cache (the scheduler), so
+every position is computed here once. Logits are made a slice of rows at a time: a 2,048-
+token chunk over a 152K vocabulary would be 1.2 GB of float32 at once.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.core.scheduler_output import SchedulerOutput
+from pdserve.engine.exec.device_io import rows_of
+
+# (prompt token id, its logprob, [(top id, logprob), ...])
+PromptLogprob = tuple[int, float, list[tuple[int, float]]]
+ROWS_PER_SLICE = 256
+
+
+def prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, out: SchedulerOutput,
+                    ends: list[int]) -> dict[str, list[PromptLogprob]]:
+    """request id -> this step's prompt logprobs, in prompt order. hidden [T, H] (normed),
+    ends[i]: one past the last row of scheduled request i."""
+    found: dict[str, list[PromptLogprob]] = {}
+    for i, s in enumerate(out.scheduled):
+        req = s.request
+        top = req.sampling_params.prompt_logprobs
+        if top is None:
+            continue
+        prompt, start = req.prompt_token_ids, req.num_computed_tokens
+        q = s.num_new_tokens
+        # rows whose next token is still a prompt token
+        n = max(0, min(q, len(prompt) - 1 - start))
+        if n:
+            first_row = ends[i] - q
+            found[req.request_id] = _score(model, hidden, list(range(first_row, first_row + n)),
+                                           prompt[start + 1:start + 1 + n], top)
+    return found
+
+
+def _score(model: torch.nn.Module, hidden: torch.Tensor, rows: list[int], targets: list[int],
+           top: int) -> list[PromptLogprob]:
+    out: list[PromptLogprob] = []
+    for a in range(0, len(rows), ROWS_PER_SLICE):
+        sl = rows[a:a + ROWS_PER_SLICE]
+        logp = torch.log_softmax(model.compute_logits(rows_of(hidden, sl)), dim=-1)  # [R, V]
+        want = torch.tensor(targets[a:a + len(sl)], dtype=torch.int64, device=logp.device)
+        chosen = logp.gather(1, want[:, None])[:, 0].tolist()
+        top_lp, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
+        for t, c, lps, ids in zip(targets[a:a + len(sl)], chosen, top_lp.tolist(),
+                                  top_ids.tolist()):
+            out.append((t, c, [(int(i), v) for i, v in zip(ids, lps)]))
+    return out

@@ -1,0 +1,90 @@
+"""OpenAI response bodies from the router's deltas (router/dispatch.py Delta): usage, the
+legacy completions logprobs, chat logprobs, whole choices and streamed chunk choices, and
+the echoed prompt of /v1/completions."""
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve.router.deltas import Delta
+from pdserve.router.frontend import Frontend
+from pdserve.router.tools import ToolFormat, ToolStream, chunk_delta
+
+
+def usage_body(prompt_tokens: int, deltas: list[Delta]) -> dict:
+    completion = sum(d.completion_tokens or len(d.token_ids) for d in deltas)
+    cached = max((d.cached_tokens for d in deltas), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_logprobs(d: Delta, fe: Frontend, offset: int) -> dict:
+    """Legacy completions shape; `offset` is the choice's text length before this delta. An
+    echoed prompt's first token has no logprob: None there, as OpenAI writes it."""
+    tokens, offsets = [], []
+    for tok, _, _ in d.logprobs:
+        text = fe.token_text(tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in d.logprobs],
+            "top_logprobs": [None if lp is None else {fe.token_text(t): v for t, v in top}
+                             for _, lp, top in d.logprobs],
+            "text_offset": offsets}
+
+
+def echoed(d: Delta, prompt: list[int], fe: Frontend, want_lp: bool) -> Delta:
+    """A choice's first delta with its prompt in front (echo): the prompt's text, and with
+    logprobs its tokens' (the first has none; the others came back from the prefill)."""
+    text = fe.tokenizer.decode(prompt) if fe.tokenizer is not None else ""
+    lps = d.logprobs
+    if want_lp:
+        lps = [(prompt[0], None, []), *(d.prompt_logprobs or []), *lps]
+    return dataclasses.replace(d, text=text + d.text, logprobs=lps)
+
+
+def chat_logprobs(d: Delta, fe: Frontend) -> dict:
+    def entry(tok: int, lp: float) -> dict:
+        text = fe.token_text(tok)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [dict(entry(tok, lp), top_logprobs=[entry(t, v) for t, v in top])
+                        for tok, lp, top in d.logprobs]}
+
+
+def completion_choice(d: Delta, fe: Frontend, want_lp: bool, offset: int = 0) -> dict:
+    return {"index": d.index, "text": d.text,
+            "logprobs": completion_logprobs(d, fe, offset) if want_lp else None,
+            "finish_reason": d.finish_reason}
+
+
+def chat_choice(d: Delta, fe: Frontend, want_lp: bool, tools: ToolFormat | None = None) -> dict:
+    """The whole message; with tools offered, calls parsed out of the text (OpenAI's
+    finish_reason "tool_calls" when the model stopped after making one)."""
+    message: dict = {"role": "assistant", "content": d.text}
+    finish = d.finish_reason
+    if tools is not None:
+        parsed = tools.parse(d.text)
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+            finish = "tool_calls" if finish == "stop" else finish
+    return {"index": d.index, "message": message,
+            "logprobs": chat_logprobs(d, fe) if want_lp else None, "finish_reason": finish}
+
+
+def chat_chunk_choice(d: Delta, fe: Frontend, want_lp: bool,
+                      stream: ToolStream | None = None) -> dict:
+    """One chunk's choice; with tools offered, `stream` (this choice's parser) turns the text
+    into content and tool_calls deltas."""
+    finish = d.finish_reason
+    if stream is None:
+        delta = {"content": d.text} if d.text or not d.finish_reason else {}
+    else:
+        events = stream.feed(d.text) + (stream.finish() if finish else [])
+        delta = chunk_delta(events)
+        if finish == "stop" and stream.calls:
+            finish = "tool_calls"
+    return {"index": d.index, "delta": delta,
+            "logprobs": chat_logprobs(d, fe) if want_lp and d.logprobs else None,
+            "finish_reason": finish}

@@ -1,0 +1,65 @@
+"""prompt_logprobs through the engine (CPU): every prompt token's logprob given the tokens
+before it, and the top N there, equal to one unchunked forward over the prompt; across
+prefill chunks, with a warm prefix cache (such requests skip it), next to plain requests in
+the same batch; validation naming the field and the wire round trip."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.proto.convert import params_from_proto, params_to_proto
+
+from tests.engine.hf_families import BLOCK, Paged
+
+PROMPT = [5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12, 13, 14, 200, 31, 77, 6]  # 17 tokens
+
+
+@pytest.mark.parametrize("n", [-1, 21, 1.0, True])
+def test_bad_prompt_logprobs_names_the_field(n: object) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(prompt_logprobs=n)
+    assert e.value.param == "prompt_logprobs"
+
+
+def test_prompt_logprobs_cross_the_wire() -> None:
+    assert params_from_proto(params_to_proto(SamplingParams(prompt_logprobs=3))).prompt_logprobs == 3
+    assert params_from_proto(params_to_proto(SamplingParams())).prompt_logprobs is None
+
+
+def _reference(model, prompt: list[int], top: int) -> tuple[list[float], list[list[int]]]:
+    """One forward over the whole prompt: logprob of token i + 1 at row i, and the top ids."""
+    paged = Paged(model, num_blocks=-(-len(prompt) // BLOCK) + 1)
+    logits = paged.step([(prompt, 0, list(range(-(-len(prompt) // BLOCK))))])[0].float()
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    chosen = logp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    return chosen, logp.topk(top, dim=-1).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # 5-token prefill chunks: the 17-token prompt spans four, boundaries inside blocks
+    return LLM("tiny-qwen3", device="cpu", dtype="float32", block_size=4, num_blocks=256,
+               max_num_batched_tokens=5)
+
+
+def test_equal_to_one_forward_across_chunks_and_a_warm_cache(llm: LLM) -> None:
+    want, want_top = _reference(llm.engine.runner.model, PROMPT, 3)
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3)
+    plain = SamplingParams(max_tokens=3, temperature=0)
+    for _ in range(2):  # the second run finds the prompt's blocks cached, and must not use them
+        first, other = llm.generate([PROMPT, PROMPT[:9]], [params, plain])
+        got = first.prompt_logprobs
+        assert [t for t, _, _ in got] == PROMPT[1:]
+        assert [c for _, c, _ in got] == pytest.approx(want, abs=1e-4)
+        assert [[i for i, _ in top] for _, _, top in got] == want_top
+        assert all(len(top) == 3 and top[0][1] >= top[-1][1] for _, _, top in got)
+        assert other.prompt_logprobs is None
+    assert first.outputs[0].token_ids == llm.generate([PROMPT], plain)[0].outputs[0].token_ids
+
+
+def test_zero_top_gives_the_tokens_own_logprobs_only(llm: LLM) -> None:
+    [r] = llm.generate([PROMPT[:6]], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert [t for t, _, _ in r.prompt_logprobs] == PROMPT[1:6]
+    assert all(top == [] and c <= 0 for _, c, top in r.prompt_logprobs)
