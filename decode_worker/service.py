@@ -331,7 +331,8 @@ def _merge(items: list[RequestOutput]) -> RequestOutput:
     return dataclasses.replace(
         last, new_token_ids=[t for o in items for t in o.new_token_ids],
         new_text="".join(o.new_text for o in items),
-        new_logprobs=[lp for o in items for lp in o.new_logprobs])
+        new_logprobs=[lp for o in items for lp in o.new_logprobs],
+        prompt_logprobs=items[0].prompt_logprobs)  # only a request's first output has them
 
 
 def _hidden_state(result: pb.PrefillResult) -> torch.Tensor | None:
