@@ -75,6 +75,24 @@ def test_disaggregated_equals_colocated_and_kv_is_bitwise_equal(pair) -> None:
     wait_until(lambda: idle(p) and idle(d), 10, "both workers idle")
 
 
+def test_prompt_logprobs_come_from_whichever_worker_prefills(pair) -> None:
+    """The prefill worker returns them in its PrefillResult; a decode worker that prefills a
+    request itself sends them on its first message: the same values either way."""
+    p, d = pair
+    [prompt] = _tokenize(["Score every token of this prompt, please"])
+    params = pb.SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    res = prefill(p, "plp-p", prompt, params)
+    msgs = list(decode_stream(d, "plp-d", prompt, params))
+    assert [x.token_id for x in res.prompt_logprobs] == prompt[1:]
+    here = msgs[0].prompt_logprobs
+    assert [x.token_id for x in here] == prompt[1:] and not any(m.prompt_logprobs for m in msgs[1:])
+    assert [x.logprob for x in here] == pytest.approx([x.logprob for x in res.prompt_logprobs],
+                                                      abs=1e-5)
+    assert all(len(x.top) == 2 for x in here)
+    assert p.stub.Abort(pb.AbortRequest(request_id="plp-p"), timeout=5).found  # free its lease
+    wait_until(lambda: idle(p) and idle(d), 10, "both workers idle")
+
+
 LATENCY_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds",
                       "time_to_first_token_seconds", "inter_token_latency_seconds",
                       "e2e_request_latency_seconds", "stage_decode_queue_seconds")
