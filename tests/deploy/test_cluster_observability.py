@@ -172,7 +172,10 @@ def test_bench_agrees_with_server_metrics(bench):
     print(f"\nmean TTFT: bench {bench_ttft * 1e3:.1f} ms, router {server_ttft * 1e3:.1f} ms; "
           f"prompt tokens: bench {bench_in}, router {server_in:.0f}; "
           f"generation tokens: bench {bench_out}, router {server_out:.0f}")
-    assert bench_ttft == pytest.approx(server_ttft, rel=0.10)
+    # the router's TTFT is the part of the client's after its HTTP parse and before the
+    # first chunk leaves: within it, and most of it (a unit or interval mistake is a factor
+    # of 2 to 1000; the client's own share grows on a loaded runner: 13% seen on 2 cores)
+    assert 0.5 * bench_ttft <= server_ttft <= 1.05 * bench_ttft
     assert bench_in == pytest.approx(server_in, rel=0.10) and bench_in > 24 * 16 * 0.5
     assert bench_out == pytest.approx(server_out, rel=0.10) and bench_out >= 24 * 8
 
