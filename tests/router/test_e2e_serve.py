@@ -168,7 +168,8 @@ def test_echo_with_logprobs_scores_the_prompt_through_the_split(server, client, 
     chunks = list(client.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == comp.choices[0].text
     assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
-    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True)
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True,
+                                      temperature=0)
     assert plain.choices[0].text == comp.choices[0].text and plain.choices[0].logprobs is None
     with make_channel(server.grpc_address) as ch:  # the gRPC face: prompt_logprobs as asked
         req = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(
