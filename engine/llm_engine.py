@@ -291,7 +291,7 @@ class LLMEngine:
         for s in out.scheduled:  # prefill chunks: kept until the request's first output
             lps = result.prompt_logprobs.get(s.request.request_id)
             if lps:  # a recomputed (preempted) prefill scores positions it already has
-                seen = len(s.request.prompt_logprobs) - s.request.num_computed_tokens
+                seen = len(s.request.prompt_logprobs) - s.start_pos
                 s.request.prompt_logprobs += lps[max(0, seen):]
         updated = self.scheduler.update_from_output(out, result.sampled)
         for rid, drafts in result.drafts.items():  # verified in the request's next step

@@ -69,8 +69,9 @@ def logprob_to_proto(token_id: int, lp: tuple[float, list[tuple[int, float]]]) -
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
 
 
-def prompt_logprobs_to_proto(lps: list[tuple[int, float, list[tuple[int, float]]]]
-                             ) -> list[pb.TokenLogprob]:
+def logprobs_to_proto(lps: list[tuple[int, float, list[tuple[int, float]]]]
+                      ) -> list[pb.TokenLogprob]:
+    """[(token id, logprob, [(top id, logprob), ...])] (prompt logprobs, the router's deltas)."""
     return [logprob_to_proto(token, (chosen, top)) for token, chosen, top in lps]
 
 

@@ -102,10 +102,10 @@ def check_tp(args: argparse.Namespace, model_config: object) -> str | None:
     from pdserve.engine.dist.heads import check_model_split
     from pdserve.engine.dist.rank import check_tp_serving_args
     from pdserve.engine.dist.shard import fp8_split_problem
+    from pdserve.router.serve_args import worker_roles
 
-    roles = ["colocated"] if args.colocated else ["prefill", "decode"]
     block = _fp8_source_block(args)
-    for role in roles:
+    for role, _ in worker_roles(args):
         tp = role_tp(args)[role]
         flag = "--prefill-tp" if role == "prefill" else "--decode-tp"
         try:

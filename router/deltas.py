@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto.convert import logprob_from_proto
 
 
 @dataclass
@@ -26,4 +27,4 @@ class Delta:
 
 
 def logprobs_of(msgs: Sequence[pb.TokenLogprob]) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    return [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msgs]
+    return [(lp.token_id, *logprob_from_proto(lp)) for lp in msgs]

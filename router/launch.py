@@ -29,7 +29,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pdserve.router.serve_args import add_serve_arguments, check_serve_args, gpu_shortfall
+from pdserve.router.serve_args import (
+    add_serve_arguments,
+    check_serve_args,
+    gpu_shortfall,
+    worker_roles,
+)
 
 log = logging.getLogger("pdserve.serve")
 # Streams the router keeps open on one worker at most: a worker serves gRPC from a pool of
@@ -135,8 +140,7 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     # one GPU each; CPU actors take a fraction of a core so small machines host several
     num_gpus, num_cpus = (1, 1) if device.startswith("cuda") else (0, 0.25)
     fast = device.startswith("cuda") and not args.eager  # Triton kernels + CUDA graphs
-    roles = [("colocated", args.replicas)] if args.colocated else \
-        [("prefill", args.prefill), ("decode", args.decode)]
+    roles = worker_roles(args)
     engine = engine_args(args, device=device, block_size=args.block_size,
                          num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                          max_model_len=args.max_model_len,

@@ -115,18 +115,24 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
     return check_speculative(args, check_files=not args.address)
 
 
+def worker_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(role, workers of it) that `serve` launches."""
+    if args.colocated:
+        return [("colocated", args.replicas)]
+    return [("prefill", args.prefill), ("decode", args.decode)]
+
+
 def gpu_shortfall(args: argparse.Namespace, gpus: float) -> str | None:
     """On CUDA every worker rank takes a whole GPU: a cluster with fewer GPUs than the flags
     ask for would leave workers pending in Ray until --startup-timeout. The message names the
     flags and the way out."""
-    if args.colocated:
-        need, asked = args.replicas * args.decode_tp, f"--replicas {args.replicas}"
-    else:
-        need = args.prefill * args.prefill_tp + args.decode * args.decode_tp
-        asked = f"--prefill {args.prefill} --decode {args.decode}"
-    tp = (args.decode_tp,) if args.colocated else (args.prefill_tp, args.decode_tp)
-    if any(t > 1 for t in tp):
-        asked += f" (TP {' and '.join(map(str, tp))})"
+    from pdserve.router.cli import role_tp
+
+    roles, tps = worker_roles(args), role_tp(args)
+    need = sum(n * tps[role] for role, n in roles)
+    asked = " ".join(f"--{'replicas' if role == 'colocated' else role} {n}" for role, n in roles)
+    if any(tps[role] > 1 for role, _ in roles):
+        asked += f" (TP {' and '.join(str(tps[role]) for role, _ in roles)})"
     if gpus >= need:
         return None
     return (f"{asked}: needs {need} GPUs, one per worker rank, and this Ray cluster has "

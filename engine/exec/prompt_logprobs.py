@@ -30,8 +30,7 @@ def prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, out: Scheduler
         top = req.sampling_params.prompt_logprobs
         if top is None:
             continue
-        prompt, start = req.prompt_token_ids, req.num_computed_tokens
-        q = s.num_new_tokens
+        prompt, start, q = req.prompt_token_ids, s.start_pos, s.num_new_tokens
         # rows whose next token is still a prompt token
         n = max(0, min(q, len(prompt) - 1 - start))
         if n:

@@ -3,15 +3,15 @@
 Pipeline, per row, in this order (each row uses its own request's settings, vectorised over
 the batch with per-row parameter tensors):
     repetition penalty -> frequency / presence penalties -> logit_bias -> min_tokens ban
-    -> grammar mask -> temperature -> top-k -> top-p -> min-p -> draw (greedy rows: argmax of the penalised,
-    biased, masked logits)
+    -> grammar mask -> temperature -> top-k -> top-p -> min-p -> draw (greedy rows: argmax
+    of the penalised, biased, masked logits)
 
 logit_bias (OpenAI) is added after the penalties so that it is exactly the shift the client
 asked for: before them, the repetition penalty would divide a +100 bias of a token already
 seen by r (and frequency / presence are additive, so their order with the bias is moot). It
 comes before temperature like the logits it shifts, so +100 / -100 force / ban a token in
-greedy and random rows alike. min_tokens (vLLM's) sets EOS and the stop_token_ids to -inf while
-the output is shorter than it, after the bias, so no bias lifts them.
+greedy and random rows alike. min_tokens (vLLM's) sets EOS and the stop_token_ids to -inf
+while the output is shorter than it, after the bias, so no bias lifts them.
 
 Randomness. Every request owns a torch.Generator. The noise for output token i is drawn from
 that generator re-seeded with mix(base_seed, i), where base_seed is the request's seed (or,
