@@ -90,6 +90,13 @@ def engine_args(args: argparse.Namespace, **fields: object) -> EngineArgs:
                       **fields)  # type: ignore[arg-type]
 
 
+def worker_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(role, workers of it) that `serve` launches."""
+    if args.colocated:
+        return [("colocated", args.replicas)]
+    return [("prefill", args.prefill), ("decode", args.decode)]
+
+
 def role_tp(args: argparse.Namespace) -> dict[str, int]:
     """The tensor-parallel size of each role's workers (colocated ones take --decode-tp)."""
     return {"prefill": args.prefill_tp, "decode": args.decode_tp, "colocated": args.decode_tp}
@@ -102,8 +109,6 @@ def check_tp(args: argparse.Namespace, model_config: object) -> str | None:
     from pdserve.engine.dist.heads import check_model_split
     from pdserve.engine.dist.rank import check_tp_serving_args
     from pdserve.engine.dist.shard import fp8_split_problem
-    from pdserve.router.serve_args import worker_roles
-
     block = _fp8_source_block(args)
     for role, _ in worker_roles(args):
         tp = role_tp(args)[role]

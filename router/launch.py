@@ -29,12 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pdserve.router.serve_args import (
-    add_serve_arguments,
-    check_serve_args,
-    gpu_shortfall,
-    worker_roles,
-)
+from pdserve.router.serve_args import add_serve_arguments, check_serve_args, gpu_shortfall
 
 log = logging.getLogger("pdserve.serve")
 # Streams the router keeps open on one worker at most: a worker serves gRPC from a pool of
@@ -126,7 +121,7 @@ class LaunchRefused(Exception):
 def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     import ray
 
-    from pdserve.router.cli import engine_args, role_tp
+    from pdserve.router.cli import engine_args, role_tp, worker_roles
     from pdserve.router.worker_refs import RayWorkerRef
     from pdserve.worker.actor import launch_worker
     from pdserve.worker.config import WorkerConfig

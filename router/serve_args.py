@@ -115,18 +115,11 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
     return check_speculative(args, check_files=not args.address)
 
 
-def worker_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """(role, workers of it) that `serve` launches."""
-    if args.colocated:
-        return [("colocated", args.replicas)]
-    return [("prefill", args.prefill), ("decode", args.decode)]
-
-
 def gpu_shortfall(args: argparse.Namespace, gpus: float) -> str | None:
     """On CUDA every worker rank takes a whole GPU: a cluster with fewer GPUs than the flags
     ask for would leave workers pending in Ray until --startup-timeout. The message names the
     flags and the way out."""
-    from pdserve.router.cli import role_tp
+    from pdserve.router.cli import role_tp, worker_roles
 
     roles, tps = worker_roles(args), role_tp(args)
     need = sum(n * tps[role] for role, n in roles)
