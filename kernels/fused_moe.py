@@ -165,7 +165,7 @@ def _gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = moe_gate_up_gemv(x, w13, topk_ids, config, pdl=pdl, w13_scale=f.w13_scale,
                            block=b13)
     return moe_down_gemv(act, w2, topk_weights, topk_ids, config, pdl=True,
-                         w2_scale=f.w2_scale, block=b2)
+                         w2_scale=f.w2_scale, block=b2, ids_ready=True)
 
 
 def _counters(T: int, H: int, top_k: int, cfg: MoeConfig, device: torch.device

@@ -44,6 +44,9 @@ class GemvConfig:
     l2_prefetch: float = 0.0
     # 1 row: the one-row kernel (kernels/gemv_row.py); False: the 1..4-row CUDA-core kernel
     one_row: bool = True
+    # one-row kernel: the first K step's weight tile is loaded before the PDL wait, so a
+    # launch's first bytes are in flight while the kernel before it drains
+    preload: bool = False
 
 
 # One-row tiles (kernels/gemv_row.py) measured on a device at given shapes, where they beat
@@ -59,9 +62,13 @@ class GemvConfig:
 # bench/results/gemv_one_row_h200_2026-11-25.json; spread between repeats of one tile ~3%):
 # qkv 6144 x 4096 16.2 -> 14.5 us, o 4096 x 4096 13.3 -> 11.4, down 4096 x 12288 28.6 ->
 # 25.4; gate_up and lm_head keep the rule (8 x 1024: 49.0 and 275 us, within 3% of the best).
+# Re-chosen in the whole decode step once 16-bit GEMVs preload their first tile (pick_config;
+# bench/results/diag_preload_h200_2026-11-25.json): o_proj 4096 x 4096 16 x 1024 -> 8 x 2048
+# (Qwen3-8B step 3.926 -> 3.896 ms), 2048 x 4096 4 x 2048 -> 2 x 4096 (Qwen3-30B-A3B 2.517
+# -> 2.504); q/k/v in one K step was no faster.
 DEVICE_TILES: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {
-    "H200": {(2048, 4096): (4, 2048, 4), (6144, 4096): (8, 2048, 8),
-             (4096, 4096): (16, 1024, 8), (4096, 12288): (4, 2048, 4)},
+    "H200": {(2048, 4096): (2, 4096, 4), (6144, 4096): (8, 2048, 8),
+             (4096, 4096): (8, 2048, 8), (4096, 12288): (4, 2048, 4)},
 }
 # The same for FP8 weights (kernels/fp8_scales.py), where they beat pick_config's FP8 rule
 # (Qwen3-8B's shapes on the H200, as above: qkv 4 x 2048 9.8 us, o 4 x 2048 6.6, down
@@ -118,7 +125,13 @@ def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = Fal
         cfg = _one_row_rule(N, K, elem_size)
     if prefetch and not interpreting():
         cfg = replace(cfg, l2_prefetch=PREFETCH_SHARE)
-    return cfg
+    # One-row 16-bit GEMVs load their first weight tile before the PDL wait; FP8 ones do
+    # not. H200, batch-1 decode graph replay incl. LM head, round-robin medians of 7
+    # (`python -m bench.lab.diag_decode --variants preload --no-engine`,
+    # bench/results/diag_preload_h200_2026-11-25.json): Qwen3-8B bf16 4.059 -> 3.929 ms,
+    # Qwen3-30B-A3B bf16 2.590 -> 2.515, Qwen3-8B FP8 2.552 -> 2.649 (slower).
+    return replace(cfg, preload=T == 1 and elem_size > 1)
+
 
 
 def _one_row_rule(N: int, K: int, elem_size: int) -> GemvConfig:

@@ -33,6 +33,11 @@ is 1; a hand-written double buffer (the next tile carried through the loop in re
 Triton moved the carried tile through shared memory again; an L2 prefetch of the weight
 slice before the PDL wait for the projections behind a GEMV: share 0.25 neutral, 1.0 5-30%
 slower (bench/results/gemv_one_row_extra_h200_2026-11-25.json).
+What did pay (in the whole decode step, not alone): the first K step's tile loaded before the
+PDL wait (PRELOAD), so a launch's first bytes are in flight while the kernel before it
+drains: Qwen3-8B bf16 step 4.059 -> 3.929 ms, Qwen3-30B-A3B 2.590 -> 2.515; FP8 2.552 ->
+2.649, so FP8 GEMVs do not (kernels/gemv_configs.py pick_config,
+bench/results/diag_preload_h200_2026-11-25.json).
 """
 from __future__ import annotations
 
@@ -81,17 +86,46 @@ def _row_activation(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, k_ok, K, store_
 
 
 @jit
+def _row_step(w, k0, acc, ss, pid, offs_n, n_ok, offs_k0, x_ptr, res_ptr, nw_ptr, res_out_ptr,
+              s_ptr, N, K, stride_s, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """One K step on the loaded weight tile w [BLOCK_N, BLOCK_K] at columns k0..: returns
+    (acc [BLOCK_N, BLOCK_K / VEC] + this step's VEC-sums, ss [BLOCK_K] + h^2 for "norm")."""
+    offs_k = k0 + offs_k0
+    k_ok = offs_k < K
+    a, h = _row_activation(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, k_ok, K, pid == 0,
+                           PROLOGUE, HAS_RESIDUAL)
+    if PROLOGUE == 1:
+        ss += h * h
+    if SCALE == 1:  # one scale per column: k0 // S_BK + lane // S_BK keeps the lanes of
+        # a thread provably equal (one load per thread, not one per lane)
+        a = a * tl.load(s_ptr + (pid * BLOCK_N // S_BN) * stride_s + k0 // S_BK
+                        + offs_k0 // S_BK, mask=k_ok, other=0.0)
+    if SCALE != 0:
+        wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        wf = w.to(tl.float32)
+    part = tl.sum(tl.reshape(wf * a[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
+    if SCALE == 2:  # one scale per row for the whole step
+        part = part * fp8_n_scales(s_ptr, offs_n, N, k0, stride_s, S_BN, S_BK)[:, None]
+    return acc + part, ss
+
+
+@jit
 def _gemv_row_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr, s_ptr, N, K,
                      stride_w, stride_s, eps, PROLOGUE: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, HAS_ADD: tl.constexpr, SCALE: tl.constexpr,
                      S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
-                     W_EVICT: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     PRELOAD: tl.constexpr, W_EVICT: tl.constexpr, PF_LINES: tl.constexpr,
+                     PF_LINE: tl.constexpr, USE_PDL: tl.constexpr):
     """Program p: outputs p * BLOCK_N ..; x, residual, add, y are single rows. FP8 (SCALE >
     0): w_ptr holds the e4m3 bytes as int8; SCALE 1 multiplies the activation by the K
     scales of the program's row block, SCALE 2 each row's VEC-sums by its scale for the step
-    (kernels/fp8_scales.py)."""
+    (kernels/fp8_scales.py). PRELOAD: the first K step's weight tile is loaded before the PDL
+    wait (weights are never written; the step is peeled off the loop, so no tile is carried
+    through it)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -101,27 +135,21 @@ def _gemv_row_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr,
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     if PF_LINES > 0:  # o_proj behind the decode attention (see kernels/gemv.py gemv)
         l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, 0, 1, PF_LINES, PF_LINE)
-    pdl_enter(USE_PDL)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    start = 0
+    if PRELOAD:
+        w0 = _load_w(w_rows, n_ok, offs_k0, 0, K, VEC, W_EVICT)
+        pdl_enter(USE_PDL)
+        acc, ss = _row_step(w0, 0, acc, ss, pid, offs_n, n_ok, offs_k0, x_ptr, res_ptr,
+                            nw_ptr, res_out_ptr, s_ptr, N, K, stride_s, PROLOGUE, HAS_RESIDUAL,
+                            SCALE, S_BN, S_BK, BLOCK_N, BLOCK_K, VEC)
+        start = BLOCK_K
+    else:
+        pdl_enter(USE_PDL)
+    for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_rows, n_ok, offs_k0, k0, K, VEC, W_EVICT)
-        offs_k = k0 + offs_k0
-        k_ok = offs_k < K
-        a, h = _row_activation(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, k_ok, K, pid == 0,
-                               PROLOGUE, HAS_RESIDUAL)
-        if PROLOGUE == 1:
-            ss += h * h
-        if SCALE == 1:  # one scale per column: k0 // S_BK + lane // S_BK keeps the lanes of
-            # a thread provably equal (one load per thread, not one per lane)
-            a = a * tl.load(s_ptr + (pid * BLOCK_N // S_BN) * stride_s + k0 // S_BK
-                            + offs_k0 // S_BK, mask=k_ok, other=0.0)
-        if SCALE != 0:
-            wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            wf = w.to(tl.float32)
-        part = tl.sum(tl.reshape(wf * a[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
-        if SCALE == 2:  # one scale per row for the whole step
-            part = part * fp8_n_scales(s_ptr, offs_n, N, k0, stride_s, S_BN, S_BK)[:, None]
-        acc += part
+        acc, ss = _row_step(w, k0, acc, ss, pid, offs_n, n_ok, offs_k0, x_ptr, res_ptr, nw_ptr,
+                            res_out_ptr, s_ptr, N, K, stride_s, PROLOGUE, HAS_RESIDUAL, SCALE,
+                            S_BN, S_BK, BLOCK_N, BLOCK_K, VEC)
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -136,7 +164,8 @@ def gemv_one_row(x: torch.Tensor, weight: torch.Tensor, prologue: int,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch for one row, inputs already checked by kernels.gemv.gemv: x [1, K_in], weight
     [N, K] (fp8: the arguments of gemv's _fp8_args), prologue as gemv.PROLOGUES' number,
-    prefetch the PF_LINES / PF_LINE constexprs; cfg.num_stages > 1 pipelines the K loop.
+    prefetch the PF_LINES / PF_LINE constexprs; cfg.num_stages > 1 pipelines the K loop;
+    cfg.preload loads the first weight tile before the PDL wait.
     Returns (y [1, N], new residual: a new [1, K] tensor for "norm" with residual, else x)."""
     N, K = weight.shape
     res_out = x
@@ -152,7 +181,7 @@ def gemv_one_row(x: torch.Tensor, weight: torch.Tensor, prologue: int,
         float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         HAS_ADD=add is not None, **fp8["consts"], BLOCK_N=cfg.block_n,
         BLOCK_K=fp8["block_k"], VEC=vec,
-        STAGES=cfg.num_stages,
+        STAGES=cfg.num_stages, PRELOAD=cfg.preload,
         W_EVICT="evict_first" if cfg.stream_weights else "", **prefetch,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x))
     return y, res_out

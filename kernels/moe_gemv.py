@@ -6,14 +6,16 @@ DEVICE_TILES note). Here no alignment is needed: the router's topk_ids say which
 (token, slot) pair p = t * top_k + j reads, and
 
 gate_up: program (p, n) streams BLOCK_N gate rows and the matching up rows of expert
-         ids[p] (w13 [E, 2I, H]) over H in BLOCK_K steps with wide loads, fp32 products
-         accumulated in a [BLOCK_N, BLOCK_K] tile summed once after the loop (as
-         kernels.gemv's one-row kernel), then act[p, n] = silu(g) * u in x.dtype (the
-         grouped GEMM rounds act the same way).
+         ids[p] (w13 [E, 2I, H]) over H in BLOCK_K steps with wide loads; each thread sums
+         its VEC consecutive products at once (_vec_sums, kernels/gemv_row.py's layout), the
+         [BLOCK_N, BLOCK_K / VEC] fp32 sums are added up once after the loop, then
+         act[p, n] = silu(g) * u in x.dtype (the grouped GEMM rounds act the same way).
 down:    program (t, n) owns BLOCK_N output columns of token t and loads, per K step, the
-         rows of all top_k experts at once ([top_k, BLOCK_N, BLOCK_K]), accumulating
-         w2[ids[t, j], n, k] * topk_weights[t, j] * act[t * top_k + j, k] in one fp32 tile
-         summed once at the end (K lanes, then slots); out[t, n] is stored once, in x.dtype.
+         rows of all top_k experts at once ([top_k, BLOCK_N, BLOCK_K]), accumulating the
+         VEC-sums of w2[ids[t, j], n, k] * topk_weights[t, j] * act[t * top_k + j, k] in one
+         fp32 tile summed once at the end (VEC-sums, then slots); out[t, n] is stored once,
+         in x.dtype. Its ids are final two launches back (the router), so it reads them and
+         its first weight tile before its PDL wait (preload_down).
 
 The top-k sum is inside the program, not fp32 atomics and not a second reduction: it is
 deterministic (a fixed reduction tree; atomics add in arrival order and would round
@@ -31,10 +33,12 @@ scale multiplies that step's products (SCALE 2).
 
 The MoE block at decode sizes is then 3 launches, none of them alignment: route (it lets the
 next launch be scheduled at its start), gate_up, down (PDL chain). H200, Qwen3-30B-A3B,
-batch 1, per layer alone (CUDA-graph replays of 8 layers): bf16 gate_up 16.7 us (grouped GEMM
-15.2), down 10.5 (11.1), route without alignment 5.0 (6.2), the block 30.2 (35.6); FP8
-gate_up 9.8 (15.5), down 7.3 (10.7), the block 19.8 (41.5). In the decode step the bf16
-gate_up's share of the critical path is 0.76 ms (grouped: 0.97), down's 0.47 (0.57)
+batch 1, the whole decode step (graph replay incl. LM head): with the VEC-sum layout, wide K
+steps and down's preload 2.517 -> 2.202 ms bf16, 1.858 -> 1.797 FP8; engine batch 1
+382.3 -> 457.4 tok/s bf16 (bench/results/diag_preload_h200_2026-11-25.json,
+diag_moe_tiles_h200_2026-11-26.json, moe_h200_2026-11-26.json; pick_gemv_config has the
+tiles). The first version, [BLOCK_N, BLOCK_K] fp32 products per thread at [16, 256] tiles:
+bf16 gate_up 16.7 us per layer alone, down 10.5, route 5.0
 (bench/results/moe_h200_2026-11-25_b1.json).
 """
 from __future__ import annotations
@@ -87,6 +91,9 @@ class GemvMoeConfig:
     # software-pipelining depth of the K loops (tl.range num_stages; 1: none)
     num_stages_up: int = 1
     num_stages_down: int = 1
+    # down loads its ids and first weight tile before its PDL wait, where the caller says
+    # the ids are final by then (moe_down_gemv ids_ready)
+    preload_down: bool = False
 
     def check(self) -> None:
         sizes = (self.block_n_up, self.block_k_up, self.block_n_down, self.block_k_down)
@@ -106,24 +113,28 @@ DEVICE_TILES: dict[str, dict[tuple[int, int, int, int], GemvMoeConfig]] = {
 
 def pick_gemv_config(E: int, H: int, I: int, elem_size: int = 2,
                      device: torch.device | None = None) -> GemvMoeConfig:
-    """The fastest tiles of H200 sweeps at Qwen3-30B-A3B's shape (bench.lab.bench_moe
-    --paths; bench/results/moe_h200_2026-11-25_b1.json): gate_up [16, 256] per gate / up
-    half, down [top_k, 4, 128] (all slots at once), 4 warps each. FP8 weights pipeline their
-    K loops 3 deep (whole decode step 2.38 -> 2.19 ms); bf16 ones do not: alone, 3 stages
-    took gate_up 16.7 -> 14.6 us and down 10.5 -> 9.0 us per layer, but in the decode step
-    (behind the router and gate_up, PDL) down's share rose 0.47 -> 0.55 ms and the step
-    2.71 -> 2.82 ms. device: its DEVICE_TILES entry where there is one. The interpreter
-    takes the biggest tiles that the shapes use (it runs programs one by one)."""
+    """The fastest tiles of H200 sweeps at Qwen3-30B-A3B's shape, each in the whole batch-1
+    decode step (`python -m bench.lab.diag_decode --preset qwen3-30b-a3b [--quantization
+    fp8]`, bench/results/diag_moe_tiles_h200_2026-11-26.json; graph replay incl. LM head,
+    round-robin medians): with the kernels' VEC-sum layout (_vec_sums), wide K steps win:
+    gate_up 16-bit [4, 1024] per gate / up half (step 2.913 ms at the former [16, 256] ->
+    2.320), FP8 [8, 1024] (2.142 -> 2.018); down [top_k, 2, 256] (2.913 -> 2.815 bf16, 2.142
+    -> 1.968 FP8); 16-bit gate_up on 2 warps (2.224 -> 2.202, "second_bf16"), the rest on
+    4; no software pipelining (3 stages: 2.403 vs 2.414 bf16 at [8, 1024], 2.056 vs 2.018
+    FP8). down reads its ids and first tile before its PDL wait
+    (preload_down): step bf16 2.517 -> 2.420 ms, FP8 1.858 -> 1.824 (with the former kernels
+    and tiles; bench/results/diag_preload_h200_2026-11-25.json). device: its DEVICE_TILES
+    entry where there is one. The interpreter takes the biggest tiles that the shapes use
+    (it runs programs one by one)."""
     tile = device_entry(DEVICE_TILES, device, (E, H, I, elem_size))
     if tile is not None:
         return tile
     if interpreting():
         return GemvMoeConfig(min(64, next_pow2(I)), min(128, max(16, next_pow2(H))),
                              min(64, next_pow2(H)), min(128, max(16, next_pow2(I))))
-    stages = 3 if elem_size == 1 else 1
-    return GemvMoeConfig(16, min(256, max(16, next_pow2(H))), 4,
-                         min(128, max(16, next_pow2(I))), num_stages_up=stages,
-                         num_stages_down=stages)
+    return GemvMoeConfig(8 if elem_size == 1 else 4, min(1024, max(16, next_pow2(H))), 2,
+                         min(256, max(16, next_pow2(I))), num_warps_up=4 if elem_size == 1 else 2,
+                         preload_down=True)
 
 
 @jit
@@ -134,11 +145,19 @@ def _scale_lanes(a, s, R: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @jit
+def _vec_sums(w, a, R: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """w [R, BLOCK_K] (any float type) * a [R or 1, BLOCK_K] fp32 -> [R, BLOCK_K / VEC]: each
+    thread sums its VEC consecutive products at once (kernels/gemv_row.py's layout, which
+    keeps the accumulator small and the tile out of shared memory)."""
+    return tl.sum(tl.reshape(w.to(tl.float32) * a, [R, BLOCK_K // VEC, VEC]), axis=2)
+
+
+@jit
 def _gate_up_gemv_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, s_ptr, H, I, stride_x, stride_we,
                          stride_wn, stride_act, stride_se, stride_sn, TOP_K: tl.constexpr,
                          SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                         STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     p = tl.program_id(0)  # pair t * TOP_K + j
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -149,10 +168,10 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, s_ptr, H, I, stride_x, 
     w_gate = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + I * stride_wn
     s_e = s_ptr + e * stride_se
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # [rows, K lanes], summed after the loop
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)  # VEC-sums, summed after the loop
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), VEC), VEC)
         k_ok = offs_k < H
         a = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
         m = n_ok[:, None] & k_ok[None, :]
@@ -173,8 +192,8 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, s_ptr, H, I, stride_x, 
         else:
             ag = a
             au = a
-        acc_g += wg.to(tl.float32) * ag
-        acc_u += wu.to(tl.float32) * au
+        acc_g += _vec_sums(wg, ag, BLOCK_N, BLOCK_K, VEC)
+        acc_u += _vec_sums(wu, au, BLOCK_N, BLOCK_K, VEC)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     act = g / (1.0 + tl.exp(-g)) * u
@@ -182,12 +201,52 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, s_ptr, H, I, stride_x, 
 
 
 @jit
+def _down_w(w_rows, wmask, k0, I, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """The step's weight tile [K_P, BLOCK_N, BLOCK_K] at columns k0.. (zeros past I)."""
+    offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), VEC), VEC)
+    return tl.load(w_rows + offs_k[None, None, :], mask=wmask & (offs_k < I)[None, None, :],
+                   other=0.0, eviction_policy="evict_first")
+
+
+@jit
+def _down_step(w, k0, acc, act_ptr, p, j_ok, wt, s_e, n0, offs_n, n_ok, I, stride_act,
+               stride_sn, K_P: tl.constexpr, SCALE: tl.constexpr, S_BN: tl.constexpr,
+               S_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               VEC: tl.constexpr):
+    """acc [K_P, BLOCK_N, BLOCK_K / VEC] + the VEC-sums of one K step's products on the
+    loaded tile w (as _vec_sums)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < I
+    a = tl.load(act_ptr + p[:, None] * stride_act + offs_k[None, :],
+                mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+    a = a.to(tl.float32) * wt[:, None]  # [K_P, BK], routing weight folded in
+    w = w.to(tl.float32)
+    if SCALE == 1:  # FP8, the columns in one row block: scales per slot and K lane
+        G: tl.constexpr = BLOCK_K // S_BK if BLOCK_K > S_BK else 1
+        g = tl.arange(0, G)
+        sc = tl.load(s_e[:, None] + (n0 // S_BN) * stride_sn + k0 // S_BK + g[None, :],
+                     mask=j_ok[:, None] & (k0 + g * S_BK < I)[None, :], other=0.0)
+        prod = w * _scale_lanes(a, sc, K_P, G, BLOCK_K)[:, None, :]
+    elif SCALE == 2:  # FP8, the step in one K block: scales per slot and column
+        sc = tl.load(s_e[:, None] + (offs_n // S_BN)[None, :] * stride_sn + k0 // S_BK,
+                     mask=j_ok[:, None] & n_ok[None, :], other=0.0)
+        prod = w * (a[:, None, :] * sc[:, :, None])
+    else:
+        prod = w * a[:, None, :]
+    return acc + tl.sum(tl.reshape(prod, [K_P, BLOCK_N, BLOCK_K // VEC, VEC]), axis=3)
+
+
+@jit
 def _down_gemv_kernel(act_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, s_ptr, H, I, stride_act,
                       stride_we, stride_wn, stride_out, stride_se, stride_sn,
                       TOP_K: tl.constexpr, K_P: tl.constexpr, SCALE: tl.constexpr,
                       S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                      BLOCK_K: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
+                      PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """PRELOAD: the ids, routing weights and first weight tile are read before the PDL wait
+    (moe_down_gemv ids_ready: they were final before the launch ahead of this one)."""
+    if not PRELOAD:
+        pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -200,28 +259,19 @@ def _down_gemv_kernel(act_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, s_ptr, H, I, st
     w_rows = w_ptr + e[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
     s_e = s_ptr + e * stride_se  # [K_P]
     wmask = j_ok[:, None, None] & n_ok[None, :, None]
-    acc = tl.zeros([K_P, BLOCK_N, BLOCK_K], tl.float32)  # [slot, column, K lane]
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
-        a = tl.load(act_ptr + p[:, None] * stride_act + offs_k[None, :],
-                    mask=j_ok[:, None] & k_ok[None, :], other=0.0)
-        a = a.to(tl.float32) * wt[:, None]  # [K_P, BK], routing weight folded in
-        w = tl.load(w_rows + offs_k[None, None, :], mask=wmask & k_ok[None, None, :], other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        if SCALE == 1:  # FP8, the columns in one row block: scales per slot and K lane
-            G: tl.constexpr = BLOCK_K // S_BK if BLOCK_K > S_BK else 1
-            g = tl.arange(0, G)
-            sc = tl.load(s_e[:, None] + (n0 // S_BN) * stride_sn + k0 // S_BK + g[None, :],
-                         mask=j_ok[:, None] & (k0 + g * S_BK < I)[None, :], other=0.0)
-            acc += w * _scale_lanes(a, sc, K_P, G, BLOCK_K)[:, None, :]
-        elif SCALE == 2:  # FP8, the step in one K block: scales per slot and column
-            sc = tl.load(s_e[:, None] + (offs_n // S_BN)[None, :] * stride_sn + k0 // S_BK,
-                         mask=j_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += w * (a[:, None, :] * sc[:, :, None])
-        else:
-            acc += w * a[:, None, :]
-    # fixed reduction order (K lanes, then slots): the same bits on every run
+    acc = tl.zeros([K_P, BLOCK_N, BLOCK_K // VEC], tl.float32)  # [slot, column, VEC-sums]
+    start = 0
+    if PRELOAD:  # the first step peeled off the loop (no tile carried through it)
+        w0 = _down_w(w_rows, wmask, 0, I, BLOCK_K, VEC)
+        pdl_enter(USE_PDL)
+        acc = _down_step(w0, 0, acc, act_ptr, p, j_ok, wt, s_e, n0, offs_n, n_ok, I,
+                         stride_act, stride_sn, K_P, SCALE, S_BN, S_BK, BLOCK_N, BLOCK_K, VEC)
+        start = BLOCK_K
+    for k0 in tl.range(start, I, BLOCK_K, num_stages=STAGES):
+        w = _down_w(w_rows, wmask, k0, I, BLOCK_K, VEC)
+        acc = _down_step(w, k0, acc, act_ptr, p, j_ok, wt, s_e, n0, offs_n, n_ok, I,
+                         stride_act, stride_sn, K_P, SCALE, S_BN, S_BK, BLOCK_N, BLOCK_K, VEC)
+    # fixed reduction order (VEC-sums, then slots): the same bits on every run
     tl.store(out_ptr + t * stride_out + offs_n, tl.sum(tl.sum(acc, axis=2), axis=0), mask=n_ok)
 
 
@@ -281,21 +331,25 @@ def moe_gate_up_gemv(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
     _gate_up_gemv_kernel[(T * top_k, triton.cdiv(inter, cfg.block_n_up))](
         x, w13, act, topk_ids, H=H, I=inter, stride_x=x.stride(0), stride_we=w13.stride(0),
         stride_wn=w13.stride(1), stride_act=act.stride(0), TOP_K=top_k, **fp8,
-        BLOCK_N=cfg.block_n_up, BLOCK_K=block_k, STAGES=cfg.num_stages_up,
-        num_warps=cfg.num_warps_up, **(pdl_launch(x) if pdl else {"USE_PDL": False}))
+        BLOCK_N=cfg.block_n_up, BLOCK_K=block_k, VEC=min(16 // x.element_size(), block_k),
+        STAGES=cfg.num_stages_up, num_warps=cfg.num_warps_up,
+        **(pdl_launch(x) if pdl else {"USE_PDL": False}))
     return act
 
 
 def moe_down_gemv(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, config: GemvMoeConfig | None = None,
                   out: torch.Tensor | None = None, pdl: bool = False,
-                  w2_scale: torch.Tensor | None = None, block: Block | None = None
-                  ) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, block: Block | None = None,
+                  ids_ready: bool = False) -> torch.Tensor:
     """out [T, H] = sum_j topk_weights[t, j] * (act[t * top_k + j] @ w2[topk_ids[t, j]].T),
     fp32 sums in a fixed order (deterministic), stored in act.dtype, for act [T * top_k, I]
     (moe_gate_up_gemv's), w2 [E, H, I] (FP8 with w2_scale for block), contiguous
     topk_weights / topk_ids [T, top_k]. out: where to write (rows contiguous), default new.
-    One launch; pdl as moe_gate_up_gemv's."""
+    One launch; pdl as moe_gate_up_gemv's. ids_ready: topk_ids and topk_weights were
+    written before the launch ahead of this one (fused_moe's route -> gate_up -> down), so
+    with pdl and config.preload_down the program reads them and its first weight tile before
+    its PDL wait."""
     check_tensor("act", act, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("act", act)
     check_tensor("w2", w2, shape=(None, None, act.shape[1]), dtypes=(act.dtype, FP8_DTYPE),
@@ -320,6 +374,8 @@ def moe_down_gemv(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
         act, w2, topk_weights, topk_ids, out, H=H, I=inter, stride_act=act.stride(0),
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_out=out.stride(0), TOP_K=top_k,
         K_P=next_pow2(top_k), **fp8, BLOCK_N=cfg.block_n_down, BLOCK_K=block_k,
-        STAGES=cfg.num_stages_down, num_warps=cfg.num_warps_down,
+        VEC=min(16 // act.element_size(), block_k),
+        STAGES=cfg.num_stages_down, PRELOAD=cfg.preload_down and ids_ready and pdl,
+        num_warps=cfg.num_warps_down,
         **(pdl_launch(act) if pdl else {"USE_PDL": False}))
     return out

@@ -20,6 +20,7 @@ from collections import Counter
 import torch
 
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
+import pdserve.kernels.moe_gemv as moe_gemv
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm import build_engine
 
@@ -59,6 +60,7 @@ def critical_by_position(fn) -> dict:
 
 gemv_mod = sys.modules["pdserve.kernels.gemv"]
 ORIGINAL_PICK = gemv_mod.pick_config
+ORIGINAL_PICK_MOE = moe_gemv.pick_gemv_config
 
 
 def replay_probe(g: DecodeGraphs) -> dict:
@@ -128,24 +130,105 @@ def engine_timeline(engine, vocab: int) -> dict:
     return out
 
 
-def variant(name: str, tiles: dict | None = None, splits: int | None = None):
+def variant(name: str, tiles: dict | None = None, splits: int | None = None,
+            every: dict | None = None, moe: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
-    (batch 1), and the decode attention's split count (None: the kernel's own choice)."""
-    def pick(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = False):
-        import dataclasses
-        cfg = ORIGINAL_PICK(N, K, T, elem_size, prefetch)
-        return dataclasses.replace(cfg, **(tiles or {}).get((N, K), {})) if T == 1 else cfg
+    (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
+    GEMVs (`moe`), and the decode attention's split count (None: the kernel's own choice)."""
+    import dataclasses
+
+    def pick(N: int, K: int, T: int, *args, **kwargs):
+        cfg = ORIGINAL_PICK(N, K, T, *args, **kwargs)
+        if T != 1:
+            return cfg
+        return dataclasses.replace(cfg, **(every or {}), **(tiles or {}).get((N, K), {}))
+
+    def pick_moe(*args, **kwargs):
+        return dataclasses.replace(ORIGINAL_PICK_MOE(*args, **kwargs), **(moe or {}))
 
     def setup() -> None:
         gemv_mod.pick_config = pick
+        moe_gemv.pick_gemv_config = pick_moe
     return name, setup, splits
 
 
-SHAPES = (QKV, O_PROJ, (24576, 4096), (4096, 12288), (151936, 4096))
+def tile(block_n: int, block_k: int, num_warps: int) -> dict:
+    return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps}
+
+
+QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
+GATE_UP, DOWN = (24576, 4096), (4096, 12288)  # Qwen3-8B's
+SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, (151936, 4096))
 VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
             # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
             variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),
+            # every one-row GEMV with / without its first weight tile loaded before the wait
+            variant("preload", every={"preload": True}),
+            variant("no_preload", every={"preload": False}, moe={"preload_down": False}),
+            # q/k/v and o_proj in one K step each (all of a program's weights preloaded)
+            variant("qkv_1step", {QKV: tile(4, 4096, 8), QKV_MOE: tile(4, 2048, 4)}),
+            variant("o_1step", {O_PROJ: tile(4, 4096, 8), O_MOE: tile(2, 4096, 4)}),
+            variant("o_8x2k", {O_PROJ: tile(8, 2048, 8), O_MOE: tile(8, 2048, 8)}),
+            # FP8 (no preload by default): preload per projection, and wider o / q/k/v tiles
+            variant("pre_o", {O_PROJ: {"preload": True}}),
+            variant("pre_qkv", {QKV: {"preload": True}}),
+            variant("pre_mlp", {GATE_UP: {"preload": True}, DOWN: {"preload": True}}),
+            variant("o_8x2k_pre", {O_PROJ: {**tile(8, 2048, 8), "preload": True}}),
+            variant("qkv_8x2k", {QKV: tile(8, 2048, 8)}),
+            variant("qkv_8x2k_pre", {QKV: {**tile(8, 2048, 8), "preload": True}}),
+            # the expert down GEMV reads its ids and first tile before its PDL wait
+            variant("down_preload", moe={"preload_down": True}),
+            variant("down_no_preload", moe={"preload_down": False}),
+            # expert GEMV tiles (kernels/moe_gemv.py GemvMoeConfig)
+            *[variant(f"gu_{bn}x{bk}w{w}s{st}", moe={"block_n_up": bn, "block_k_up": bk,
+                                                   "num_warps_up": w, "num_stages_up": st})
+              for bn, bk, w, st in ((8, 1024, 4, 1), (4, 1024, 4, 1), (2, 1024, 4, 1),
+                                    (4, 2048, 4, 1), (8, 2048, 8, 1), (4, 512, 4, 1),
+                                    (4, 1024, 2, 1), (16, 256, 4, 1), (8, 1024, 4, 3))],
+            *[variant(f"dn_{bn}x{bk}w{w}s{st}", moe={"block_n_down": bn, "block_k_down": bk,
+                                                   "num_warps_down": w, "num_stages_down": st})
+              for bn, bk, w, st in ((2, 256, 4, 1), (1, 256, 4, 1), (2, 128, 4, 1),
+                                    (2, 512, 4, 1), (4, 256, 4, 1), (2, 256, 2, 1),
+                                    (1, 512, 4, 1), (4, 128, 4, 1))],
             variant("default_again")]  # the spread between two captures of one variant
+
+
+def capture(engine, setup, splits, vocab: int):
+    """The batch-1 decode graph captured under a variant: (step fn, graph)."""
+    runner = engine.runner
+    model = runner.model
+    setup()
+    model.backend.num_splits = splits
+    g = DecodeGraphs(engine.config, model, runner.kv_cache)
+    g.buckets = [1]
+    g.capture([1])
+    fill_static(g, 1, 640, vocab)
+    graph, hidden, _ = g.graphs[1]
+
+    def step() -> None:
+        graph.replay()
+        model.compute_logits(hidden[:1]).argmax(-1)
+    return step, g
+
+
+def round_robin(engine, variants: list, vocab: int, rounds: int, by_position: bool) -> dict:
+    """Each variant's step time, the variants timed in turn `rounds` times (median of the
+    rounds' medians), so that clock and thermal drift spread over all of them."""
+    captured = {name: capture(engine, setup, splits, vocab) for name, setup, splits in variants}
+    times: dict[str, list[float]] = {name: [] for name in captured}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, (step, _) in captured.items():
+                times[name].append(time_ms(step, torch.device("cuda"), reps=30))
+    results = {}
+    for name, (_, g) in captured.items():
+        ms = sorted(times[name])[len(times[name]) // 2]
+        crit = critical_by_position(g.graphs[1][0].replay) if by_position else {}
+        results[name] = {"step_ms": ms, "rounds_ms": times[name], **crit}
+        print(f"{name:14s} {ms:.4f} ms  rounds " + " ".join(f"{t:.4f}" for t in times[name])
+              + "  " + " ".join(f"{k}={v:.3f}" for k, v in
+                                sorted(crit.get("critical_ms", {}).items())), flush=True)
+    return results
 
 
 def main() -> None:
@@ -153,42 +236,29 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
     ap.add_argument("--variants", default="", help="only these VARIANTS (comma-separated)")
+    ap.add_argument("--preset", default=Plan().preset)
+    ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-engine", action="store_true",
+                    help="skip the engine-loop measurements after the variants")
     args = ap.parse_args()
     plan = Plan()
-    engine = build_engine(plan.preset, device="cuda", dtype="bfloat16", num_blocks=2048,
+    engine = build_engine(args.preset, device="cuda", dtype="bfloat16", num_blocks=2048,
                           block_size=16, max_num_seqs=4, max_model_len=plan.max_model_len,
-                          enable_prefix_caching=False, use_triton=True, use_cuda_graphs=True)
+                          enable_prefix_caching=False, use_triton=True, use_cuda_graphs=True,
+                          quantization=args.quantization)
     runner = engine.runner
     model, vocab = runner.model, engine.config.model.vocab_size
     drive(engine, random_prompts(1, 700, vocab, 0), 4)  # real KV in the first blocks
-    results = {}
     only = set(filter(None, args.variants.split(",")))
     variants = [variant("default")] + ([] if args.quick else
                                        [v for v in VARIANTS if not only or v[0] in only])
-    best = None
-    for name, setup, splits in variants:
-        setup()
-        model.backend.num_splits = splits
-        g = DecodeGraphs(engine.config, model, runner.kv_cache)
-        g.buckets = [1]
-        g.capture([1])
-        fill_static(g, 1, 640, vocab)
-        graph, hidden, _ = g.graphs[1]
-
-        def step() -> None:
-            graph.replay()
-            model.compute_logits(hidden[:1]).argmax(-1)
-
-        with torch.inference_mode():
-            ms = time_ms(step, torch.device("cuda"), reps=50)
-            ms2 = time_ms(step, torch.device("cuda"), reps=50)
-            crit = critical_by_position(graph.replay)
-        results[name] = {"step_ms": ms, "step_ms_again": ms2, **crit}
-        print(f"{name:14s} {ms:.3f} / {ms2:.3f} ms  " + " ".join(
-            f"{k}={v:.3f}" for k, v in sorted(crit["critical_ms"].items())), flush=True)
-        if best is None or ms < results[best[0]]["step_ms"]:
-            best = (name, setup, splits)
-        del g, graph
+    # the by-position table knows Qwen3-8B's five kernels per layer only
+    results = round_robin(engine, variants, vocab, args.rounds,
+                          by_position=args.preset == Plan().preset)
+    if args.no_engine:
+        return finish(results, args)
+    best = min(variants, key=lambda v: results[v[0]]["step_ms"])
     # the engine loop with the best variant's graphs: overlapped decode off / on
     name, setup, splits = best
     setup()
@@ -210,6 +280,10 @@ def main() -> None:
         print(f"{label}: {tok_s:.1f} tok/s ({name})", flush=True)
     results["replay_host_us"] = replay_probe(g)
     results["engine_timeline"] = engine_timeline(engine, vocab)
+    finish(results, args)
+
+
+def finish(results: dict, args: argparse.Namespace) -> None:
     results["device"] = torch.cuda.get_device_name()
     results["command"] = "PYTHONPATH=. python3 -m bench.lab.diag_decode " + " ".join(sys.argv[1:])
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -63,3 +63,28 @@ def test_zero_top_gives_the_tokens_own_logprobs_only(llm: LLM) -> None:
     [r] = llm.generate([PROMPT[:6]], SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert [t for t, _, _ in r.prompt_logprobs] == PROMPT[1:6]
     assert all(top == [] and c <= 0 for _, c, top in r.prompt_logprobs)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_paths_equal_the_torch_path() -> None:
+    """Triton prefill/decode kernels, CUDA graphs and overlapped decode, 16-token prefill
+    chunks: the same prompt logprobs and top ids as the torch path on the same GPU (same
+    preset weights) in one chunk, and a plain request beside it unchanged."""
+    gpu = dict(device="cuda", dtype="float32", block_size=16, num_blocks=64)
+    fast = LLM("tiny-qwen3", max_num_batched_tokens=16, use_triton=True, use_cuda_graphs=True,
+               **gpu)
+    ref = LLM("tiny-qwen3", max_num_batched_tokens=64, use_triton=False, use_cuda_graphs=False,
+              **gpu)
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    plain = SamplingParams(max_tokens=4, temperature=0)
+    prompt = PROMPT * 3  # 51 tokens: four 16-token chunks on the fast path
+    [want] = ref.generate([prompt], params)
+    got, other = fast.generate([prompt, PROMPT[:9]], [params, plain])
+    assert [t for t, _, _ in got.prompt_logprobs] == prompt[1:]
+    assert ([c for _, c, _ in got.prompt_logprobs]
+            == pytest.approx([c for _, c, _ in want.prompt_logprobs], abs=1e-3))
+    assert ([[i for i, _ in top] for _, _, top in got.prompt_logprobs]
+            == [[i for i, _ in top] for _, _, top in want.prompt_logprobs])
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert other.prompt_logprobs is None
+    assert other.outputs[0].token_ids == ref.generate([PROMPT[:9]], plain)[0].outputs[0].token_ids

@@ -78,6 +78,8 @@ def test_silu_prologue(T, device, close):
     (1, GemvConfig(8, 64), (200, 16)),  # K blocks narrower than the step, rows in one block
     (1, GemvConfig(8, 32, num_stages=4), (16, 32)),  # pipelined K loop, SCALE 1
     (1, GemvConfig(32, 64, num_stages=2), (1, 200)),  # per channel, pipelined: SCALE 2
+    (1, GemvConfig(16, 64, preload=True), (32, 64)),  # first tile before the wait: SCALE 1
+    (1, GemvConfig(64, 128, preload=True), (32, 64)),  # the same, SCALE 2
     (2, GemvConfig(8, 128), (1, 32)),  # CUDA-core kernel with 2 rows, K step cut to 32
     (3, GemvConfig(16, 128, tensor_cores=True), (32, 64)),
     (3, GemvConfig(64, 64, tensor_cores=True, split_k=3), (32, 32)),

@@ -136,12 +136,16 @@ def test_cuda_core_rows_equal_tensor_core_rows(prologue, T, device, close):
 @pytest.mark.parametrize("prologue", ["none", "norm", "silu"])
 @pytest.mark.parametrize("cfg", [GemvConfig(8, 64), GemvConfig(4, 32, num_warps=8),
                                  GemvConfig(16, 256), GemvConfig(2, 16, num_warps=1),
-                                 GemvConfig(8, 32, num_stages=3)])
+                                 GemvConfig(8, 32, num_stages=3), GemvConfig(8, 64, preload=True),
+                                 GemvConfig(4, 256, preload=True),
+                                 GemvConfig(8, 32, num_stages=3, preload=True)])
 def test_one_row_kernel_equals_rows_kernel(prologue, cfg, device, close):
     """Batch 1 runs kernels/gemv_row.py's kernel (one_row=True, the default) whatever the
     tile: K steps wider than K, narrower than a thread's 8 columns, ragged N and K, the K
-    loop pipelined through shared memory (num_stages 3), both residual fusions; the 1..4-row
-    kernel (one_row=False) gives the same, each against the reference."""
+    loop pipelined through shared memory (num_stages 3), the first tile loaded before the PDL
+    wait (preload: the step peeled off the loop; with a 256-wide step it is the only one),
+    both residual fusions; the 1..4-row kernel (one_row=False) gives the same, each against
+    the reference."""
     K, N = 203, 37
     x, w, gen = _data(1, N, K, torch.bfloat16, device, k_in=2 * K if prologue == "silu" else K,
                       stride_pad=5)

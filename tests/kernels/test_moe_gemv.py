@@ -3,6 +3,8 @@
 odd sizes: E, top_k, H and I not multiples of the tiles, FP8 scale blocks cut by the edges."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -43,6 +45,18 @@ def test_gemv_experts_match_reference_and_grouped_gemms(T, E, top_k, dtype, devi
     assert got.shape == (T, H) and got.dtype == dtype and got.is_contiguous()
     close(got, moe_experts_ref(x, w13, w2, wts, ids), dtype)
     close(got, fused_experts(x, w13, w2, wts, ids, config=TC), dtype)
+
+
+@pytest.mark.parametrize("T,E,top_k", [(1, 60, 8), (3, 61, 2)])
+def test_down_preload_equals_the_loop(T, E, top_k, device, close):
+    """preload_down (ids, routing weights and the first weight tile read before the PDL
+    wait, the first K step peeled off the loop): the same output as without, 16-wide K steps
+    over I = 36 (the peeled step, a full one, a partial one)."""
+    x, router, w13, w2 = _moe(T, E, torch.bfloat16, device, seed=4)
+    wts, ids = moe_route_ref(x, router, top_k)
+    got = fused_experts(x, w13, w2, wts, ids, config=replace(TILE, preload_down=True))
+    close(got, fused_experts(x, w13, w2, wts, ids, config=TILE), torch.bfloat16)
+    close(got, moe_experts_ref(x, w13, w2, wts, ids), torch.bfloat16)
 
 
 def test_gate_up_alone_and_default_tiles(device, close):
@@ -89,7 +103,8 @@ FP8_BLOCKS = {"square": ((16, 32), (16, 16)), "per_row": ((1, 16), (16, 32)),
 # 16-row tiles: gate_up's up rows start inside a 16-row block (I = 36), so its scales go per
 # row with the K step cut to the K block (SCALE 2), down's per K lane (SCALE 1); 4-row tiles
 # in 8-row blocks: both per K lane, K steps of 64 over K blocks of 16 / 32
-FP8_TILES = {"rows16": GemvMoeConfig(16, 64, 16, 64), "rows4": GemvMoeConfig(4, 64, 4, 64)}
+FP8_TILES = {"rows16": GemvMoeConfig(16, 64, 16, 64), "rows4": GemvMoeConfig(4, 64, 4, 64),
+             "rows4_preload": GemvMoeConfig(4, 64, 4, 16, preload_down=True)}
 
 
 @pytest.mark.parametrize("tile", sorted(FP8_TILES))
