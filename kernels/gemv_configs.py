@@ -65,10 +65,12 @@ class GemvConfig:
 # Re-chosen in the whole decode step once 16-bit GEMVs preload their first tile (pick_config;
 # bench/results/diag_preload_h200_2026-11-25.json): o_proj 4096 x 4096 16 x 1024 -> 8 x 2048
 # (Qwen3-8B step 3.926 -> 3.896 ms), 2048 x 4096 4 x 2048 -> 2 x 4096 (Qwen3-30B-A3B 2.517
-# -> 2.504); q/k/v in one K step was no faster.
+# -> 2.504), down 4096 x 12288 4 x 2048 -> 8 x 2048 on 8 warps (Qwen3-8B 3.936 -> 3.892,
+# "qwen3_8b_bf16_mlp_lm_head_tiles"); q/k/v in one K step, other gate_up and LM head tiles
+# were no faster.
 DEVICE_TILES: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {
     "H200": {(2048, 4096): (2, 4096, 4), (6144, 4096): (8, 2048, 8),
-             (4096, 4096): (8, 2048, 8), (4096, 12288): (4, 2048, 4)},
+             (4096, 4096): (8, 2048, 8), (4096, 12288): (8, 2048, 8)},
 }
 # The same for FP8 weights (kernels/fp8_scales.py), where they beat pick_config's FP8 rule
 # (Qwen3-8B's shapes on the H200, as above: qkv 4 x 2048 9.8 us, o 4 x 2048 6.6, down

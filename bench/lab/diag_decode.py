@@ -157,8 +157,8 @@ def tile(block_n: int, block_k: int, num_warps: int) -> dict:
 
 
 QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
-GATE_UP, DOWN = (24576, 4096), (4096, 12288)  # Qwen3-8B's
-SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, (151936, 4096))
+GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
+SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
             # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
             variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),
@@ -176,6 +176,13 @@ VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in S
             variant("o_8x2k_pre", {O_PROJ: {**tile(8, 2048, 8), "preload": True}}),
             variant("qkv_8x2k", {QKV: tile(8, 2048, 8)}),
             variant("qkv_8x2k_pre", {QKV: {**tile(8, 2048, 8), "preload": True}}),
+            # Qwen3-8B's MLP and LM head tiles with the preload (16-bit)
+            *[variant(f"{name}_{bn}x{bk}w{w}", {shape: tile(bn, bk, w)})
+              for name, shape, tiles in (
+                  ("gu8b", GATE_UP, ((8, 2048, 8), (16, 1024, 8), (4, 2048, 4), (8, 1024, 8))),
+                  ("dn8b", DOWN, ((8, 2048, 8), (4, 4096, 8), (2, 4096, 4), (8, 1024, 4))),
+                  ("lm8b", LM_HEAD, ((8, 2048, 8), (16, 1024, 8), (4, 1024, 4))))
+              for bn, bk, w in tiles],
             # the expert down GEMV reads its ids and first tile before its PDL wait
             variant("down_preload", moe={"preload_down": True}),
             variant("down_no_preload", moe={"preload_down": False}),
@@ -184,7 +191,9 @@ VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in S
                                                    "num_warps_up": w, "num_stages_up": st})
               for bn, bk, w, st in ((8, 1024, 4, 1), (4, 1024, 4, 1), (2, 1024, 4, 1),
                                     (4, 2048, 4, 1), (8, 2048, 8, 1), (4, 512, 4, 1),
-                                    (4, 1024, 2, 1), (16, 256, 4, 1), (8, 1024, 4, 3))],
+                                    (4, 1024, 2, 1), (16, 256, 4, 1), (8, 1024, 4, 3),
+                                    (4, 2048, 2, 1), (2, 2048, 2, 1), (8, 1024, 2, 1),
+                                    (2, 1024, 2, 1))],
             *[variant(f"dn_{bn}x{bk}w{w}s{st}", moe={"block_n_down": bn, "block_k_down": bk,
                                                    "num_warps_down": w, "num_stages_down": st})
               for bn, bk, w, st in ((2, 256, 4, 1), (1, 256, 4, 1), (2, 128, 4, 1),
