@@ -214,6 +214,27 @@ def quantize_blockwise(w: torch.Tensor, block: Block = DEFAULT_BLOCK
     return q.to(FP8_DTYPE), scales
 
 
+@torch.no_grad()
+def quantize_sources(w: torch.Tensor, starts: list[int], block: Block = DEFAULT_BLOCK
+                     ) -> tuple[torch.Tensor, torch.Tensor, Block]:
+    """A merged parameter w [..., N, K] whose sources start at rows `starts` -> (W8, scales,
+    block), each source quantized on its own block grid, as an FP8 checkpoint stores it
+    (quantize_blockwise), so that no block mixes two sources (q's rows with k's: their
+    magnitudes differ, and a shared amax coarsens the smaller). When a source starts inside
+    a row block, the scales go per row, block (1, bk), as merged_block() lays out such a
+    checkpoint's."""
+    rows = w.shape[-2]
+    if all(s % block[0] == 0 for s in starts):
+        return (*quantize_blockwise(w, block), block)
+    bounds = [*starts, rows]
+    w8s, scales = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        q, sc = quantize_blockwise(w[..., a:b, :], block)
+        w8s.append(q)
+        scales.append(sc.repeat_interleave(block[0], dim=-2)[..., :b - a, :])
+    return torch.cat(w8s, dim=-2), torch.cat(scales, dim=-2), (1, block[1])
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block: Block,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ (W8 [N, K] * block scales [gn, gk]).T (+ bias) -> [T, N] in x.dtype.

@@ -19,6 +19,7 @@ from pdserve.engine.model.fp8 import (
     grid_shape,
     merged_block,
     quantize_blockwise,
+    quantize_sources,
 )
 from pdserve.engine.model.moe import Experts
 
@@ -83,20 +84,24 @@ def convert_empty(model: nn.Module, spec: QuantSpec) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, block: Block = DEFAULT_BLOCK) -> int:
-    """--quantization fp8: quantize a loaded float model's target modules block-wise in place
-    (each merged parameter as one matrix, so no scale grid straddles a source). Returns how
-    many modules were quantized; FP8 ones already there are left as they are."""
+    """--quantization fp8: quantize a loaded float model's target modules block-wise in place,
+    each merged source (q/k/v, gate/up) on its own grid as an FP8 checkpoint of the model
+    would hold it (fp8.quantize_sources: no block mixes two sources). Returns how many
+    modules were quantized; FP8 ones already there are left as they are."""
     done = 0
     for name, module in _targets(model):
         if isinstance(module, Experts):
             if module.w13_scale is None:
-                (w13, s13), (w2, s2) = (quantize_blockwise(module.w13, block),
-                                        quantize_blockwise(module.w2, block))
-                _set_experts(module, w13, w2, s13, s2, (block, block))
+                inter = module.w13.shape[1] // 2
+                w13, s13, b13 = quantize_sources(module.w13, [0, inter], block)
+                w2, s2 = quantize_blockwise(module.w2, block)
+                _set_experts(module, w13, w2, s13, s2, (b13, block))
                 done += 1
             continue
-        w8, scales = quantize_blockwise(module.weight, block)
-        fp8 = Fp8Linear(module.in_features, module.out_features, block, module.bias)
+        w8, scales, blk = quantize_sources(module.weight,
+                                           _row_starts(model, name, module.weight.shape[0]),
+                                           block)
+        fp8 = Fp8Linear(module.in_features, module.out_features, blk, module.bias)
         fp8.weight.data, fp8.weight_scale.data = w8, scales
         _replace(model, name, fp8.to(w8.device))
         done += 1

@@ -22,7 +22,14 @@ from pdserve.engine.core.config import ConfigError
 from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
-from pdserve.engine.model.fp8 import FP8_DTYPE, Fp8Linear, dequantize, fp8_linear, quantize_blockwise
+from pdserve.engine.model.fp8 import (
+    FP8_DTYPE,
+    Fp8Linear,
+    dequantize,
+    fp8_linear,
+    quantize_blockwise,
+    quantize_sources,
+)
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.model.weights import WeightsError, load_hf
 
@@ -225,6 +232,24 @@ def test_seam_and_quantizer_round_trip() -> None:
     torch.testing.assert_close(fp8_linear(x, w8, s, (128, 128)), x @ back.T)
 
 
+def test_merged_sources_are_quantized_on_their_own_grids() -> None:
+    """q rows 1e5 times larger than k's: quantized as one matrix, the 128-row block over
+    q's last and k's first rows takes q's amax and k's rows there lose all precision; per
+    source (quantize_sources), every k row stays within half an e4m3 step of k's own amax.
+    Sources on block boundaries keep the block."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = 1e3 * torch.randn(100, 160, generator=gen), 1e-2 * torch.randn(60, 160, generator=gen)
+    w = torch.cat([q, k])
+    w8, s, block = quantize_sources(w, [0, 100], (128, 128))
+    assert block == (1, 128) and s.shape == (160, 2)
+    back = dequantize(w8, s, block)
+    assert ((back[100:] - k).abs() <= k.abs().max() * 2 ** -4 + 1e-9).all()
+    mixed = dequantize(*quantize_blockwise(w, (128, 128)), (128, 128))
+    assert not ((mixed[100:] - k).abs() <= k.abs().max() * 2 ** -4 + 1e-9).all()
+    aligned = quantize_sources(torch.cat([q[:64], k]), [0, 64], (64, 128))
+    assert aligned[2] == (64, 128) and aligned[1].shape == (2, 2)
+
+
 def _relative_error(folder: Path, seeds: range) -> list[float]:
     """||fp8 logits - float logits|| / ||float logits|| over 12-token prompts."""
     ref, _, _ = load_model(str(folder))
@@ -274,7 +299,9 @@ def test_quantize_at_load_of_moe_experts(tmp_path: Path) -> None:
     tiny("qwen3_moe").save_pretrained(tmp_path)
     q, _, _ = load_model(str(tmp_path), quantization="fp8")
     assert q.layers[0].mlp.experts.w13.dtype == FP8_DTYPE
-    assert q.layers[0].mlp.experts.w13_scale.shape == (4, 2, 2)  # [E, ceil(144/128), ceil(160/128)]
+    # gate/up each on its own grid; up starts at row 72, inside a block: per-row scales
+    assert q.layers[0].mlp.experts.blocks == ((1, 128), (128, 128))
+    assert q.layers[0].mlp.experts.w13_scale.shape == (4, 144, 2)  # [E, 2I, ceil(160/128)]
     assert max(_relative_error(tmp_path, range(5, 8))) <= 0.35
 
 
