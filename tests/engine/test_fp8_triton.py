@@ -24,7 +24,7 @@ from pdserve.engine.model.fp8_convert import check_fp8_kernels, quantize_model  
 from pdserve.engine.model.presets import get_preset  # noqa: E402
 from pdserve.engine.model.triton_attention import TritonAttentionBackend  # noqa: E402
 from pdserve.engine.model.weights import load_hf, random_model  # noqa: E402
-from pdserve.kernels._triton import interpreter_problem  # noqa: E402
+from pdserve.kernels._triton import interpreter_problem, interpreting  # noqa: E402
 
 from tests.engine.hf_families import Paged, assert_match, prompt  # noqa: E402
 from tests.engine.test_fp8 import tiny, write_fp8  # noqa: E402
@@ -35,6 +35,9 @@ def _kernels_runnable() -> None:
     problem = interpreter_problem()
     if problem is not None:
         pytest.skip(problem)
+    if not interpreting():  # Paged keeps the model and its KV cache on the CPU
+        pytest.skip("CPU tensors: these run in the interpreter (TRITON_INTERPRET=1); "
+                    "tests/kernels and tests/engine/test_triton_path cover the GPU")
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
