@@ -39,7 +39,11 @@ from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.handshake import HandshakeError, IncompatiblePeerError
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
-from pdserve.proto.convert import logprob_to_proto, logprobs_to_proto, params_from_proto
+from pdserve.proto.convert import (
+    logprob_to_proto,
+    params_from_proto,
+    prompt_logprobs_to_proto,
+)
 from pdserve.proto.rpc import make_channel
 from pdserve.worker.runtime import WorkerRuntime, peer_from_proto
 
@@ -296,7 +300,7 @@ class DecodeService:
         for tok, lp in zip(out.new_token_ids, out.new_logprobs):
             msg.logprobs.append(logprob_to_proto(tok, lp))
         if out.prompt_logprobs:  # a request prefilled here
-            msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
+            msg.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
         if out.finished:
             msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
                                         completion_tokens=out.num_output_tokens,

@@ -23,7 +23,7 @@ from pdserve.engine.core.config import (
     SpecConfig,
 )
 from pdserve.engine.core.engine_args import EngineArgs
-from pdserve.engine.core.outputs import RequestOutput
+from pdserve.engine.core.outputs import PromptLogprob, RequestOutput
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import TPGroup
@@ -58,8 +58,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[Completion]
     num_cached_tokens: int = 0
-    # with prompt_logprobs: prompt token i + 1's (id, logprob, top-N) given tokens 0..i
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # with prompt_logprobs: prompt token i + 1's given tokens 0..i
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 def default_device() -> str:

@@ -28,7 +28,11 @@ from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.sampling_params import InvalidRequestError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.proto import pdserve_pb2 as pb
-from pdserve.proto.convert import logprob_to_proto, logprobs_to_proto, params_from_proto
+from pdserve.proto.convert import (
+    logprob_to_proto,
+    params_from_proto,
+    prompt_logprobs_to_proto,
+)
 from pdserve.worker.runtime import WorkerRuntime
 
 
@@ -99,7 +103,7 @@ class PrefillService:
         if out.new_logprobs:
             res.first_logprob.CopyFrom(logprob_to_proto(token, out.new_logprobs[-1]))
         if out.prompt_logprobs:
-            res.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
+            res.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
         if out.hidden is not None:
             res.last_hidden_state = out.hidden.numpy().astype("<f4").tobytes()
         res.stages.prefill = time.monotonic() - arrival

@@ -1,6 +1,7 @@
 """Conversions between wire messages (proto/pdserve.proto) and engine types."""
 from __future__ import annotations
 
+from pdserve.engine.core.outputs import PromptLogprob
 from pdserve.engine.core.sampling_params import SamplingParams, StructuredOutput
 from pdserve.proto import pdserve_pb2 as pb
 
@@ -71,9 +72,22 @@ def logprob_to_proto(token_id: int, lp: tuple[float, list[tuple[int, float]]]) -
 
 def logprobs_to_proto(lps: list[tuple[int, float, list[tuple[int, float]]]]
                       ) -> list[pb.TokenLogprob]:
-    """[(token id, logprob, [(top id, logprob), ...])] (prompt logprobs, the router's deltas)."""
+    """[(token id, logprob, [(top id, logprob), ...])] (the router's deltas)."""
     return [logprob_to_proto(token, (chosen, top)) for token, chosen, top in lps]
 
 
 def logprob_from_proto(msg: pb.TokenLogprob) -> tuple[float, list[tuple[int, float]]]:
     return msg.logprob, [(t.token_id, t.logprob) for t in msg.top]
+
+
+def prompt_logprobs_to_proto(lps: list[PromptLogprob]) -> list[pb.TokenLogprob]:
+    """Prompt logprobs (engine/core/outputs.py PromptLogprob), each with its rank."""
+    return [pb.TokenLogprob(token_id=token, logprob=chosen, rank=rank,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+            for token, chosen, top, rank in lps]
+
+
+def prompt_logprobs_from_proto(msgs) -> list[PromptLogprob]:
+    """The inverse of prompt_logprobs_to_proto (msgs: a repeated TokenLogprob field)."""
+    return [(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top], m.rank)
+            for m in msgs]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.engine.core.outputs import PromptLogprob
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.convert import logprob_from_proto
 
@@ -22,8 +23,8 @@ class Delta:
     finish_reason: str | None = None
     completion_tokens: int = 0  # set on the last delta
     cached_tokens: int = 0
-    # on the first delta, with prompt_logprobs: prompt token i + 1 as (id, logprob, top)
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # on the first delta, with prompt_logprobs: prompt token i + 1's given tokens 0..i
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 def logprobs_of(msgs: Sequence[pb.TokenLogprob]) -> list[tuple[int, float, list[tuple[int, float]]]]:

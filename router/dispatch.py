@@ -27,7 +27,7 @@ import grpc
 from pdserve.engine.core.block_manager import compute_block_hashes
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
-from pdserve.proto.convert import params_to_proto
+from pdserve.proto.convert import params_to_proto, prompt_logprobs_from_proto
 from pdserve.router.deltas import Delta, logprobs_of
 from pdserve.router.errors import (
     BadRequest,
@@ -354,7 +354,7 @@ class ChoiceRun:
     def _keep_prompt_logprobs(self, lps: Sequence[pb.TokenLogprob]) -> None:
         """The first prompt logprobs a worker sends (a continued stream's are not new)."""
         if lps and self.prompt_lps is None:
-            self.prompt_lps = logprobs_of(lps)
+            self.prompt_lps = prompt_logprobs_from_proto(lps)
 
     def _emit(self, delta: Delta) -> None:
         if self.prompt_lps is not None and not self.prompt_lps_sent:

@@ -24,7 +24,7 @@ import grpc
 from pdserve.engine.core.sampling_params import InvalidRequestError
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
-from pdserve.proto.convert import logprobs_to_proto, params_from_proto
+from pdserve.proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto
 from pdserve.proto.rpc import TLSConfig, api_key_interceptor, make_server
 from pdserve.router.core import Job, RouterCore
 from pdserve.router.deltas import Delta
@@ -147,7 +147,7 @@ def _to_proto(request_id: str, d: Delta) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=request_id, index=d.index, text=d.text,
                               token_ids=d.token_ids, finish_reason=d.finish_reason or "")
     msg.logprobs.extend(logprobs_to_proto(d.logprobs))
-    msg.prompt_logprobs.extend(logprobs_to_proto(d.prompt_logprobs or []))
+    msg.prompt_logprobs.extend(prompt_logprobs_to_proto(d.prompt_logprobs or []))
     return msg
 
 

@@ -39,6 +39,7 @@ from pdserve.router.responses import (
     completion_choice,
     echoed,
     usage_body,
+    vllm_prompt_logprobs,
 )
 from pdserve.router.tokenize import detokenize, tokenize
 
@@ -256,20 +257,30 @@ async def _disconnected(request: Request) -> None:
 def _echoed(parsed: ParsedRequest, d: Delta, fe) -> Delta:
     """Choice d.index's prompt in front of its first delta (completions fan out n choices
     per prompt, in prompt order)."""
-    return echoed(d, parsed.prompts[d.index // parsed.params.n], fe, parsed.logprobs)
+    top = parsed.params.logprobs if parsed.logprobs else None
+    return echoed(d, parsed.prompts[d.index // parsed.params.n], fe, top)
 
 
 def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> dict:
+    top = parsed.prompt_logprobs  # vLLM's field: per choice (completions) or per response
+    extra: dict = {}
     if parsed.kind == "chat":
         choices = [chat_choice(d, fe, parsed.logprobs, parsed.tool_format) for d in deltas]
         obj = "chat.completion"
+        if top is not None:
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(
+                next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None), top, fe)
     else:
         if parsed.echo:
             deltas = [_echoed(parsed, d, fe) for d in deltas]
         choices = [completion_choice(d, fe, parsed.logprobs) for d in deltas]
+        if top is not None:
+            for choice, d in zip(choices, deltas):
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(d.prompt_logprobs, top, fe)
         obj = "text_completion"
     prompt_tokens = sum(len(p) for p in parsed.prompts)
-    return {**head, "object": obj, "choices": choices, "usage": usage_body(prompt_tokens, deltas)}
+    return {**head, "object": obj, "choices": choices, **extra,
+            "usage": usage_body(prompt_tokens, deltas)}
 
 
 async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], first: Delta,

@@ -53,6 +53,8 @@ class ParsedRequest:
     checks: list[Check] = field(default_factory=list)
     tool_format: ToolFormat | None = None  # chat with tools offered: parse calls out of text
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
+    # vLLM's prompt_logprobs field: the top N per prompt token, rendered in vLLM's shape
+    prompt_logprobs: int | None = None
 
 
 def _get(body: dict, name: str, what: str, default: object = None) -> object:
@@ -140,6 +142,19 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _get(opts, "include_usage", _BOOL, False)
 
 
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: N in [0, MAX_LOGPROBS]; not with stream (as vLLM refuses it)."""
+    n = _get(body, "prompt_logprobs", _INT)
+    if n is None:
+        return None
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise BadRequest(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {n}",
+                         param="prompt_logprobs")
+    if stream:
+        raise BadRequest("prompt_logprobs: not available with stream", param="prompt_logprobs")
+    return n
+
+
 def _build_params(kw: dict, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
@@ -152,7 +167,6 @@ def _build_params(kw: dict, max_tokens: int) -> SamplingParams:
 # "off", why).
 _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "suffix": ((None, ""), "not supported"),
-    "prompt_logprobs": ((None,), "not supported"),
     "use_beam_search": ((None, False), "not supported"),
     "include_stop_str_in_output": ((None, False), "not supported"),
     "chat_template": ((None,), "not supported: the model's own chat template is used"),
@@ -231,16 +245,19 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
             raise BadRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {lp}", param="logprobs")
         kw["logprobs"] = lp
     echo = _get(body, "echo", _BOOL, False)
-    if echo and lp is not None:  # the prompt's logprobs lead the choice's (lm-eval's scoring)
-        kw["prompt_logprobs"] = lp
     stream, usage = _stream_flags(body)
+    want_prompt = _prompt_logprobs(body, stream)
+    # echo with logprobs: the prompt's logprobs lead the choice's (lm-eval's scoring)
+    tops = [n for n in (lp if echo else None, want_prompt) if n is not None]
+    if tops:
+        kw["prompt_logprobs"] = max(tops)
     max_tokens = _get(body, "max_tokens", _INT, 16)
     if body.get("tools"):
         raise BadRequest("tools: only /v1/chat/completions takes tools", param="tools")
     kw["structured"], checks = output_constraint(body)  # response_format, structured_outputs
     params = _build_params(kw, max_tokens)
     return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
-                         checks, echo=echo)
+                         checks, echo=echo, prompt_logprobs=want_prompt)
 
 
 # -- chat -------------------------------------------------------------------------------------
@@ -319,6 +336,9 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     if want:
         kw["logprobs"] = top or 0
     stream, usage = _stream_flags(body)
+    want_prompt = _prompt_logprobs(body, stream)
+    if want_prompt is not None:
+        kw["prompt_logprobs"] = want_prompt
     max_tokens = _get(body, "max_completion_tokens", _INT)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", _INT)
@@ -326,4 +346,5 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
         max_tokens = default_max_tokens(len(ids))
     params = _build_params(kw, max_tokens)
     parsing = fmt if tools is not None and tools.choice != "none" else None
-    return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing)
+    return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing,
+                         prompt_logprobs=want_prompt)

@@ -1,10 +1,11 @@
 """OpenAI response bodies from the router's deltas (router/dispatch.py Delta): usage, the
-legacy completions logprobs, chat logprobs, whole choices and streamed chunk choices, and
-the echoed prompt of /v1/completions."""
+legacy completions logprobs, chat logprobs, whole choices and streamed chunk choices, the
+echoed prompt of /v1/completions and vLLM's prompt_logprobs."""
 from __future__ import annotations
 
 import dataclasses
 
+from pdserve.engine.core.outputs import PromptLogprob
 from pdserve.router.deltas import Delta
 from pdserve.router.frontend import Frontend
 from pdserve.router.tools import ToolFormat, ToolStream, chunk_delta
@@ -33,14 +34,32 @@ def completion_logprobs(d: Delta, fe: Frontend, offset: int) -> dict:
             "text_offset": offsets}
 
 
-def echoed(d: Delta, prompt: list[int], fe: Frontend, want_lp: bool) -> Delta:
+def echoed(d: Delta, prompt: list[int], fe: Frontend, top: int | None) -> Delta:
     """A choice's first delta with its prompt in front (echo): the prompt's text, and with
-    logprobs its tokens' (the first has none; the others came back from the prefill)."""
+    logprobs (top: their N) its tokens' (the first has none; the others came back from the
+    prefill, which may have kept more alternatives for vLLM's prompt_logprobs)."""
     text = fe.tokenizer.decode(prompt) if fe.tokenizer is not None else ""
     lps = d.logprobs
-    if want_lp:
-        lps = [(prompt[0], None, []), *(d.prompt_logprobs or []), *lps]
+    if top is not None:
+        lps = [(prompt[0], None, []),
+               *((t, lp, alts[:top]) for t, lp, alts, _ in d.prompt_logprobs or []), *lps]
     return dataclasses.replace(d, text=text + d.text, logprobs=lps)
+
+
+def vllm_prompt_logprobs(lps: list[PromptLogprob] | None, top: int, fe: Frontend
+                         ) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id:
+    {logprob, rank, decoded_token}} for the token itself and the top N there (ranks 1..N)."""
+    def entry(tok: int, lp: float, rank: int) -> dict:
+        return {"logprob": lp, "rank": rank, "decoded_token": fe.token_text(tok)}
+
+    out: list[dict | None] = [None]
+    for tok, lp, alts, rank in lps or []:
+        pos = {str(tok): entry(tok, lp, rank)}
+        for i, (t, v) in enumerate(alts[:top]):
+            pos.setdefault(str(t), entry(t, v, i + 1))
+        out.append(pos)
+    return out
 
 
 def chat_logprobs(d: Delta, fe: Frontend) -> dict:

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# (token id, logprob) of the top N at a position
+TopLogprobs = list[tuple[int, float]]
+# prompt token i + 1 given tokens 0..i: (its id, its logprob, the top N there, its rank = 1 +
+# how many vocabulary entries score higher)
+PromptLogprob = tuple[int, float, TopLogprobs, int]
+
 
 @dataclass
 class RequestOutput:
@@ -19,9 +25,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     hidden: object | None = None  # torch.Tensor [hidden] pre-norm, when the step kept it
-    # on a request's first output, with prompt_logprobs: prompt token i + 1's (id, logprob,
-    # top-N)
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # on a request's first output, with prompt_logprobs: one entry per prompt token after the
+    # first
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.core.outputs import PromptLogprob
 from pdserve.engine.core.sampling_params import SamplingParams
 
 
@@ -52,9 +53,9 @@ class Request:
     output_token_counts: dict[int, int] = field(default_factory=dict)
     # logprobs per output token: (chosen logprob, [(token, logprob), ...top-N])
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    # with sampling_params.prompt_logprobs: entry i is prompt token i + 1's (id, logprob,
-    # top-N) given the tokens before it, filled chunk by chunk during prefill
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    # with sampling_params.prompt_logprobs: entry i is prompt token i + 1's given the tokens
+    # before it, filled chunk by chunk during prefill
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

@@ -1,6 +1,7 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs): in each prefill chunk, the logprob of
-every prompt token given the tokens before it, and the top N at its position -- what
-lm-eval-harness's loglikelihood tasks read through /v1/completions with echo.
+every prompt token given the tokens before it, its rank there (vLLM's: 1 + how many
+vocabulary entries score higher) and the top N at its position -- what lm-eval-harness's
+loglikelihood tasks read through /v1/completions with echo, and vLLM's prompt_logprobs.
 
 A chunk of `q` rows at positions start..start+q-1 scores the prompt tokens at positions
 start+1..start+q (those inside the prompt): row j's logits predict token start+j+1. The
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.core.outputs import PromptLogprob
 from pdserve.engine.core.scheduler_output import SchedulerOutput
 from pdserve.engine.exec.device_io import rows_of
 
-# (prompt token id, its logprob, [(top id, logprob), ...])
-PromptLogprob = tuple[int, float, list[tuple[int, float]]]
 ROWS_PER_SLICE = 256
 
 
@@ -47,9 +47,10 @@ def _score(model: torch.nn.Module, hidden: torch.Tensor, rows: list[int], target
         sl = rows[a:a + ROWS_PER_SLICE]
         logp = torch.log_softmax(model.compute_logits(rows_of(hidden, sl)), dim=-1)  # [R, V]
         want = torch.tensor(targets[a:a + len(sl)], dtype=torch.int64, device=logp.device)
-        chosen = logp.gather(1, want[:, None])[:, 0].tolist()
+        chosen = logp.gather(1, want[:, None])  # [R, 1]
+        ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()  # vLLM's rank: 1 = the top
         top_lp, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
-        for t, c, lps, ids in zip(targets[a:a + len(sl)], chosen, top_lp.tolist(),
-                                  top_ids.tolist()):
-            out.append((t, c, [(int(i), v) for i, v in zip(ids, lps)]))
+        for t, c, lps, ids, r in zip(targets[a:a + len(sl)], chosen[:, 0].tolist(),
+                                     top_lp.tolist(), top_ids.tolist(), ranks):
+            out.append((t, c, [(int(i), v) for i, v in zip(ids, lps)], int(r)))
     return out

@@ -145,39 +145,77 @@ def test_min_tokens_holds_eos_back_on_both_sides_of_the_split(client):
     assert held.choices[0].message.content.startswith(plain.choices[0].message.content)
 
 
-def test_echo_with_logprobs_scores_the_prompt_through_the_split(server, client, frontend):
-    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 1): the prompt
-    leads the text and the logprobs, its first token without one; the prefill worker's
-    prompt logprobs equal the offline engine's; streamed equals not streamed."""
+SCORED = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.fixture(scope="module")
+def offline_scored(frontend):
+    """The offline engine's prompt logprobs (top 3, with ranks) of SCORED: the reference."""
     from pdserve.engine.core.sampling_params import SamplingParams
     from pdserve.engine.llm import LLM
 
+    ids = frontend.encode_prompt(SCORED)
+    [out] = LLM(None, device="cpu", dtype="float32").generate(
+        [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))
+    return ids, out.prompt_logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt_through_the_split(server, client, offline_scored):
+    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 1): the prompt
+    leads the text and the logprobs, its first token without one; the prefill worker's
+    prompt logprobs equal the offline engine's; streamed equals not streamed."""
     model = client.models.list().data[0].id
-    prompt = "The capital of France is Paris, and the capital of Italy is"
-    ids = frontend.encode_prompt(prompt)
-    kw = dict(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    ids, offline = offline_scored
+    kw = dict(model=model, prompt=SCORED, max_tokens=1, temperature=0, echo=True, logprobs=2)
     comp = client.completions.create(**kw)
     lp = comp.choices[0].logprobs
-    assert comp.choices[0].text.startswith(prompt)
+    assert comp.choices[0].text.startswith(SCORED)
     assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
     assert lp.top_logprobs[0] is None and all(len(t) <= 2 for t in lp.top_logprobs[1:])
-    [offline] = LLM(None, device="cpu", dtype="float32").generate(
-        [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
-    assert lp.token_logprobs[1:len(ids)] == pytest.approx(
-        [c for _, c, _ in offline.prompt_logprobs], abs=1e-3)
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([c for _, c, *_ in offline], abs=1e-3)
     chunks = list(client.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == comp.choices[0].text
     assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
-    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True,
+    plain = client.completions.create(model=model, prompt=SCORED, max_tokens=1, echo=True,
                                       temperature=0)
     assert plain.choices[0].text == comp.choices[0].text and plain.choices[0].logprobs is None
     with make_channel(server.grpc_address) as ch:  # the gRPC face: prompt_logprobs as asked
-        req = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(
+        req = pb.GenerateRequest(prompt=SCORED, params=pb.SamplingParams(
             max_tokens=1, temperature=0, prompt_logprobs=2))
         [msg] = pbg.PdserveStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=120)
     assert [p.token_id for p in msg.prompt_logprobs] == ids[1:]
     assert [p.logprob for p in msg.prompt_logprobs] == pytest.approx(lp.token_logprobs[1:len(ids)],
                                                                      abs=1e-5)
+    assert [p.rank for p in msg.prompt_logprobs] == [r for *_, r in offline]
+
+
+def test_vllm_prompt_logprobs_field_through_the_split(client, frontend, offline_scored):
+    """vLLM's prompt_logprobs (extra_body): per completion choice, and per chat response,
+    None for the first prompt token, then {token id: {logprob, rank, decoded_token}} for the
+    token itself and the top N, ranks as the offline engine's; echo's own top stays at its
+    logprobs count."""
+    model = client.models.list().data[0].id
+    ids, offline = offline_scored
+    comp = client.completions.create(model=model, prompt=SCORED, max_tokens=1, temperature=0,
+                                     echo=True, logprobs=1, extra_body={"prompt_logprobs": 3})
+    choice = comp.model_dump()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for pos, tok, (_, lp, alts, rank) in zip(got[1:], ids[1:], offline):
+        assert pos[str(tok)]["logprob"] == pytest.approx(lp, abs=1e-3)
+        assert pos[str(tok)]["rank"] == rank
+        assert pos[str(tok)]["decoded_token"] == frontend.token_text(tok)
+        assert {str(t) for t, _ in alts} <= set(pos) and len(pos) <= 4
+        assert min(e["rank"] for e in pos.values()) == 1  # the top 3 were asked for
+    assert all(len(t) <= 1 for t in choice["logprobs"]["top_logprobs"][1:])
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=1,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    body = chat.model_dump()
+    assert len(body["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert body["prompt_logprobs"][0] is None
+    assert all(len(pos) == 1 and next(iter(pos.values()))["rank"] >= 1
+               for pos in body["prompt_logprobs"][1:])
 
 
 def test_openai_n_stop_and_logprobs(client):

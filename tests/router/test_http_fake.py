@@ -181,7 +181,8 @@ BAD = [
                               "logit_bias": {"7": -100.01}}, 400, "logit_bias"),
     # fields other servers take and pdserve does not: refused by name, never ignored
     *[("/v1/completions", {"prompt": "hi", name: value}, 400, name) for name, value in (
-        ("echo", "yes"), ("suffix", "x"), ("prompt_logprobs", 1),
+        ("echo", "yes"), ("suffix", "x"),
+        ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", "2"),
         ("min_tokens", 17), ("min_tokens", -1),  # above the default max_tokens (16), negative
         ("use_beam_search", True), ("include_stop_str_in_output", True),
         ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
@@ -196,6 +197,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "continue_final_message": True, "add_generation_prompt": False},
      400, "continue_final_message"),
+    # vLLM's prompt_logprobs: not with stream (vLLM refuses it too)
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs"),
 ]
 
 

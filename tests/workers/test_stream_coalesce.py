@@ -42,8 +42,8 @@ def test_nothing_queued_returns_the_output_itself() -> None:
 def test_the_first_outputs_prompt_logprobs_survive_the_merge() -> None:
     """A colocated request's prompt logprobs ride on its first output only."""
     first = _out([1], "a")
-    first.prompt_logprobs = [(7, -1.5, [])]
+    first.prompt_logprobs = [(7, -1.5, [], 3)]
     q: queue.Queue = queue.Queue()
     q.put(_out([2], "b"))
     merged, _ = _coalesce(first, q)
-    assert merged.prompt_logprobs == [(7, -1.5, [])] and merged.new_token_ids == [1, 2]
+    assert merged.prompt_logprobs == [(7, -1.5, [], 3)] and merged.new_token_ids == [1, 2]
