@@ -154,8 +154,6 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         resume = self._check_resume(list(resume_output_ids), params)
         params.check_vocab(self.config.model.vocab_size)  # logit_bias ids index the logits
-        if params.prompt_logprobs is not None and self.runner.leader is not None:
-            raise InvalidRequestError("prompt_logprobs", "not supported with tensor parallelism")
         compiled = self._compiled(params)  # cached when a worker service compiled it first
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]

@@ -79,14 +79,16 @@ class Leader:
         return t
 
     def forward(self, batch: HostBatch, logits_rows: list[int], return_prenorm: bool,
-                verify_rows: list[int] | tuple[int, ...] = (), launched: bool = False) -> None:
-        """Announce a forward of `batch` whose logits the leader computes for logits_rows,
-        then (MTP verification) for verify_rows. launched: the forward launched ahead
-        (launch_ahead) is this one: the followers take its hidden states."""
+                verify_rows: list[int] | tuple[int, ...] = (), launched: bool = False,
+                prompt_slices: list[list[int]] | tuple = ()) -> None:
+        """Announce a forward of `batch` whose logits the leader computes for each of
+        prompt_slices (prompt logprobs), then for logits_rows, then (MTP verification) for
+        verify_rows. launched: the forward launched ahead (launch_ahead) is this one: the
+        followers take its hidden states."""
         flags = (proto.RETURN_PRENORM if return_prenorm else 0) | (
             proto.USE_LAUNCHED if launched else 0)
-        self.send(proto.Kind.FORWARD, proto.forward_fields(batch, logits_rows, verify_rows),
-                  flags)
+        self.send(proto.Kind.FORWARD,
+                  proto.forward_fields(batch, logits_rows, verify_rows, prompt_slices), flags)
 
     def launch_ahead(self, batch: HostBatch) -> None:
         """Announce a decode forward launched ahead (engine/exec/overlap.py): its input ids
@@ -181,10 +183,13 @@ class Follower:
                 self.launched = (batch, hidden)
                 self.steps += 1
                 return
-        # the leader's LM head all-gathers need this rank's part for these rows: sampled
-        # rows, then MTP verify rows (two calls, in the leader's order)
-        for name in ("logits_rows", "verify_rows"):
-            rows = msg.fields[name]
+        # the leader's LM head all-gathers need this rank's part for these rows, in its
+        # order: each prompt-logprob slice, the sampled rows, then MTP verify rows
+        f, at, calls = msg.fields, 0, []
+        for n in f["prompt_slices"]:
+            calls.append(f["prompt_rows"][at:at + n])
+            at += n
+        for rows in (*calls, f["logits_rows"], f["verify_rows"]):
             if rows:
                 self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
                                           as_float=False)

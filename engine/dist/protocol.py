@@ -9,8 +9,9 @@ Header: [MAGIC, VERSION, kind, seq, flags, nfields, len_0 .. len_{MAX_FIELDS-1}]
     desynchronise the ranks' collectives).
   * kind picks the schema: the field names in FIELDS, in order. A FORWARD's fields are
     HostBatch's (engine/model/attention.py) plus the rows whose logits the leader computes:
-    logits_rows (sampled), then verify_rows (MTP verification), two LM head calls in that
-    order (the followers join each collective for exactly those rows).
+    prompt_rows (prompt logprobs, one LM head call per prompt_slices length), then
+    logits_rows (sampled), then verify_rows (MTP verification), LM head calls in that order
+    (the followers join each collective for exactly those rows).
 
 Kinds: FORWARD (one model forward + its logits), COPY_BLOCKS (copy-on-write of whole blocks
 in every rank's cache), KEEPALIVE (the leader is idle but alive), STOP (leave the loop),
@@ -38,8 +39,8 @@ from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.spec.mtp_plan import MTPPlan
 
 MAGIC = 0x7064_7470  # "pdtp"
-VERSION = 3  # 2: the KV kinds; 3: MTP, FORWARD.verify_rows
-MAX_FIELDS = 12
+VERSION = 4  # 2: the KV kinds; 3: MTP, FORWARD.verify_rows; 4: FORWARD.prompt_rows
+MAX_FIELDS = 14
 HEADER_LEN = 6 + MAX_FIELDS
 MAX_PAYLOAD = 1 << 26  # int64 values: far beyond any step (tokens + block tables)
 
@@ -75,7 +76,8 @@ SHARED_HIDDEN = 1
 
 FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.FORWARD: ("input_ids", "positions", "slots", "query_lens", "seq_lens",
-                   "block_tables", "table_lens", "scalars", "logits_rows", "verify_rows"),
+                   "block_tables", "table_lens", "scalars", "logits_rows", "verify_rows",
+                   "prompt_rows", "prompt_slices"),
     Kind.COPY_BLOCKS: ("src", "dst"),
     Kind.KEEPALIVE: (),
     Kind.STOP: (),
@@ -147,14 +149,18 @@ def decode(kind: Kind, seq: int, flags: int, lens: list[int], payload: torch.Ten
 
 
 def forward_fields(batch: HostBatch, logits_rows: list[int],
-                   verify_rows: list[int] | tuple[int, ...] = ()) -> dict[str, list[int]]:
+                   verify_rows: list[int] | tuple[int, ...] = (),
+                   prompt_slices: list[list[int]] | tuple = ()) -> dict[str, list[int]]:
     """A FORWARD's fields from the leader's HostBatch (block tables flattened, their lengths
-    alongside; scalars = [block_size])."""
+    alongside; scalars = [block_size]); prompt_slices: the rows of each prompt-logprob LM
+    head call, flattened into prompt_rows with their lengths in prompt_slices."""
     return {"input_ids": batch.input_ids, "positions": batch.positions, "slots": batch.slots,
             "query_lens": batch.query_lens, "seq_lens": batch.seq_lens,
             "block_tables": [b for t in batch.block_tables for b in t],
             "table_lens": [len(t) for t in batch.block_tables], "scalars": [batch.block_size],
-            "logits_rows": logits_rows, "verify_rows": list(verify_rows)}
+            "logits_rows": logits_rows, "verify_rows": list(verify_rows),
+            "prompt_rows": [r for sl in prompt_slices for r in sl],
+            "prompt_slices": [len(sl) for sl in prompt_slices]}
 
 
 def batch_of(msg: Message) -> HostBatch:
@@ -170,9 +176,12 @@ def batch_of(msg: Message) -> HostBatch:
             raise ProtocolError(f"forward.{name}: {n} values, expected {want}")
     if sum(f["query_lens"]) != T or B == 0:
         raise ProtocolError(f"forward.query_lens: sum {sum(f['query_lens'])} != {T} tokens")
-    for name in ("logits_rows", "verify_rows"):
+    for name in ("logits_rows", "verify_rows", "prompt_rows"):
         if any(r < 0 or r >= T for r in f[name]):
             raise ProtocolError(f"forward.{name}: rows outside [0, {T})")
+    if any(n <= 0 for n in f["prompt_slices"]) or sum(f["prompt_slices"]) != len(f["prompt_rows"]):
+        raise ProtocolError(f"forward.prompt_slices: {f['prompt_slices']} do not cut "
+                            f"{len(f['prompt_rows'])} prompt_rows")
     tables, at = [], 0
     for n in f["table_lens"]:
         tables.append(f["block_tables"][at:at + n])

@@ -11,6 +11,8 @@ token chunk over a 152K vocabulary would be 1.2 GB of float32 at once.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.engine.core.outputs import PromptLogprob
@@ -20,24 +22,47 @@ from pdserve.engine.exec.device_io import rows_of
 ROWS_PER_SLICE = 256
 
 
-def prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, out: SchedulerOutput,
-                    ends: list[int]) -> dict[str, list[PromptLogprob]]:
-    """request id -> this step's prompt logprobs, in prompt order. hidden [T, H] (normed),
+@dataclass(frozen=True)
+class PromptJob:
+    """One request's prompt rows to score this step: rows of the step's hidden states,
+    targets[i] the prompt token row i predicts, top the N alternatives asked for."""
+
+    request_id: str
+    rows: list[int]
+    targets: list[int]
+    top: int
+
+
+def plan_prompt_logprobs(out: SchedulerOutput, ends: list[int]) -> list[PromptJob]:
+    """The scheduled requests with prompt_logprobs whose rows predict prompt tokens;
     ends[i]: one past the last row of scheduled request i."""
-    found: dict[str, list[PromptLogprob]] = {}
+    jobs = []
     for i, s in enumerate(out.scheduled):
         req = s.request
         top = req.sampling_params.prompt_logprobs
         if top is None:
             continue
         prompt, start, q = req.prompt_token_ids, s.start_pos, s.num_new_tokens
-        # rows whose next token is still a prompt token
-        n = max(0, min(q, len(prompt) - 1 - start))
+        n = max(0, min(q, len(prompt) - 1 - start))  # rows whose next token is a prompt token
         if n:
-            first_row = ends[i] - q
-            found[req.request_id] = _score(model, hidden, list(range(first_row, first_row + n)),
-                                           prompt[start + 1:start + 1 + n], top)
-    return found
+            first = ends[i] - q
+            jobs.append(PromptJob(req.request_id, list(range(first, first + n)),
+                                  prompt[start + 1:start + 1 + n], top))
+    return jobs
+
+
+def logits_slices(jobs: list[PromptJob]) -> list[list[int]]:
+    """The rows of each LM head call score_prompt_logprobs makes, in order (with tensor
+    parallelism the followers join each call: engine/dist/lockstep.py)."""
+    return [job.rows[a:a + ROWS_PER_SLICE] for job in jobs
+            for a in range(0, len(job.rows), ROWS_PER_SLICE)]
+
+
+def score_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor,
+                          jobs: list[PromptJob]) -> dict[str, list[PromptLogprob]]:
+    """request id -> this step's prompt logprobs, in prompt order. hidden [T, H] (normed)."""
+    return {job.request_id: _score(model, hidden, job.rows, job.targets, job.top)
+            for job in jobs}
 
 
 def _score(model: torch.nn.Module, hidden: torch.Tensor, rows: list[int], targets: list[int],

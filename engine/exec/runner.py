@@ -29,7 +29,7 @@ from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.device_io import rows_of
 from pdserve.engine.exec.kv_cache import engine_kv_cache
 from pdserve.engine.exec.overlap import DecodeAhead
-from pdserve.engine.exec.prompt_logprobs import prompt_logprobs
+from pdserve.engine.exec.prompt_logprobs import logits_slices, plan_prompt_logprobs, score_prompt_logprobs
 from pdserve.engine.exec.sampler import Sampler, SamplerState
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
@@ -171,9 +171,11 @@ class ModelRunner:
         # the LM head's rows, in the order run() computes them (a leader announces them)
         verify_rows = [r for s, last in verify
                        for r in range(last - len(s.spec_token_ids), last + 1)]
-        hidden, prenorm = self._forward(out, batch, [row for _, row in plain], verify_rows)
+        jobs = plan_prompt_logprobs(out, ends)
+        hidden, prenorm = self._forward(out, batch, [row for _, row in plain], verify_rows,
+                                        logits_slices(jobs))
         t1 = time.perf_counter()
-        result = StepResult({}, {}, {}, {}, prompt_logprobs(self.model, hidden, out, ends))
+        result = StepResult({}, {}, {}, {}, score_prompt_logprobs(self.model, hidden, jobs))
         caught_up = False  # the MTP catch-up already ran, from the sampler's device ids
         if plain:
             catch_up = self._may_catch_up_early(out, num_spec)
@@ -209,12 +211,14 @@ class ModelRunner:
         return result
 
     def _forward(self, out: SchedulerOutput, batch: HostBatch, logits_rows: list[int],
-                 verify_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                 verify_rows: list[int], prompt_slices: list[list[int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, prenorm) [T, H]: a captured graph for a decode step or a uniform verify
         step (every request verifying the same k drafts), else the eager model. With a
-        leader, the followers are told first (they join the LM head for logits_rows, then
-        for verify_rows: SpecDecoder.verify's rows), and whether the forward each of them
-        launched ahead serves this step (no graphs with TP yet)."""
+        leader, the followers are told first (they join the LM head for each of
+        prompt_slices, logits_rows, then verify_rows: SpecDecoder.verify's rows), and
+        whether the forward each of them launched ahead serves this step (no graphs with TP
+        yet)."""
         # with speculation too: a launched forward is a plain decode batch, whose hidden rows
         # (graph outputs, valid until the next replay) the sampler and the catch-up read
         # before any replay; its prenorm is an uncopied view, but run() reads prenorm only
@@ -222,7 +226,8 @@ class ModelRunner:
         launched = self.ahead.take(batch) if self.ahead is not None else None
         if self.leader is not None:
             self.leader.forward(batch, logits_rows, return_prenorm=True,
-                                verify_rows=verify_rows, launched=launched is not None)
+                                verify_rows=verify_rows, launched=launched is not None,
+                                prompt_slices=prompt_slices)
         if launched is not None:
             return launched
         k = max(batch.query_lens) - 1

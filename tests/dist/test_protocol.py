@@ -55,6 +55,20 @@ def test_forward_carries_verify_rows_after_the_sampled_rows() -> None:
                                   proto.forward_fields(_batch(), [], [4])))
 
 
+def test_forward_carries_the_prompt_logprob_calls() -> None:
+    msg = _roundtrip(proto.Kind.FORWARD, 0,
+                     proto.forward_fields(_batch(), [3], (), [[0, 1], [2]]))
+    assert msg.fields["prompt_rows"] == [0, 1, 2] and msg.fields["prompt_slices"] == [2, 1]
+    proto.batch_of(msg)
+    for rows, slices, field in (([0, 4], [2], "forward.prompt_rows"),
+                                ([0, 1], [1], "forward.prompt_slices"),
+                                ([0, 1], [2, 0], "forward.prompt_slices")):
+        fields = {**proto.forward_fields(_batch(), []), "prompt_rows": rows,
+                  "prompt_slices": slices}
+        with pytest.raises(proto.ProtocolError, match=f"^{field}"):
+            proto.batch_of(_roundtrip(proto.Kind.FORWARD, 0, fields))
+
+
 def _plan() -> MTPPlan:
     # job 0: a verify's 2 accepted rows then 2 drafts; job 1: a prefill chunk's 3 rows, no
     # drafts (only the MTP KV), a sampled request

@@ -2,8 +2,8 @@
 processes on a real gloo group) generates the same greedy tokens as at TP 1: tiny
 transformers checkpoints of Qwen3 (4 heads, 2 KV heads), Llama with 1 KV head (replicated on
 both ranks) and Qwen3-MoE (TP inside each expert) at TP 2, and SmolLM2-135M (9 heads, 3 KV
-heads) at TP 3 on 8 prompts x 32 tokens. What TP does not run yet is refused by field
-(MTP speculation at TP 2: tests/dist/test_tp_spec.py)."""
+heads) at TP 3 on 8 prompts x 32 tokens; prompt logprobs at TP 2 equal TP 1's. What TP
+does not run yet is refused by field (MTP speculation at TP 2: tests/dist/test_tp_spec.py)."""
 from __future__ import annotations
 
 import os
@@ -80,6 +80,30 @@ def test_tp3_smollm2_135m_greedy_equals_tp1() -> None:
                "My favourite colour is", "1, 2, 3, 5, 8,"]
     ref = greedy(None, 1, prompts, 32, max_model_len=256)
     assert greedy(None, 3, prompts, 32, max_model_len=256) == ref
+
+
+def test_tp2_prompt_logprobs_equal_tp1(tiny_models: dict[str, Path]) -> None:
+    """Prompt logprobs at TP 2: the follower joins each of the leader's LM head calls for
+    the prompt rows (two requests' prompts in one step: two calls), then the sampled rows of
+    the same step; logprobs, ranks and top ids equal TP 1's, beside a plain request."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (150, 40, 7)]
+    params = [SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2),
+              SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=0),
+              SamplingParams(max_tokens=3, temperature=0)]
+    runs = []
+    for tp in (1, 2):
+        with LLM(str(tiny_models["qwen3"]), device="cpu", dtype="float32", block_size=4,
+                 num_blocks=128, max_num_batched_tokens=256, tensor_parallel_size=tp) as llm:
+            runs.append(llm.generate(prompts, params))
+    ref, got = runs
+    assert [len(r.prompt_logprobs or []) for r in got] == [149, 39, 0]
+    for a, b in zip(got[:2], ref[:2]):
+        assert [lp for _, lp, *_ in a.prompt_logprobs] == pytest.approx(
+            [lp for _, lp, *_ in b.prompt_logprobs], abs=1e-4)
+        assert [(t, [i for i, _ in top], r) for t, _, top, r in a.prompt_logprobs] == \
+            [(t, [i for i, _ in top], r) for t, _, top, r in b.prompt_logprobs]
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in ref]
 
 
 def test_tp_refuses_what_it_does_not_run_yet(tiny_models: dict[str, Path]) -> None:

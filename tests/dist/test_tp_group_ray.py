@@ -44,7 +44,7 @@ def test_rank_actors_step_together_and_a_dead_rank_restarts_the_group() -> None:
     cfg = tp_ranks.tiny("qwen3", 4, 2)
     prompts = tp_ranks.prompts(cfg)
     want = _reference(cfg, prompts)
-    group = launch_tp_group("tp-test", 2, 0, num_cpus=0.5, timeout_s=6)
+    group = launch_tp_group("tp-test", 2, 0, num_cpus=0.5, timeout_s=20)
     try:
         loaded = group.call(None, "load", cfg)
         assert [(x["num_heads"], x["num_kv_heads"]) for x in loaded] == [(2, 1), (2, 1)]
@@ -57,7 +57,7 @@ def test_rank_actors_step_together_and_a_dead_rank_restarts_the_group() -> None:
         assert not group.alive()
     finally:
         group.kill()
-    again = launch_tp_group("tp-test", 2, 1, num_cpus=0.5, timeout_s=6)
+    again = launch_tp_group("tp-test", 2, 1, num_cpus=0.5, timeout_s=20)
     try:
         assert again.alive()
         again.call(None, "load", cfg)
@@ -84,7 +84,7 @@ def test_rank_actors_run_the_engine_and_come_back_after_a_rank_dies(tmp_path) ->
     with LLM(args) as llm:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         want = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-    group = launch_tp_group("tp-engine", 2, 0, num_cpus=0.5, timeout_s=6)
+    group = launch_tp_group("tp-engine", 2, 0, num_cpus=0.5, timeout_s=20)
     try:
         loaded = group.call(None, "load_engine", args)
         assert [(x["num_heads"], x["num_kv_heads"]) for x in loaded] == [(2, 1), (2, 1)]
@@ -100,7 +100,7 @@ def test_rank_actors_run_the_engine_and_come_back_after_a_rank_dies(tmp_path) ->
         assert not group.alive()
     finally:
         group.kill()
-    again = launch_tp_group("tp-engine", 2, 1, num_cpus=0.5, timeout_s=6)
+    again = launch_tp_group("tp-engine", 2, 1, num_cpus=0.5, timeout_s=20)
     try:
         again.call(None, "load_engine", args)
         assert again.call(0, "generate_ids", prompts, 8) == want
