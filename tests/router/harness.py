@@ -70,16 +70,33 @@ def wait_until(cond, timeout: float, what, interval: float = 0.1):
 
 
 class ServeProcess:
-    """`pdserve serve` as a subprocess (its own Ray instance), stopped with SIGTERM."""
+    """`pdserve serve` as a subprocess (its own Ray instance), stopped with SIGTERM.
+
+    Its ports are picked free here but bound by serve only after its workers start, and a
+    worker's own servers (gRPC, metrics on port 0) may take one of them first: serve then
+    exits with "address already in use", and it is started again on fresh ports."""
+
+    ATTEMPTS = 3
 
     def __init__(self, args: Sequence[str], api_key: str | None = None,
                  startup_timeout: float = 900, cluster_secret: str | None = None) -> None:
-        self.port, self.grpc_port = free_port(), free_port()
         self.api_key = api_key
+        for attempt in range(self.ATTEMPTS):
+            self._start(args, cluster_secret)
+            try:
+                wait_until(self._ready, startup_timeout, "pdserve serve to print 'ready'", 0.5)
+                return
+            except BaseException:
+                self.stop()
+                if attempt + 1 == self.ATTEMPTS or "address already in use" not in self.output():
+                    raise
+
+    def _start(self, args: Sequence[str], cluster_secret: str | None) -> None:
+        self.port, self.grpc_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "pdserve.router.cli", "serve", "--port", str(self.port),
                "--grpc-port", str(self.grpc_port), *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
         if cluster_secret:  # else serve makes its own, which the test never learns
             path = REPO / ".pytest_cache" / f"secret-{self.port}"
             path.parent.mkdir(exist_ok=True)
@@ -94,11 +111,6 @@ class ServeProcess:
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
-        try:
-            wait_until(self._ready, startup_timeout, "pdserve serve to print 'ready'", 0.5)
-        except BaseException:
-            self.stop()
-            raise
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
