@@ -1,12 +1,14 @@
 """Where a batch-1 decode step's time goes, per kernel of a layer, for GEMV variants (GPU).
 
-    python -m bench.lab.diag_decode [--out F.json]
+    python -m bench.lab.diag_decode [--preset qwen3-30b-a3b] [--quantization fp8]
+        [--variants preload,o_8x2k] [--rounds 7] [--no-engine] [--out F.json]
 
-Builds the Qwen3-8B-shaped engine of bench_engine (random bf16 weights, Triton, CUDA graphs),
-then for each GEMV tile variant captures the batch-1 decode graph again and reports: the
-replay's time with the LM head and argmax (median of CUDA events), and the critical path by
-kernel position in the layer (qkv, attn, o, gate_up, down): the wall time
-by which each pushed the end of the step. Last, the engine's own decode loop with overlapped
+Builds the preset's engine (default Qwen3-8B's shape; random weights, Triton, CUDA graphs),
+captures the batch-1 decode graph once per variant (VARIANTS: one-row GEMV and expert GEMV
+tiles and options), times the variants round-robin (the replay with the LM head and argmax,
+median of the rounds' medians) and, for Qwen3-8B, reports the critical path by kernel
+position in the layer (qkv, attn, o, gate_up, down): the wall time by which each pushed the
+end of the step. Last (without --no-engine), the engine's own decode loop with overlapped
 decode off and on. Prints a table; writes JSON.
 """
 from __future__ import annotations
