@@ -135,7 +135,6 @@ def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = Fal
     return replace(cfg, preload=T == 1 and elem_size > 1)
 
 
-
 def _one_row_rule(N: int, K: int, elem_size: int) -> GemvConfig:
     """The one-row tile for shapes no device table lists. 16-bit, from a sweep on an H100 at
     Qwen3-8B's shapes with the 1..4-row kernel (bench/results/gemv_sweep_h100_2026-11-22.json;

@@ -121,11 +121,11 @@ def pick_gemv_config(E: int, H: int, I: int, elem_size: int = 2,
     2.320), FP8 [8, 1024] (2.142 -> 2.018); down [top_k, 2, 256] (2.913 -> 2.815 bf16, 2.142
     -> 1.968 FP8); 16-bit gate_up on 2 warps (2.224 -> 2.202, "second_bf16"), the rest on
     4; no software pipelining (3 stages: 2.403 vs 2.414 bf16 at [8, 1024], 2.056 vs 2.018
-    FP8). down reads its ids and first tile before its PDL wait
-    (preload_down): step bf16 2.517 -> 2.420 ms, FP8 1.858 -> 1.824 (with the former kernels
-    and tiles; bench/results/diag_preload_h200_2026-11-25.json). device: its DEVICE_TILES
-    entry where there is one. The interpreter takes the biggest tiles that the shapes use
-    (it runs programs one by one)."""
+    FP8). down reads its ids and first tile before its PDL wait (preload_down): step bf16
+    2.517 -> 2.420 ms, FP8 1.858 -> 1.824 (with the former kernels and tiles;
+    bench/results/diag_preload_h200_2026-11-25.json). device: its DEVICE_TILES entry where
+    there is one. The interpreter takes the biggest tiles that the shapes use (it runs
+    programs one by one)."""
     tile = device_entry(DEVICE_TILES, device, (E, H, I, elem_size))
     if tile is not None:
         return tile

@@ -82,12 +82,14 @@ def logprob_from_proto(msg: pb.TokenLogprob) -> tuple[float, list[tuple[int, flo
 
 def prompt_logprobs_to_proto(lps: list[PromptLogprob]) -> list[pb.TokenLogprob]:
     """Prompt logprobs (engine/core/outputs.py PromptLogprob), each with its rank."""
-    return [pb.TokenLogprob(token_id=token, logprob=chosen, rank=rank,
-                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
-            for token, chosen, top, rank in lps]
+    msgs = []
+    for token, chosen, top, rank in lps:
+        msg = logprob_to_proto(token, (chosen, top))
+        msg.rank = rank
+        msgs.append(msg)
+    return msgs
 
 
 def prompt_logprobs_from_proto(msgs) -> list[PromptLogprob]:
     """The inverse of prompt_logprobs_to_proto (msgs: a repeated TokenLogprob field)."""
-    return [(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top], m.rank)
-            for m in msgs]
+    return [(m.token_id, *logprob_from_proto(m), m.rank) for m in msgs]

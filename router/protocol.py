@@ -142,15 +142,18 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _get(opts, "include_usage", _BOOL, False)
 
 
+def _logprob_count(body: dict, name: str) -> int | None:
+    """body[name]: None or a count of alternatives in [0, MAX_LOGPROBS]."""
+    n = _get(body, name, _INT)
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise BadRequest(f"{name}: must be in [0, {MAX_LOGPROBS}], got {n}", param=name)
+    return n
+
+
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     """vLLM's prompt_logprobs: N in [0, MAX_LOGPROBS]; not with stream (as vLLM refuses it)."""
-    n = _get(body, "prompt_logprobs", _INT)
-    if n is None:
-        return None
-    if not 0 <= n <= MAX_LOGPROBS:
-        raise BadRequest(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {n}",
-                         param="prompt_logprobs")
-    if stream:
+    n = _logprob_count(body, "prompt_logprobs")
+    if n is not None and stream:
         raise BadRequest("prompt_logprobs: not available with stream", param="prompt_logprobs")
     return n
 
@@ -239,10 +242,8 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     _check_unsupported(body)
     prompts = _prompts(body, fe)
     kw = _sampling_kwargs(body, fe.config.vocab_size)
-    lp = _get(body, "logprobs", _INT)
+    lp = _logprob_count(body, "logprobs")
     if lp is not None:
-        if not 0 <= lp <= MAX_LOGPROBS:
-            raise BadRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {lp}", param="logprobs")
         kw["logprobs"] = lp
     echo = _get(body, "echo", _BOOL, False)
     stream, usage = _stream_flags(body)

@@ -185,11 +185,9 @@ class Follower:
                 return
         # the leader's LM head all-gathers need this rank's part for these rows, in its
         # order: each prompt-logprob slice, the sampled rows, then MTP verify rows
-        f, at, calls = msg.fields, 0, []
-        for n in f["prompt_slices"]:
-            calls.append(f["prompt_rows"][at:at + n])
-            at += n
-        for rows in (*calls, f["logits_rows"], f["verify_rows"]):
+        f = msg.fields
+        for rows in (*proto.cut(f["prompt_rows"], f["prompt_slices"]), f["logits_rows"],
+                     f["verify_rows"]):
             if rows:
                 self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
                                           as_float=False)

@@ -148,6 +148,15 @@ def decode(kind: Kind, seq: int, flags: int, lens: list[int], payload: torch.Ten
     return Message(kind, seq, flags, fields)
 
 
+def cut(flat: list[int], lens: list[int]) -> list[list[int]]:
+    """A flattened field back into its pieces of lengths `lens` (block tables, prompt rows)."""
+    out, at = [], 0
+    for n in lens:
+        out.append(flat[at:at + n])
+        at += n
+    return out
+
+
 def forward_fields(batch: HostBatch, logits_rows: list[int],
                    verify_rows: list[int] | tuple[int, ...] = (),
                    prompt_slices: list[list[int]] | tuple = ()) -> dict[str, list[int]]:
@@ -182,10 +191,7 @@ def batch_of(msg: Message) -> HostBatch:
     if any(n <= 0 for n in f["prompt_slices"]) or sum(f["prompt_slices"]) != len(f["prompt_rows"]):
         raise ProtocolError(f"forward.prompt_slices: {f['prompt_slices']} do not cut "
                             f"{len(f['prompt_rows'])} prompt_rows")
-    tables, at = [], 0
-    for n in f["table_lens"]:
-        tables.append(f["block_tables"][at:at + n])
-        at += n
+    tables = cut(f["block_tables"], f["table_lens"])
     return HostBatch(f["input_ids"], f["positions"], f["slots"], f["query_lens"],
                      f["seq_lens"], tables, f["scalars"][0])
 
@@ -211,10 +217,7 @@ def plan_of(msg: Message) -> MTPPlan:
         raise ProtocolError(f"mtp.lens: {f['lens']} do not split {T} catch-up rows")
     if min(f["rows"]) < 0 or min(f["ks"]) < 0 or min(f["starts"]) < 0:
         raise ProtocolError("mtp.rows: negative rows, ks or starts")
-    tables, at = [], 0
-    for n in f["table_lens"]:
-        tables.append(f["block_tables"][at:at + n])
-        at += n
+    tables = cut(f["block_tables"], f["table_lens"])
     return MTPPlan(f["input_ids"], f["rows"], f["starts"], f["lens"], tables, f["ks"],
                    [bool(g) for g in f["greedy"]], f["scalars"][0])
 

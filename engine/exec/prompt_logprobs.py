@@ -51,31 +51,34 @@ def plan_prompt_logprobs(out: SchedulerOutput, ends: list[int]) -> list[PromptJo
     return jobs
 
 
+def _slices(job: PromptJob) -> list[tuple[list[int], list[int]]]:
+    """(rows, targets) of each LM head call scoring `job`."""
+    return [(job.rows[a:a + ROWS_PER_SLICE], job.targets[a:a + ROWS_PER_SLICE])
+            for a in range(0, len(job.rows), ROWS_PER_SLICE)]
+
+
 def logits_slices(jobs: list[PromptJob]) -> list[list[int]]:
     """The rows of each LM head call score_prompt_logprobs makes, in order (with tensor
     parallelism the followers join each call: engine/dist/lockstep.py)."""
-    return [job.rows[a:a + ROWS_PER_SLICE] for job in jobs
-            for a in range(0, len(job.rows), ROWS_PER_SLICE)]
+    return [rows for job in jobs for rows, _ in _slices(job)]
 
 
 def score_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor,
                           jobs: list[PromptJob]) -> dict[str, list[PromptLogprob]]:
     """request id -> this step's prompt logprobs, in prompt order. hidden [T, H] (normed)."""
-    return {job.request_id: _score(model, hidden, job.rows, job.targets, job.top)
+    return {job.request_id: [e for rows, targets in _slices(job)
+                             for e in _score(model, hidden, rows, targets, job.top)]
             for job in jobs}
 
 
 def _score(model: torch.nn.Module, hidden: torch.Tensor, rows: list[int], targets: list[int],
            top: int) -> list[PromptLogprob]:
-    out: list[PromptLogprob] = []
-    for a in range(0, len(rows), ROWS_PER_SLICE):
-        sl = rows[a:a + ROWS_PER_SLICE]
-        logp = torch.log_softmax(model.compute_logits(rows_of(hidden, sl)), dim=-1)  # [R, V]
-        want = torch.tensor(targets[a:a + len(sl)], dtype=torch.int64, device=logp.device)
-        chosen = logp.gather(1, want[:, None])  # [R, 1]
-        ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()  # vLLM's rank: 1 = the top
-        top_lp, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
-        for t, c, lps, ids, r in zip(targets[a:a + len(sl)], chosen[:, 0].tolist(),
-                                     top_lp.tolist(), top_ids.tolist(), ranks):
-            out.append((t, c, [(int(i), v) for i, v in zip(ids, lps)], int(r)))
-    return out
+    """One LM head call: rows' logprobs of their targets, ranks and top N."""
+    logp = torch.log_softmax(model.compute_logits(rows_of(hidden, rows)), dim=-1)  # [R, V]
+    want = torch.tensor(targets, dtype=torch.int64, device=logp.device)
+    chosen = logp.gather(1, want[:, None])  # [R, 1]
+    ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()  # vLLM's rank: 1 = the top
+    top_lp, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
+    return [(t, c, [(int(i), v) for i, v in zip(ids, lps)], int(r))
+            for t, c, lps, ids, r in zip(targets, chosen[:, 0].tolist(), top_lp.tolist(),
+                                         top_ids.tolist(), ranks)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.core.config import ConfigError, EngineConfig, SpecConfig
+from pdserve.engine.core.outputs import PromptLogprob
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.dist import parallel
@@ -48,7 +49,7 @@ class StepResult:
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
     hidden: dict[str, torch.Tensor]  # pre-norm last hidden state, [hidden] (prefill role / MTP)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # next step's drafts (MTP)
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # engine/exec/prompt_logprobs.py
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
 
 
 class ModelRunner:
