@@ -47,6 +47,11 @@ class GemvConfig:
     # one-row kernel: the first K step's weight tile is loaded before the PDL wait, so a
     # launch's first bytes are in flight while the kernel before it drains
     preload: bool = False
+    # one-row kernel: K columns per thread (0: one 16-byte activation load, 8 for bf16 x)
+    vec: int = 0
+    # one-row kernel: ptxas register cap per thread (0: none); fewer registers, more
+    # programs resident per SM
+    maxnreg: int = 0
 
 
 # One-row tiles (kernels/gemv_row.py) measured on a device at given shapes, where they beat
@@ -127,12 +132,28 @@ def pick_config(N: int, K: int, T: int, elem_size: int = 2, prefetch: bool = Fal
         cfg = _one_row_rule(N, K, elem_size)
     if prefetch and not interpreting():
         cfg = replace(cfg, l2_prefetch=PREFETCH_SHARE)
-    # One-row 16-bit GEMVs load their first weight tile before the PDL wait; FP8 ones do
-    # not. H200, batch-1 decode graph replay incl. LM head, round-robin medians of 7
-    # (`python -m bench.lab.diag_decode --variants preload --no-engine`,
-    # bench/results/diag_preload_h200_2026-11-25.json): Qwen3-8B bf16 4.059 -> 3.929 ms,
-    # Qwen3-30B-A3B bf16 2.590 -> 2.515, Qwen3-8B FP8 2.552 -> 2.649 (slower).
-    return replace(cfg, preload=T == 1 and elem_size > 1)
+    return _with_preload(cfg, K, elem_size) if T == 1 else cfg
+
+
+def _with_preload(cfg: GemvConfig, K: int, elem_size: int) -> GemvConfig:
+    """One-row GEMVs load their first weight tile before the PDL wait. H200, batch-1 decode
+    graph replay incl. LM head, round-robin medians of 7 (`python -m bench.lab.diag_decode
+    --variants preload --no-engine`, bench/results/diag_preload_h200_2026-11-25.json):
+    Qwen3-8B bf16 4.059 -> 3.929 ms, Qwen3-30B-A3B bf16 2.590 -> 2.515.
+    FP8 tiles are small (8 KB), and the preloaded one raised the kernel's registers (o_proj
+    62 -> 72, gate_up 64 -> 80): 6-7 instead of 8 programs of 4 warps per SM, so o_proj's
+    1024 programs no longer ran in one wave, and the step got slower (2.552 -> 2.649 ms).
+    Capped at 64 registers (ptxas, no spills at 4 x 2048 and 8 x 1024) it gains: 2.574 ->
+    2.542 and 2.535 -> 2.515 ms in two runs; the 8-warp down_proj (16 x 2048, 128
+    registers, 2 programs per SM either way) gained nothing and keeps no preload. Nor does
+    a GEMV done in one K step (Qwen3-30B-A3B's q/k/v, 5120 x 2048), whose preload is the
+    whole matrix read while the kernel before still streams: its FP8 step 1.814 -> 1.835 ms
+    with it, 1.810 without (bench/results/fp8_b1_probes_h200_2026-11-26.json)."""
+    if elem_size > 1:
+        return replace(cfg, preload=True)
+    if cfg.num_warps == 4 and cfg.block_n * cfg.block_k <= 8192 and K > cfg.block_k:
+        return replace(cfg, preload=True, maxnreg=64)
+    return cfg
 
 
 def _one_row_rule(N: int, K: int, elem_size: int) -> GemvConfig:

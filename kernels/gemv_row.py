@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._triton import jit, l2_prefetch_rows, pdl_enter, pdl_launch
+from pdserve.kernels._triton import interpreting, jit, l2_prefetch_rows, pdl_enter, pdl_launch
 from pdserve.kernels.fp8_scales import fp8_n_scales
 from pdserve.kernels.gemv_configs import GemvConfig
 
@@ -91,13 +91,14 @@ def _row_step(w, k0, acc, ss, pid, offs_n, n_ok, offs_k0, x_ptr, res_ptr, nw_ptr
               SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """One K step on the loaded weight tile w [BLOCK_N, BLOCK_K] at columns k0..: returns
-    (acc [BLOCK_N, BLOCK_K / VEC] + this step's VEC-sums, ss [BLOCK_K] + h^2 for "norm")."""
+    (acc [BLOCK_N, BLOCK_K / VEC] + this step's VEC-sums, ss [BLOCK_K / VEC] + the VEC-sums
+    of h^2 for "norm")."""
     offs_k = k0 + offs_k0
     k_ok = offs_k < K
     a, h = _row_activation(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs_k, k_ok, K, pid == 0,
                            PROLOGUE, HAS_RESIDUAL)
     if PROLOGUE == 1:
-        ss += h * h
+        ss += tl.sum(tl.reshape(h * h, [BLOCK_K // VEC, VEC]), axis=1)
     if SCALE == 1:  # one scale per column: k0 // S_BK + lane // S_BK keeps the lanes of
         # a thread provably equal (one load per thread, not one per lane)
         a = a * tl.load(s_ptr + (pid * BLOCK_N // S_BN) * stride_s + k0 // S_BK
@@ -131,7 +132,9 @@ def _gemv_row_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr,
     n_ok = offs_n < N
     offs_k0 = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
-    ss = tl.zeros([BLOCK_K], tl.float32)  # "norm": h^2 per lane, summed once after the loop
+    # "norm": h^2 summed per thread's VEC columns (like acc, [BLOCK_K] would hold BLOCK_K /
+    # threads registers through the loop: qkv 4 x 2048 80 -> 66 registers), summed after it
+    ss = tl.zeros([BLOCK_K // VEC], tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     if PF_LINES > 0:  # o_proj behind the decode attention (see kernels/gemv.py gemv)
         l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, 0, 1, PF_LINES, PF_LINE)
@@ -173,7 +176,7 @@ def gemv_one_row(x: torch.Tensor, weight: torch.Tensor, prologue: int,
         res_out = torch.empty((1, K), dtype=x.dtype, device=x.device)
     y = torch.empty((1, N), dtype=x.dtype, device=x.device)
     # VEC columns per thread: one 16-byte load of the activation (8 for 16-bit x)
-    vec = min(16 // x.element_size(), fp8["block_k"])
+    vec = min(cfg.vec or 16 // x.element_size(), fp8["block_k"])
     _gemv_row_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, fp8["w"], y, res_out,
@@ -183,5 +186,6 @@ def gemv_one_row(x: torch.Tensor, weight: torch.Tensor, prologue: int,
         BLOCK_K=fp8["block_k"], VEC=vec,
         STAGES=cfg.num_stages, PRELOAD=cfg.preload,
         W_EVICT="evict_first" if cfg.stream_weights else "", **prefetch,
-        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x))
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}))
     return y, res_out

@@ -178,6 +178,24 @@ VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in S
             variant("o_8x2k_pre", {O_PROJ: {**tile(8, 2048, 8), "preload": True}}),
             variant("qkv_8x2k", {QKV: tile(8, 2048, 8)}),
             variant("qkv_8x2k_pre", {QKV: {**tile(8, 2048, 8), "preload": True}}),
+            # FP8: 16 K columns per thread (16-byte weight loads; bench.lab.probe_fp8_vec)
+            variant("vec16", {s: {"vec": 16} for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
+            # register caps (more programs resident per SM)
+            *[variant(f"reg{r}", {s: {"maxnreg": r} for s in (QKV, O_PROJ, GATE_UP, DOWN)})
+              for r in (64, 56, 48)],
+            variant("reg64_qkv", {QKV: {"maxnreg": 64}}),
+            # FP8 preload capped at the registers of the kernel without it (64: 8 programs
+            # of 4 warps per SM; uncapped the preload takes 70-72)
+            variant("pre64", {**{s: {"preload": True, "maxnreg": 64}
+                                 for s in (QKV, O_PROJ, GATE_UP)}, DOWN: {"preload": True}}),
+            variant("pre64_nodown", {s: {"preload": True, "maxnreg": 64}
+                                     for s in (QKV, O_PROJ, GATE_UP)}),
+            variant("pre64_qkv_gu", {s: {"preload": True, "maxnreg": 64} for s in (QKV, GATE_UP)}),
+            variant("pre64_o", {O_PROJ: {"preload": True, "maxnreg": 64}}),
+            # FP8 as before the capped preload (pick_config's _with_preload)
+            variant("fp8_uncapped_no_preload", every={"preload": False, "maxnreg": 0}),
+            variant("moe_qkv_no_preload", {QKV_MOE: {"preload": False, "maxnreg": 0}}),
+            variant("moe_o_no_preload", {O_MOE: {"preload": False, "maxnreg": 0}}),
             # Qwen3-8B's MLP and LM head tiles with the preload (16-bit)
             *[variant(f"{name}_{bn}x{bk}w{w}", {shape: tile(bn, bk, w)})
               for name, shape, tiles in (

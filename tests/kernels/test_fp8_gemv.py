@@ -80,6 +80,9 @@ def test_silu_prologue(T, device, close):
     (1, GemvConfig(32, 64, num_stages=2), (1, 200)),  # per channel, pipelined: SCALE 2
     (1, GemvConfig(16, 64, preload=True), (32, 64)),  # first tile before the wait: SCALE 1
     (1, GemvConfig(64, 128, preload=True), (32, 64)),  # the same, SCALE 2
+    # as pick_config's FP8 preload: registers capped (compiled only; the interpreter has none)
+    (1, GemvConfig(4, 64, preload=True, maxnreg=64), (128, 128)),
+    (1, GemvConfig(8, 32, vec=16), (128, 128)),  # 16 K columns per thread
     (2, GemvConfig(8, 128), (1, 32)),  # CUDA-core kernel with 2 rows, K step cut to 32
     (3, GemvConfig(16, 128, tensor_cores=True), (32, 64)),
     (3, GemvConfig(64, 64, tensor_cores=True, split_k=3), (32, 32)),
