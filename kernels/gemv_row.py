@@ -133,7 +133,7 @@ def _gemv_row_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr,
     offs_k0 = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     # "norm": h^2 summed per thread's VEC columns (like acc, [BLOCK_K] would hold BLOCK_K /
-    # threads registers through the loop: qkv 4 x 2048 80 -> 66 registers), summed after it
+    # threads registers through the loop: qkv 4 x 2048 80 -> 72 registers), summed after it
     ss = tl.zeros([BLOCK_K // VEC], tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     if PF_LINES > 0:  # o_proj behind the decode attention (see kernels/gemv.py gemv)
