@@ -194,6 +194,16 @@ VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in S
             variant("pre64_o", {O_PROJ: {"preload": True, "maxnreg": 64}}),
             # FP8 as before the capped preload (pick_config's _with_preload)
             variant("fp8_uncapped_no_preload", every={"preload": False, "maxnreg": 0}),
+            # Qwen3-8B FP8 tiles with the first tile preloaded (registers capped at 64 where
+            # the uncapped kernel takes more; no spills at these tiles)
+            *[variant(f"f8{name}_{bn}x{bk}w{w}", {shape: {**tile(bn, bk, w), "preload": True,
+                                                        "maxnreg": cap}})
+              for name, shape, tiles in (
+                  ("qkv", QKV, ((8, 1024, 4, 64), (4, 1024, 4, 0), (8, 2048, 8, 64))),
+                  ("o", O_PROJ, ((8, 1024, 4, 0), (4, 1024, 4, 0), (2, 2048, 4, 0))),
+                  ("gu", GATE_UP, ((4, 2048, 4, 64), (4, 1024, 4, 0), (16, 1024, 8, 64))),
+                  ("dn", DOWN, ((8, 1024, 4, 64), (4, 2048, 4, 64), (16, 1024, 8, 64))))
+              for bn, bk, w, cap in tiles],
             variant("moe_qkv_no_preload", {QKV_MOE: {"preload": False, "maxnreg": 0}}),
             variant("moe_o_no_preload", {O_MOE: {"preload": False, "maxnreg": 0}}),
             # Qwen3-8B's MLP and LM head tiles with the preload (16-bit)
