@@ -35,6 +35,7 @@ import torch
 
 from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.core.scheduler import NoFreeBlocksError
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.handshake import HandshakeError, IncompatiblePeerError
 from pdserve.proto import pdserve_pb2 as pb
@@ -201,6 +202,9 @@ class DecodeService:
             blocks, first = self.rt.loop.call(admit)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoFreeBlocksError as e:  # fuller than the router's last health poll said:
+            # a full pool, not a fault (the router retries without holding it against us)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode_full: {e}")
         if req.prefill.HasField("first_logprob"):
             lp = req.prefill.first_logprob
             first.new_logprobs = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top])]

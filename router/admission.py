@@ -64,14 +64,20 @@ class FairGate:
 
     @contextlib.asynccontextmanager
     async def slot(self, key: Hashable) -> AsyncIterator[None]:
-        await self._acquire(key)
+        await self.acquire(key)
         try:
             yield
         finally:
-            self._held -= 1
-            self._grant()
+            self.release()
 
-    async def _acquire(self, key: Hashable) -> None:
+    def release(self) -> None:
+        """Give back a slot that acquire() granted."""
+        self._held -= 1
+        self._grant()
+
+    async def acquire(self, key: Hashable) -> None:
+        """Wait for key's turn and a free slot. Cancellable at any point (a timeout
+        around it included): a slot granted as the waiter was cancelled goes to the next."""
         if not self._waiting and self._held < max(1, self._slots()):
             self._held += 1
             return

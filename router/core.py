@@ -22,7 +22,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.router.admission import FairGate, completions_problem, timeout_problem
 from pdserve.router.deltas import Delta
 from pdserve.router.dispatch import ChoiceRun
-from pdserve.router.errors import BadRequest, Draining, Overloaded, RouterError
+from pdserve.router.errors import BadRequest, Draining, Overloaded, RequestTimeout, RouterError
 from pdserve.router.frontend import Frontend
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import DecodePolicy, PrefillPolicy
@@ -186,13 +186,29 @@ class RouterCore:
 
     async def _run(self, run: ChoiceRun, out: asyncio.Queue, key: str) -> None:
         try:
-            async with self.gate.slot(key):
+            await self._take_turn(run, key)
+            try:
                 await run.run()
+            finally:
+                self.gate.release()
             out.put_nowait(_DONE)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
             out.put_nowait(e)
+
+    async def _take_turn(self, run: ChoiceRun, key: str) -> None:
+        """The completion's decode stream slot (FairGate): waited for in the router queue,
+        counted as waiting, and never past the request's deadline (ANCHORS #1)."""
+        run.set_waiting(True)
+        try:
+            async with asyncio.timeout(max(0.0, run.remaining())):
+                await self.gate.acquire(key)
+        except TimeoutError:
+            raise RequestTimeout(f"request {run.rid}: no decode stream slot came free before "
+                                 "the deadline (all decode workers at capacity)") from None
+        finally:
+            run.set_waiting(False)
 
     async def _merge(self, out: asyncio.Queue, total: int, job: Job) -> AsyncIterator[Delta]:
         """Deltas as the completions produce them, until all `total` have ended."""

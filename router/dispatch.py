@@ -138,7 +138,7 @@ class ChoiceRun:
     # -- plan ------------------------------------------------------------------------------
     async def _plan(self, excluded: set[str]) -> tuple[WorkerState | None, WorkerState]:
         """Reserve a D (and a P) with room; wait in the router queue while none has any."""
-        self._set_waiting(True)
+        self.set_waiting(True)
         try:
             while True:
                 changed = self.pool.changed_event()
@@ -160,7 +160,7 @@ class ChoiceRun:
                 except TimeoutError:
                     pass
         finally:
-            self._set_waiting(False)
+            self.set_waiting(False)
 
     async def _plan_continuation(self, dead: set[tuple[str, str]]) -> WorkerState:
         """Reserve a decode worker other than those that failed this stream; wait while the
@@ -210,7 +210,7 @@ class ChoiceRun:
             return None, d
         return p, d
 
-    def _set_waiting(self, waiting: bool) -> None:
+    def set_waiting(self, waiting: bool) -> None:
         m = self.core.metrics
         if waiting != self.waiting:
             m.waiting.labels(**m.labels).inc(1 if waiting else -1)
@@ -328,6 +328,9 @@ class ChoiceRun:
         if code == grpc.StatusCode.FAILED_PRECONDITION and p is not None:
             d.peers.discard((p.worker_id, p.incarnation))  # re-introduce before the next try
             raise Retry("peer", p.worker_id, details) from e
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # D's KV pool (or its RPC slots) was
+            # fuller than its last health report: retry elsewhere, never a fault (ANCHORS #4)
+            raise Retry("decode_full", d.worker_id, details) from e
         self.pool.report_failure(d, code)
         raise Retry("decode", d.worker_id, f"{code.name}: {details}", d.incarnation) from e
 

@@ -53,8 +53,13 @@ class ClientGone(Exception):
     pass
 
 
-def error_response(e: RouterError) -> JSONResponse:
-    headers = {"Retry-After": str(int(e.retry_after_s))} if e.retry_after_s is not None else None
+def error_response(e: RouterError, retry_after_s: float | None = None) -> JSONResponse:
+    """e's JSON body and status. A 429 or 503 always says when to come back: e's own
+    Retry-After, else retry_after_s (the router's configured one)."""
+    after = e.retry_after_s
+    if after is None and e.status in (429, 503):
+        after = retry_after_s
+    headers = {"Retry-After": str(max(1, int(after)))} if after is not None else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -95,7 +100,7 @@ def create_app(core: RouterCore, api_key: str | None = None,
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, e: RouterError) -> JSONResponse:
-        return error_response(e)
+        return error_response(e, core.cfg.retry_after_s)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -325,4 +330,7 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                 yield chunk([], usage_body(prompt_tokens, finals))
         except RouterError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception as e:  # noqa: BLE001 - a bug here must still end the stream properly
+            log.exception("internal error in a stream")
+            yield f"data: {json.dumps(RouterError(f'internal error: {type(e).__name__}').body())}\n\n"
         yield "data: [DONE]\n\n"

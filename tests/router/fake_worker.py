@@ -41,6 +41,7 @@ class FakeWorker(pbg.WorkerServicer):
         self.fail_prefills = 0  # the next N Prefill calls fail with UNAVAILABLE
         self.prefill_delay_s = 0.0
         self.fail_transfers = 0  # the next N remote Decode calls fail the KV read
+        self.full_decodes = 0  # the next N remote Decode calls find the KV pool full
         self.token_delay_s = 0.0
         self.fail_after_tokens = 0  # decode crashes (INTERNAL) after streaming N tokens
         self.invalid_detail: str | None = None  # Prefill/Decode answer INVALID_ARGUMENT
@@ -122,6 +123,11 @@ class FakeWorker(pbg.WorkerServicer):
         src = FakeWorker.registry.get(req.prefill.kv.worker_id) if remote else None
         if remote and (req.prefill.kv.worker_id, req.prefill.kv.incarnation) not in self.peers:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unknown prefill peer")
+        with self.lock:
+            full = remote and self.full_decodes > 0
+            self.full_decodes -= full
+        if full:  # as decode_worker/service.py answers a NoFreeBlocksError at admission
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode_full: injected full pool")
         state = {"done": False, "pulled": not remote}
 
         def on_close() -> None:

@@ -44,7 +44,7 @@ def healthy(cluster):
     wait_until(lambda: all(w.up for w in rt.core.pool.workers.values()), 20, "workers up")
     yield
     for w in ws.values():
-        w.fail_prefills = w.fail_transfers = w.fail_after_tokens = 0
+        w.fail_prefills = w.fail_transfers = w.fail_after_tokens = w.full_decodes = 0
         w.prefill_delay_s = w.token_delay_s = 0.0
         w.invalid_detail = None
     wait_until(lambda: all(not w.held and not w.active for w in ws.values()), 10,
@@ -93,7 +93,7 @@ def test_retry_budget_exhausted_gives_a_clear_503(cluster):
     rt, ws, client = cluster
     ws["fd0"].fail_transfers = 10
     r = complete(client)
-    assert r.status_code == 503
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
     err = r.json()["error"]
     assert err["code"] == "worker_unavailable" and "after 2 retries" in err["message"]
 
@@ -115,6 +115,7 @@ def test_kv_transfer_failure_fail_policy_is_a_clear_error(cluster):
     ws["fd0"].fail_transfers = 1
     r = complete(client, transfer_failure_policy="fail")
     assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed"
+    assert r.headers["retry-after"] == "1"  # a 503 always says when to come back
     assert "kv_transfer" in r.json()["error"]["message"]
 
 
@@ -130,6 +131,30 @@ def test_failure_after_output_started_sends_error_chunk_then_done(cluster):
     assert err["code"] == "worker_unavailable" and "output had started" in err["message"]
 
 
+def test_a_bug_mid_stream_still_ends_with_an_error_chunk_then_done(cluster, monkeypatch):
+    """Not only RouterErrors: any exception after the stream started gives the client an
+    internal_error chunk and [DONE], never a cut connection."""
+    import pdserve.router.http_app as http_app
+
+    real, calls = http_app.completion_choice, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(http_app, "completion_choice", flaky)
+    _, _, client = cluster
+    with client.stream("POST", "/v1/completions",
+                       json={"prompt": "x", "max_tokens": 6, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][6:])["error"]
+    assert err["type"] == "internal_error" and "KeyError" in err["message"]
+
+
 def test_worker_client_error_is_400_and_not_held_against_the_worker(cluster):
     rt, ws, client = cluster
     for w in ws.values():
@@ -137,6 +162,20 @@ def test_worker_client_error_is_400_and_not_held_against_the_worker(cluster):
     r = complete(client)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert all(w.up for w in rt.core.pool.workers.values())
+
+
+def test_a_full_decode_pool_is_retried_and_not_held_against_the_worker(cluster, frontend):
+    """ANCHORS #4: D's pool was fuller than its last health poll said (RESOURCE_EXHAUSTED at
+    admission): the request is re-dispatched and served; the breaker counts no failure."""
+    rt, ws, client = cluster
+    before = metric(rt, "pdserve:router_retries_total", reason="decode_full")
+    breaker = rt.core.pool.workers["fd0"].breaker
+    soft = breaker.soft_failures  # earlier tests' injected crashes may have left some
+    ws["fd0"].full_decodes = 2
+    r = complete(client)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(frontend, "Hello there", 4)
+    assert metric(rt, "pdserve:router_retries_total", reason="decode_full") == before + 2
+    assert not breaker.open and breaker.soft_failures == soft
 
 
 def test_client_disconnect_mid_stream_cancels_decode(cluster):
@@ -245,6 +284,52 @@ def test_colocated_pool_decodes_without_prefill(frontend):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(frontend, "Hello there", 3)
         assert not w.prefills
     finally:
+        rt.stop()
+        w.stop()
+
+
+def test_a_request_queued_for_a_decode_slot_ends_at_its_deadline(frontend):
+    """ANCHORS #1 at the router's own queue: every decode stream slot is taken, so the next
+    completion waits in the FairGate; it counts as waiting and gets DEADLINE_EXCEEDED at
+    its 1 s deadline, while the request holding the slot (40 tokens, 0.1 s each) goes on."""
+    w = FakeWorker("q0", "colocated").start()
+    rt = RouterThread([FakeRef(w)], frontend, RouterConfig(router_id="router-queue"),
+                      api_key=KEY)
+    client = httpx.Client(base_url=rt.url, headers=AUTH, timeout=60)
+    ch = make_channel(rt.grpc_address)
+    try:
+        wait_until(lambda: all(s.up for s in rt.core.pool.workers.values()), 20, "worker up")
+        rt.core.pool.workers["q0"].capacity = 1
+        w.token_delay_s = 0.1
+        slow: dict = {}
+        holder = threading.Thread(target=lambda: slow.update(r=complete(client, max_tokens=40)))
+        holder.start()
+        wait_until(lambda: w.active, 10, "the first request decoding")
+        req = pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_tokens=2),
+                                 timeout_s=1.0)
+        got: dict = {}
+
+        def queued() -> None:
+            try:
+                list(pbg.PdserveStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
+            except grpc.RpcError as e:
+                got["error"] = e
+            got["holder_running"] = holder.is_alive()
+
+        waiter = threading.Thread(target=queued)
+        waiter.start()
+        wait_until(lambda: metric(rt, "pdserve:num_requests_waiting") == 1, 10,
+                   "the queued request counted as waiting")
+        waiter.join(30)
+        assert got["error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "no decode stream slot" in got["error"].details()
+        assert got["holder_running"]  # it ended at its deadline, not when the slot came free
+        assert metric(rt, "pdserve:num_requests_waiting") == 0
+        holder.join(30)
+        assert slow["r"].status_code == 200
+    finally:
+        ch.close()
+        client.close()
         rt.stop()
         w.stop()
 
