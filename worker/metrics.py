@@ -31,7 +31,9 @@ class _Timeline:
 
     request: Request  # the engine's object: first_scheduled_time, first_token_time
     arrival: float  # time.monotonic() when its Prefill/Decode RPC reached this worker
+    first_emit: float | None = None  # when this worker emitted its first token of it
     last_emit: float | None = None  # when this worker last emitted tokens of it
+    tokens: int = 0  # tokens of it this worker emitted
 
 
 class WorkerMetrics:
@@ -65,6 +67,10 @@ class WorkerMetrics:
         self.ttft = h("time_to_first_token_seconds", "arrival at this worker to its first token")
         self.itl = h("inter_token_latency_seconds", "time between output tokens")
         self.e2e = h("e2e_request_latency_seconds", "arrival at this worker to finish")
+        self.decode_time = h("request_decode_time_seconds",
+                             "this worker's first output token to its last")
+        self.tpot = h("request_time_per_output_token_seconds",
+                      "per request: decode time / (its output tokens here - 1), 2+ tokens")
         self.kv_transfer_stage = h("stage_kv_transfer_seconds", "decode side: KV read incl. release")
         self.decode_queue_stage = h("stage_decode_queue_seconds",
                                     "decode side: Decode RPC arrival to admission")
@@ -78,7 +84,8 @@ class WorkerMetrics:
         # every child exported at zero from the start (a labelled metric has no sample before)
         for m in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
                   self.generation_tokens, self.kv_recomputes, self.queue_time, self.prefill_time,
-                  self.ttft, self.itl, self.e2e, self.kv_transfer_stage, self.decode_queue_stage,
+                  self.ttft, self.itl, self.e2e, self.decode_time, self.tpot,
+                  self.kv_transfer_stage, self.decode_queue_stage,
                   self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             m.labels(**self.labels)
         for reason in ("stop", "length"):
@@ -120,17 +127,30 @@ class WorkerMetrics:
             n = len(out.new_token_ids)
             if n and t.last_emit is None:
                 self._first_token(t, now)
+                t.first_emit = now
             elif n:
                 gap = (now - t.last_emit) / n
                 for _ in range(n):
                     self.itl.labels(**lb).observe(gap)
             if n:
                 t.last_emit = now
+                t.tokens += n
             if out.finished:
                 del self._timelines[out.request_id]
-                self.e2e.labels(**lb).observe(now - t.arrival)
-                if out.finish_reason in ("stop", "length"):
-                    self.request_success.labels(**lb, finished_reason=out.finish_reason).inc()
+                self._finished(t, out, now)
+
+    def _finished(self, t: _Timeline, out: RequestOutput, now: float) -> None:
+        """e2e, success and, for a request this worker emitted tokens of, vLLM's decode time
+        (its first token here to its last) and TPOT (that / (tokens - 1), 2+ tokens)."""
+        lb = self.labels
+        self.e2e.labels(**lb).observe(now - t.arrival)
+        if out.finish_reason in ("stop", "length"):
+            self.request_success.labels(**lb, finished_reason=out.finish_reason).inc()
+        if t.first_emit is not None and t.last_emit is not None:
+            decode = t.last_emit - t.first_emit
+            self.decode_time.labels(**lb).observe(decode)
+            if t.tokens >= 2:
+                self.tpot.labels(**lb).observe(decode / (t.tokens - 1))
 
     def _first_token(self, t: _Timeline, now: float) -> None:
         lb, req = self.labels, t.request

@@ -43,7 +43,10 @@ DESIGN_NAMES = (
     "spec_decode_num_accepted_tokens_per_pos", "stage_router_queue_seconds",
     "stage_prefill_queue_seconds", "stage_prefill_seconds", "stage_kv_transfer_seconds",
     "stage_decode_queue_seconds", "kv_transfer_bytes", "kv_transfer_failures", "kv_lease_expired",
-    "router_retries")
+    "router_retries",
+    # and the rest of vLLM's per-request names (ANCHORS.md), from the workers
+    "request_prefill_time_seconds", "request_decode_time_seconds",
+    "request_time_per_output_token_seconds")
 ROUTER_NAMES = ("time_to_first_token_seconds", "inter_token_latency_seconds",
                 "e2e_request_latency_seconds", "request_queue_time_seconds", "num_requests_running",
                 "num_requests_waiting", "stage_router_queue_seconds", "stage_prefill_queue_seconds",
