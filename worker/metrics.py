@@ -54,6 +54,9 @@ class WorkerMetrics:
         self.waiting = g("num_requests_waiting", "requests waiting to be scheduled")
         self.kv_usage = g("kv_cache_usage_perc", "fraction of KV blocks in use (0-1)")
         self.held = g("num_requests_held", "finished prefills whose blocks wait for a reader")
+        self.quarantined = g("kv_quarantined_blocks",
+                             "KV blocks taken out of the pool for good: a remote read that "
+                             "could not be cancelled may still write them")
         self.prefix_queries = c("prefix_cache_queries", "prompt tokens looked up in the prefix cache")
         self.prefix_hits = c("prefix_cache_hits", "prompt tokens found in the prefix cache")
         self.preemptions = c("num_preemptions", "requests preempted by recompute")
@@ -172,6 +175,7 @@ class WorkerMetrics:
         self.waiting.labels(**lb).set(s.num_waiting)
         self.kv_usage.labels(**lb).set(bm.usage)
         self.held.labels(**lb).set(len(s.held_request_ids()))
+        self.quarantined.labels(**lb).set(s.num_quarantined_blocks)
         self._delta("pq", bm.prefix_cache_queries, self.prefix_queries)
         self._delta("ph", bm.prefix_cache_hits, self.prefix_hits)
         self._delta("pre", s.num_preemptions, self.preemptions)

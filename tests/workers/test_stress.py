@@ -72,6 +72,11 @@ def test_200_requests_with_aborts_and_transfer_failures_leak_nothing() -> None:
         assert "transfer_failed" in outcomes and "cancel_decode" in outcomes
         wait_until(lambda: idle(p) and idle(d), 15, "both workers to return to idle")
         assert metric_value(scrape(d), "pdserve:kv_transfer_failures_total") > 0
+        # every path above releases P's blocks itself (abort, a finished or failed read,
+        # a cancelled stream): none may have been left to the 2 s lease (ANCHORS #2)
+        text = scrape(p)
+        assert "pdserve:kv_lease_expired_total{" in text  # exported, and at zero
+        assert metric_value(text, "pdserve:kv_lease_expired_total") == 0
     finally:
         for w in (p, d):
             ray.kill(w.actor, no_restart=True)

@@ -47,3 +47,20 @@ def test_decode_time_and_tpot_follow_the_tokens(speculative: bool) -> None:
     tpot_n, tpot_sum = _count_sum(reg, "request_time_per_output_token_seconds")
     assert dec_n == 2 and tpot_n == 1  # the 1-token request has no per-token time
     assert dec_sum > 0 and tpot_sum == pytest.approx(dec_sum / 5)
+
+
+def test_quarantined_blocks_are_exported_and_missing_from_the_free_pool() -> None:
+    """A request whose remote read could not be cancelled is quarantined: its blocks leave
+    the pool for good, and the gauge says how many (the free count alone would look like a
+    leak)."""
+    llm = LLM("tiny-qwen3", device="cpu", block_size=4, num_blocks=64)
+    engine, reg = llm.engine, CollectorRegistry()
+    m = WorkerMetrics(reg, "decode", "d0")
+    bm = engine.scheduler.block_manager
+    free = bm.num_free_blocks
+    engine.add_request(list(range(5, 30)), SamplingParams(max_tokens=8), request_id="q")
+    engine.step()  # prefill: the request now owns blocks
+    assert engine.quarantine_request("q")
+    m.refresh(engine)
+    lost = reg.get_sample_value("pdserve:kv_quarantined_blocks", LABELS)
+    assert lost > 0 and bm.num_free_blocks == free - lost
