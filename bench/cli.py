@@ -119,7 +119,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
 def _run_rates(args: argparse.Namespace, model: str, rates: list[float], runs: list[list],
                warmup: list, slo: dict[str, float]) -> tuple[list[dict], list, list]:
     """One load run per rate; returns JSON records, CDF inputs and sweep points."""
-    from pdserve.bench import loadgen, report
+    from pdserve.bench import loadgen, report, stages
 
     records, cdf_runs, sweep = [], [], []
     for i, rate in enumerate(rates if not args.trace else [math.inf]):
@@ -128,10 +128,16 @@ def _run_rates(args: argparse.Namespace, model: str, rates: list[float], runs: l
             request_rate=rate, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
             temperature=args.temperature, timeout_s=args.timeout, seed=args.seed + i,
             progress=not args.no_progress)
-        load = loadgen.run_load(runs[i], cfg, warmup if i == 0 else None)
+        before: list = []  # the server's stage histograms once the warm-up is over
+        load = loadgen.run_load(runs[i], cfg, warmup if i == 0 else None,
+                                measured=lambda: before.append(stages.scrape(args.base_url)))
         summary = report.summarize(load.results, load.duration_s, slo)
+        summary["server_stages"] = stages.breakdown(before[0] if before else None,
+                                                    stages.scrape(args.base_url))
         label = "trace" if args.trace else str(report.rate_label(rate))
         print(report.format_summary(summary, f"request rate {label}"))
+        if summary["server_stages"]:
+            print("\n".join(stages.format_breakdown(summary["server_stages"])))
         records.append({"request_rate": "trace" if args.trace else report.rate_label(rate),
                         "max_concurrency": args.max_concurrency,
                         "warmup_failures": load.warmup_failures, "summary": summary,

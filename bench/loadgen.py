@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -193,9 +194,11 @@ def _client(cfg: LoadConfig) -> httpx.AsyncClient:
 
 
 async def run_load_async(specs: list[RequestSpec], cfg: LoadConfig,
-                         warmup: list[RequestSpec] | None = None) -> LoadRun:
+                         warmup: list[RequestSpec] | None = None,
+                         measured: Callable[[], None] | None = None) -> LoadRun:
     """Send warm-up requests (not measured), then `specs` at their arrival times: the
-    trace's when every spec has one, else a Poisson process at cfg.request_rate."""
+    trace's when every spec has one, else a Poisson process at cfg.request_rate.
+    measured: called once the warm-up is over, just before the measured requests start."""
     if all(s.arrival_s is not None for s in specs):
         arrivals = [float(s.arrival_s) for s in specs]  # type: ignore[arg-type]
     else:
@@ -206,13 +209,16 @@ async def run_load_async(specs: list[RequestSpec], cfg: LoadConfig,
             done, _ = await _run(warmup, [0.0] * len(warmup), cfg, client, "warm-up")
             warmup_failures = sum(not r.success for r in done)
         rate = "trace" if specs and specs[0].arrival_s is not None else cfg.request_rate
+        if measured is not None:
+            measured()
         results, duration = await _run(specs, arrivals, cfg, client, f"rate={rate}")
     return LoadRun(results, duration, warmup_failures)
 
 
 def run_load(specs: list[RequestSpec], cfg: LoadConfig,
-             warmup: list[RequestSpec] | None = None) -> LoadRun:
-    return asyncio.run(run_load_async(specs, cfg, warmup))
+             warmup: list[RequestSpec] | None = None,
+             measured: Callable[[], None] | None = None) -> LoadRun:
+    return asyncio.run(run_load_async(specs, cfg, warmup, measured))
 
 
 def fetch_models(base_url: str, api_key: str | None = None,

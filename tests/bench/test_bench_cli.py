@@ -52,6 +52,7 @@ def test_rate_sweep_writes_json_and_plots(server, tmp_path):
     for run in res["runs"]:
         s = run["summary"]
         assert s["completed"] == 6 and s["failed"] == 0 and s["usage_reported"]
+        assert s["server_stages"] is None  # a server without pdserve's stage histograms
         assert s["goodput"] == pytest.approx(s["request_throughput"])
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             assert set(s[key]) >= {"mean", "p50", "p90", "p99"}
