@@ -91,9 +91,13 @@ def _start_ray(args: argparse.Namespace, namespace: str):
     if args.address:
         ray.init(address=args.address, namespace=namespace, log_to_driver=True)
         return None
-    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
     if mode != "token":
         log.warning("RAY_AUTH_MODE=%s: the local Ray cluster runs WITHOUT token authentication", mode)
+    elif not os.environ.get("RAY_AUTH_TOKEN"):
+        # ray was imported before _cmd_serve could set one: the head still gets a token (a
+        # client that cannot see it fails to connect, loudly, rather than the head run open)
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     head = RayHead("127.0.0.1", os.path.join(tempfile.gettempdir(), f"pdserve-{namespace}-ray.log"))
     _say("pdserve: starting Ray")
     address = head.start(dict(os.environ))

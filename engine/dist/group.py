@@ -24,6 +24,7 @@ Deadlines (a dead rank must not hang the others):
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
@@ -43,13 +44,22 @@ def _split(address: str) -> tuple[str, int]:
 
 def open_store(cfg: ParallelConfig) -> dist.TCPStore:
     """Rank 0 hosts the store (port 0 in init_address: any free port, see .port); the others
-    connect to it, waiting at most timeout_s."""
+    connect to it, waiting at most timeout_s.
+
+    Rank 0 listens on init_address's host only: torch's store server, left to itself,
+    listens on every interface (::) whatever host it is given, and the store is an
+    unauthenticated key-value service that the ranks read their step messages from. So the
+    socket is bound here and handed over (master_listen_fd; the store closes it)."""
     host, port = _split(cfg.init_address)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     try:
-        return dist.TCPStore(host, port, cfg.tp_size, cfg.is_leader, timeout=timeout,
-                             wait_for_workers=False)
-    except (RuntimeError, TimeoutError) as e:  # torch raises DistStoreError (RuntimeError)
+        if not cfg.is_leader:
+            return dist.TCPStore(host, port, cfg.tp_size, False, timeout=timeout)
+        listener = socket.create_server((host, port))
+        port = listener.getsockname()[1]
+        return dist.TCPStore(host, port, cfg.tp_size, True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=listener.detach())
+    except (RuntimeError, TimeoutError, OSError) as e:  # DistStoreError is a RuntimeError
         raise GroupError(f"init_address: rank {cfg.rank} could not reach the store at "
                          f"{cfg.init_address} within {cfg.timeout_s} s: {e}") from e
 
