@@ -19,6 +19,7 @@ from pdserve.engine.core.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    ModelIdentity,
     SchedulerConfig,
     SpecConfig,
 )
@@ -36,7 +37,12 @@ from pdserve.engine.exec.kv_cache import engine_kv_cache
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8_convert import check_fp8_kernels
-from pdserve.engine.model.loader import load_model, load_tokenizer_and_config, resolve_model
+from pdserve.engine.model.loader import (
+    load_model,
+    load_tokenizer_and_config,
+    model_identity,
+    resolve_model,
+)
 from pdserve.engine.model.shard_load import resolve_mtp_shard
 from pdserve.engine.model.weights import as_dtype
 from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
@@ -137,7 +143,9 @@ def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,
         # vectorised cos may differ by an ulp between a table and a batch's rows)
         drafts = spec.num_speculative_tokens if spec is not None else 0
         net.rotary.reserve(max_len + drafts + 1, torch.device(device))
-    config = _engine_config(args, model_cfg, device, dtype, max_len)
+    identity = model_identity(source, seed=args.seed, quantization=args.quantization,
+                              tokenizer=tokenizer)  # every rank alike: the checkpoint's
+    config = _engine_config(args, model_cfg, device, dtype, max_len, identity)
     return RankParts(net, config, tokenizer, spec, head, head_id, group)
 
 
@@ -193,7 +201,7 @@ def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> L
 
 
 def _engine_config(args: EngineArgs, model_cfg: ModelConfig, device: str, dtype: str,
-                   max_len: int) -> EngineConfig:
+                   max_len: int, identity: ModelIdentity) -> EngineConfig:
     num_blocks = args.num_blocks
     if num_blocks is None:  # enough for a few full-length sequences; modest on CPU
         per_device = 2 if device == "cpu" else 64
@@ -207,7 +215,8 @@ def _engine_config(args: EngineArgs, model_cfg: ModelConfig, device: str, dtype:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=max_len),
         device=device, dtype=dtype, use_triton=args.use_triton,
-        use_cuda_graphs=args.use_cuda_graphs, overlap_decode=args.overlap_decode, seed=args.seed)
+        use_cuda_graphs=args.use_cuda_graphs, overlap_decode=args.overlap_decode, seed=args.seed,
+        identity=identity)
 
 
 class LLM:

@@ -90,7 +90,8 @@ class LLMEngine:
 
     def kv_compat_payload(self) -> dict:
         """What the KV handshake compares (engine.core.config.compat_payload)."""
-        return compat_payload(self.config.model, self.config.cache, self.compat_extra())
+        return compat_payload(self.config.model, self.config.cache, self.compat_extra(),
+                              self.config.identity)
 
     # -- structured outputs --------------------------------------------------------------
     @property

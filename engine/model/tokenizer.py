@@ -17,6 +17,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from pdserve.engine.model.identity import gguf_tokenizer_fingerprint, hf_tokenizer_fingerprint
+
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
 # Split patterns of the pre-tokenizers llama.cpp names in tokenizer.ggml.pre; others use GPT-2's.
@@ -94,12 +96,16 @@ def _cut_after_final(text: str, final: dict) -> str:
 class Tokenizer:
     def __init__(self, backend: Backend, *, bos_token_id: int | None,
                  eos_token_ids: tuple[int, ...], chat_template: str | None,
-                 source: str = "") -> None:
+                 source: str = "", fingerprint: str = "") -> None:
+        """fingerprint: a digest of what it was built from (engine/model/identity.py), taken
+        by the constructors below while that content is at hand; the KV compatibility payload
+        compares it between workers (ModelIdentity.tokenizer). "" for one built by hand."""
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.source = source
+        self.fingerprint = fingerprint
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
     # -- text <-> ids --------------------------------------------------------------------------
@@ -165,7 +171,8 @@ class Tokenizer:
         eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
         return cls(backend, bos_token_id=token_id(config.get("bos_token")),
                    eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
-                   chat_template=template, source=str(folder))
+                   chat_template=template, source=str(folder),
+                   fingerprint=hf_tokenizer_fingerprint(folder))
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:  # noqa: F821
@@ -195,7 +202,8 @@ class Tokenizer:
         eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
         return cls(backend, bos_token_id=bos,
                    eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
-                   chat_template=meta("tokenizer.chat_template"), source=source)
+                   chat_template=meta("tokenizer.chat_template"), source=source,
+                   fingerprint=gguf_tokenizer_fingerprint(reader))
 
 
 def _read_json(path: Path) -> dict:

@@ -288,7 +288,7 @@ def read_hf_config_quant(folder: str | Path) -> tuple[ModelConfig, fp8.QuantSpec
         raise WeightsError(f"{path}: cannot read config.json: {e}") from e
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -330,7 +330,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype | str = torch.float32,
     if not folder.is_dir():
         raise WeightsError(f"{folder}: model folder does not exist")
     cfg, quant = read_hf_config_quant(folder)
-    files = _safetensors_files(folder)
+    files = safetensors_files(folder)
     # the TP split of this checkpoint is checked first: a ConfigError naming the field
     local, cut = shard(cfg, quant, str(folder)) if shard is not None else (cfg, None)
     try:

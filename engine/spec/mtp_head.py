@@ -41,7 +41,7 @@ from pdserve.engine.model.fp8_convert import scale_blocks
 from pdserve.engine.model.layers import RMSNorm, fused_kernels
 from pdserve.engine.model.moe import cast_model
 from pdserve.engine.model.mtp_names import mtp_checkpoint_name
-from pdserve.engine.model.weights import WeightsError, _iter_safetensors, _safetensors_files, _Sink
+from pdserve.engine.model.weights import WeightsError, _iter_safetensors, _Sink, safetensors_files
 
 MTP_FORMAT = "pdserve-mtp"
 HEADS_DIR = Path(__file__).parent.parent / "mtp_heads"  # trained heads shipped with the package
@@ -304,7 +304,7 @@ def fill_mtp_head(head: MTPHead, cfg: ModelConfig, folder: str | Path,
     """Stream the checkpoint's MTP tensors into `head` through weights._Sink (`cut`: a
     tensor-parallel rank's SourceCut, engine/model/shard_load.py)."""
     sink = _Sink(head, str(folder), cut=cut)
-    for name, tensor in _iter_safetensors(_safetensors_files(Path(folder))):
+    for name, tensor in _iter_safetensors(safetensors_files(Path(folder))):
         mapped = mtp_checkpoint_name(name, cfg.num_layers)
         if mapped is None or mapped[1] is None or mapped[0] >= cfg.num_mtp_layers:
             continue
