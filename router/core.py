@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class RouterConfig:
     prefill_timeout_s: float = 60.0  # one prefill attempt, before retrying elsewhere
     queue_timeout_s: float = 30.0  # give up waiting for a healthy decode worker after this
     retry_after_s: int = 1  # Retry-After on 429 / 503
+    log_requests: bool = False  # one JSON line per finished completion (router/deltas.py Trace)
     router_id: str = "router-0"
 
     def __post_init__(self) -> None:
@@ -79,6 +81,8 @@ class RouterCore:
         self._outs: set[asyncio.Queue] = set()  # each request's delta queue (cut_all)
         # completions take turns for the decode workers' stream slots, request by request
         self.gate = FairGate(lambda: sum(w.capacity for w in pool.by_role("decode", "colocated")))
+        if cfg.log_requests:  # its INFO lines pass whatever the root level (--log-level)
+            logging.getLogger("pdserve.trace").setLevel(logging.INFO)
 
     # -- admission -----------------------------------------------------------------------
     def _admit(self, job: Job) -> int:

@@ -2,12 +2,14 @@
 the workers' messages; router/responses.py and router/grpc_server.py render them)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.core.outputs import PromptLogprob
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.convert import logprob_from_proto
+from pdserve.router.metrics import StageTimes
 
 
 @dataclass
@@ -25,6 +27,32 @@ class Delta:
     cached_tokens: int = 0
     # on the first delta, with prompt_logprobs: prompt token i + 1's given tokens 0..i
     prompt_logprobs: list[PromptLogprob] | None = None
+    trace: Trace | None = None  # on the last delta
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One completion's path and time across the split (the router's view; its stages add
+    up to e2e): the gRPC face returns it, --log-requests logs it as a JSON line."""
+
+    request_id: str
+    index: int
+    prefill_worker: str  # "" when the decode worker prefilled it
+    decode_worker: str
+    retries: int
+    stages: StageTimes
+    e2e: float
+
+    def to_json(self) -> dict:
+        ms = {k: round(v * 1e3, 3) for k, v in dataclasses.asdict(self.stages).items()}
+        return {"request_id": self.request_id, "index": self.index,
+                "prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker,
+                "retries": self.retries, "stages_ms": ms, "e2e_ms": round(self.e2e * 1e3, 3)}
+
+    def to_proto(self) -> pb.RequestTrace:
+        return pb.RequestTrace(prefill_worker=self.prefill_worker,
+                               decode_worker=self.decode_worker, retries=self.retries,
+                               e2e=self.e2e, **dataclasses.asdict(self.stages))
 
 
 def logprobs_of(msgs: Sequence[pb.TokenLogprob]) -> list[tuple[int, float, list[tuple[int, float]]]]:

@@ -18,6 +18,8 @@ request on P (its held blocks) and cancels the Decode stream (D aborts on stream
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +30,7 @@ from pdserve.engine.core.block_manager import compute_block_hashes
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.convert import params_to_proto, prompt_logprobs_from_proto
-from pdserve.router.deltas import Delta, logprobs_of
+from pdserve.router.deltas import Delta, Trace, logprobs_of
 from pdserve.router.errors import (
     BadRequest,
     KVTransferFailed,
@@ -41,6 +43,7 @@ from pdserve.router.policies import blocks_needed, straight_to_decode
 from pdserve.router.pool import WorkerState
 
 log = logging.getLogger(__name__)
+TRACE_LOG = logging.getLogger("pdserve.trace")  # --log-requests: one JSON line per completion
 
 
 class Retry(Exception):
@@ -71,6 +74,8 @@ class ChoiceRun:
         self.continued = False  # a decode worker failed after output started
         self.last_failure = ""
         self.waiting = False
+        self.retries = 0
+        self.route = ("", "")  # (prefill worker or "", decode worker) of the latest attempt
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -105,6 +110,7 @@ class ChoiceRun:
                     raise WorkerUnavailable(f"request {self.rid} failed after "
                                             f"{self.cfg.retry_budget} retries: {e}{started}") from e
                 budget -= 1
+                self.retries += 1
                 excluded.add(e.worker_id)
                 self.core.metrics.retry(e.reason)
                 log.warning("%s %s after %d tokens: %s", "continuing" if self.sent_ids
@@ -115,6 +121,7 @@ class ChoiceRun:
             p, d = None, await self._plan_continuation(dead)
         else:
             p, d = await self._plan(excluded)
+        self.route = (p.worker_id if p is not None else "", d.worker_id)
         m = self.core.metrics
         m.running.labels(**m.labels).inc()
         try:
@@ -375,10 +382,10 @@ class ChoiceRun:
             self.sent_ids += delta.token_ids
             m.generation_tokens.labels(**m.labels).inc(n)
         if delta.finish_reason:
-            self._observe_finish(now)
+            delta.trace = self._observe_finish(now)
         self.emit(delta)
 
-    def _observe_finish(self, now: float) -> None:
+    def _observe_finish(self, now: float) -> Trace:
         m, st = self.core.metrics, self.stages
         st.router_queue = self.dispatched - self.arrival
         e2e = now - self.arrival
@@ -387,6 +394,11 @@ class ChoiceRun:
         m.observe_stages(st)
         m.queue_time.labels(**m.labels).observe(st.router_queue)
         m.e2e.labels(**m.labels).observe(e2e)
+        trace = Trace(self.rid, self.index, *self.route, self.retries,
+                      dataclasses.replace(st), e2e)
+        if self.cfg.log_requests:
+            TRACE_LOG.info("%s", json.dumps(trace.to_json()))
+        return trace
 
 
 def _prefer(workers: list[WorkerState], excluded: set[str]) -> list[WorkerState]:

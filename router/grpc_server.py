@@ -148,6 +148,8 @@ def _to_proto(request_id: str, d: Delta) -> pb.GenerateResponse:
                               token_ids=d.token_ids, finish_reason=d.finish_reason or "")
     msg.logprobs.extend(logprobs_to_proto(d.logprobs))
     msg.prompt_logprobs.extend(prompt_logprobs_to_proto(d.prompt_logprobs or []))
+    if d.trace is not None:
+        msg.trace.CopyFrom(d.trace.to_proto())
     return msg
 
 

@@ -68,6 +68,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--startup-timeout", type=float, default=900.0, help="wait this long for workers (s)")
     a("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for requests (s)")
     a("--log-level", default="warning")
+    a("--log-requests", action="store_true",
+      help="log one JSON line per finished completion (logger pdserve.trace, at any --log-level): "
+           "its prefill and decode workers, retries, and the time of each stage across the split")
     a("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
       help="the model's tool-call format (default: from its chat template)")
     from pdserve.router.cli import add_speculative_args

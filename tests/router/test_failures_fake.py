@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import threading
 
@@ -258,6 +259,45 @@ def test_grpc_generate_matches_http_and_checks_auth_and_input(cluster, frontend)
     models = stub.ListModels(pb.ListModelsRequest(), metadata=auth_metadata(KEY), timeout=10)
     assert models.models[0].id == frontend.model_id
     ch.close()
+
+
+def test_grpc_last_message_carries_the_request_trace(cluster):
+    """One completion's path across the split (ANCHORS #10): its prefill and decode workers,
+    the retry a failed KV read cost, and stage times that add up to its end-to-end time."""
+    rt, ws, _ = cluster
+    ws["fd0"].fail_transfers = 1  # the KV read fails once: re-prefilled, one retry
+    stub = pbg.PdserveStub(make_channel(rt.grpc_address))
+    req = pb.GenerateRequest(prompt="Hello there", request_id="traced",
+                             params=pb.SamplingParams(max_tokens=4, temperature=0))
+    msgs = list(stub.Generate(req, metadata=auth_metadata(KEY), timeout=30))
+    assert [m.HasField("trace") for m in msgs] == [False] * (len(msgs) - 1) + [True]
+    t = msgs[-1].trace
+    assert t.prefill_worker in ("fp0", "fp1") and t.decode_worker == "fd0" and t.retries == 1
+    stages = (t.router_queue, t.prefill_queue, t.prefill, t.kv_transfer, t.decode_queue, t.decode)
+    assert all(s >= 0 for s in stages) and t.prefill > 0 and t.decode > 0
+    assert sum(stages) == pytest.approx(t.e2e, rel=1e-6)
+
+
+def test_log_requests_writes_one_json_trace_per_completion(frontend, caplog):
+    w = FakeWorker("lg0", "colocated").start()
+    rt = RouterThread([FakeRef(w)], frontend,
+                      RouterConfig(router_id="router-log", log_requests=True))
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.setLevel(logging.WARNING)  # serve's default --log-level: the trace passes anyway
+    try:
+        r = httpx.post(rt.url + "/v1/completions", timeout=30,
+                       json={"prompt": "Hello there", "max_tokens": 3, "n": 2})
+        assert r.status_code == 200
+        lines = [json.loads(rec.getMessage()) for rec in caplog.records
+                 if rec.name == "pdserve.trace"]
+        assert sorted(t["index"] for t in lines) == [0, 1]
+        for t in lines:
+            assert t["decode_worker"] == "lg0" and t["prefill_worker"] == "" and t["retries"] == 0
+            assert sum(t["stages_ms"].values()) == pytest.approx(t["e2e_ms"], abs=0.01)
+    finally:
+        root.setLevel(level)
+        rt.stop()
+        w.stop()
 
 
 def test_selective_disaggregation_sends_short_prompts_straight_to_decode(cluster, frontend):
