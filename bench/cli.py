@@ -130,10 +130,11 @@ def _run_rates(args: argparse.Namespace, model: str, rates: list[float], runs: l
             progress=not args.no_progress)
         before: list = []  # the server's stage histograms once the warm-up is over
         load = loadgen.run_load(runs[i], cfg, warmup if i == 0 else None,
-                                measured=lambda: before.append(stages.scrape(args.base_url)))
+                                measured=lambda: before.append(
+                                    stages.scrape(args.base_url, args.api_key)))
         summary = report.summarize(load.results, load.duration_s, slo)
         summary["server_stages"] = stages.breakdown(before[0] if before else None,
-                                                    stages.scrape(args.base_url))
+                                                    stages.scrape(args.base_url, args.api_key))
         label = "trace" if args.trace else str(report.rate_label(rate))
         print(report.format_summary(summary, f"request rate {label}"))
         if summary["server_stages"]:

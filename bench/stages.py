@@ -16,11 +16,14 @@ STAGE = PREFIX + "stage_"
 E2E = PREFIX + "e2e_request_latency_seconds"
 
 
-def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
+def scrape(base_url: str, api_key: str | None = None,
+           timeout_s: float = 10.0) -> dict[str, float] | None:
     """{histogram name: (sum, count)} as flat "name_sum" / "name_count" keys, summed over label
-    sets, for the router's stage and e2e histograms; None when the server exports none."""
+    sets, for the router's stage and e2e histograms; None when the server exports none.
+    The key goes along for a gateway in front (pdserve's own /metrics is open)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)
+        resp = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=timeout_s)
         resp.raise_for_status()
         families = list(text_string_to_metric_families(resp.text))
     except (httpx.HTTPError, ValueError):
@@ -38,7 +41,8 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
 def breakdown(before: dict[str, float] | None, after: dict[str, float] | None
               ) -> dict[str, dict[str, float]] | None:
     """Per stage: requests observed in the run and their mean (ms); "e2e" the same for the
-    router's end-to-end latency. None without both scrapes."""
+    router's end-to-end latency. None without both scrapes, or when a count went down (the
+    router restarted in between: the difference would mean nothing)."""
     if before is None or after is None:
         return None
     result = {}
@@ -47,6 +51,8 @@ def breakdown(before: dict[str, float] | None, after: dict[str, float] | None
             continue
         base = key[: -len("_count")]
         n = after[key] - before.get(key, 0.0)
+        if n < 0:
+            return None
         total = after.get(base + "_sum", 0.0) - before.get(base + "_sum", 0.0)
         name = "e2e" if base == E2E else base[len(STAGE):].removesuffix("_seconds")
         result[name] = {"count": n, "mean_ms": total / n * 1e3 if n else 0.0}

@@ -96,11 +96,17 @@ class ChoiceRun:
         and D); after, a continuation on another D. Both spend the one retry budget."""
         budget, excluded = self.cfg.retry_budget, set()
         dead: set[tuple[str, str]] = set()  # decode workers (id, incarnation) that failed it
+        full = 0  # decode_full answers in a row
         while True:
             try:
                 await self._attempt(excluded, dead)
                 return
             except Retry as e:
+                if e.reason == "decode_full":
+                    full += 1
+                    await self._wait_for_room(e.worker_id, full)
+                    excluded.add(e.worker_id)
+                    continue
                 if e.reason == "decode" and self.sent_ids:  # never continue on it again
                     dead.add((e.worker_id, e.incarnation))
                 self.continued |= bool(self.sent_ids)
@@ -116,12 +122,29 @@ class ChoiceRun:
                 log.warning("%s %s after %d tokens: %s", "continuing" if self.sent_ids
                             else "retrying", self.rid, len(self.sent_ids), e)
 
+    async def _wait_for_room(self, worker_id: str, times: int) -> None:
+        """After a decode_full answer: re-read that worker's health (its free blocks), back
+        off (50 ms doubling to 1 s), then plan again; the deadline bounds the whole wait."""
+        self.core.metrics.retry("decode_full")
+        w = self.pool.workers.get(worker_id)
+        if w is not None:
+            await self.pool.poll(w)
+        pause = min(0.05 * 2 ** (times - 1), 1.0, self.remaining())
+        if pause <= 0:
+            raise RequestTimeout(f"request {self.rid}: no decode worker had room before "
+                                 "the deadline")
+        await asyncio.sleep(pause)
+
     async def _attempt(self, excluded: set[str], dead: set[tuple[str, str]]) -> None:
         if self.sent_ids:  # output started: only a D, which goes on from the sent tokens
             p, d = None, await self._plan_continuation(dead)
+            self.route = (self.route[0], d.worker_id)  # the first token's P stays the P
         else:
             p, d = await self._plan(excluded)
-        self.route = (p.worker_id if p is not None else "", d.worker_id)
+            # a fresh attempt: the trace is this attempt's (a failed one's time stays in
+            # router_queue, which runs to this dispatch)
+            self.stages = StageTimes()
+            self.route = (p.worker_id if p is not None else "", d.worker_id)
         m = self.core.metrics
         m.running.labels(**m.labels).inc()
         try:
@@ -135,6 +158,7 @@ class ChoiceRun:
                     # P may still hold the prompt's blocks for a reader that will never
                     # come: free them (harmless when it already did)
                     self.core.background(self._abort(p))
+                    self.route = (p.worker_id, "")  # no decode worker saw it
                     self._finish_at_prefill(prefill)
                     return
             await self._decode(d, p, prefill)
@@ -335,8 +359,9 @@ class ChoiceRun:
         if code == grpc.StatusCode.FAILED_PRECONDITION and p is not None:
             d.peers.discard((p.worker_id, p.incarnation))  # re-introduce before the next try
             raise Retry("peer", p.worker_id, details) from e
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # D's KV pool (or its RPC slots) was
-            # fuller than its last health report: retry elsewhere, never a fault (ANCHORS #4)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("decode_full:"):
+            # D's KV pool was fuller than its last health report said: not a fault (ANCHORS
+            # #4), and no retry spent; plan again once its health is re-read
             raise Retry("decode_full", d.worker_id, details) from e
         self.pool.report_failure(d, code)
         raise Retry("decode", d.worker_id, f"{code.name}: {details}", d.incarnation) from e

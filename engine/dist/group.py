@@ -24,6 +24,7 @@ Deadlines (a dead rank must not hang the others):
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch
@@ -38,8 +39,9 @@ class GroupError(RuntimeError):
 
 
 def _split(address: str) -> tuple[str, int]:
+    """("host", port) of "tcp://host:port"; an IPv6 host may come bracketed ("[::1]")."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
-    return host, int(port)
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def open_store(cfg: ParallelConfig) -> dist.TCPStore:
@@ -52,16 +54,32 @@ def open_store(cfg: ParallelConfig) -> dist.TCPStore:
     socket is bound here and handed over (master_listen_fd; the store closes it)."""
     host, port = _split(cfg.init_address)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if cfg.is_leader:
+        return _host_store(cfg, host, port, timeout)
     try:
-        if not cfg.is_leader:
-            return dist.TCPStore(host, port, cfg.tp_size, False, timeout=timeout)
-        listener = socket.create_server((host, port))
-        port = listener.getsockname()[1]
-        return dist.TCPStore(host, port, cfg.tp_size, True, timeout=timeout,
-                             wait_for_workers=False, master_listen_fd=listener.detach())
-    except (RuntimeError, TimeoutError, OSError) as e:  # DistStoreError is a RuntimeError
+        return dist.TCPStore(host, port, cfg.tp_size, False, timeout=timeout)
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError is a RuntimeError
         raise GroupError(f"init_address: rank {cfg.rank} could not reach the store at "
                          f"{cfg.init_address} within {cfg.timeout_s} s: {e}") from e
+
+
+def _host_store(cfg: ParallelConfig, host: str, port: int,
+                timeout: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0's store on a socket bound to `host` alone (IPv4 or IPv6), handed to torch."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        listener = socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise GroupError(f"init_address: rank 0 could not listen on {cfg.init_address}: "
+                         f"{e}") from e
+    port, fd = listener.getsockname()[1], listener.detach()
+    try:
+        return dist.TCPStore(host, port, cfg.tp_size, True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=fd)
+    except (RuntimeError, TimeoutError) as e:  # the store did not take the socket: close it
+        os.close(fd)
+        raise GroupError(f"init_address: rank 0 could not start the store on "
+                         f"{cfg.init_address}: {e}") from e
 
 
 class TPGroup:

@@ -29,6 +29,7 @@ from pdserve.engine.model.weights import (
     load_hf,
     random_model,
     read_hf_config,
+    read_hf_config_quant,
     safetensors_files,
 )
 
@@ -174,6 +175,8 @@ def model_identity(source: ModelSource, *, seed: int, quantization: str | None,
         weights = preset_weights(source.preset or source.name, seed)
     elif source.kind == "hf":
         weights = "safetensors:" + weights_fingerprint(safetensors_files(Path(source.path)))
+        if read_hf_config_quant(source.path)[1] is not None:  # an FP8 checkpoint loads as
+            quantization = None  # itself with or without the flag: same weights in memory
     elif source.kind == "gguf":
         weights = "gguf:" + weights_fingerprint([Path(source.path)], names=False)
     else:

@@ -166,3 +166,21 @@ def test_gguf_tokenizer_identity_is_its_tokenizer_metadata(tmp_path: Path) -> No
             [(tokens, "one"), (tokens, "another name"), (tokens[:-1] + ["<|end|>"], "one")])]
     assert fps[0] == fps[1]  # other metadata (general.name) is not the tokenizer
     assert fps[0] != fps[2]  # one token renamed
+
+
+def test_the_flag_on_an_fp8_checkpoint_changes_nothing(tmp_path: Path) -> None:
+    """--quantization fp8 quantizes a float checkpoint (other weights in memory: part of the
+    identity) but leaves an FP8 checkpoint as it is: a worker started with the flag and one
+    without, on the same FP8 checkpoint, hold the same weights and must pair."""
+    folder = save_checkpoint(tmp_path / "ckpt", seed=0)
+    source = resolve_model(str(folder))
+    assert model_identity(source, seed=0, quantization="fp8", tokenizer=None) != \
+        model_identity(source, seed=0, quantization=None, tokenizer=None)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    flagged = model_identity(source, seed=0, quantization="fp8", tokenizer=None)
+    assert flagged == model_identity(source, seed=0, quantization=None, tokenizer=None)
+    assert flagged.quantization is None
