@@ -205,6 +205,8 @@ VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in S
                   ("dn", DOWN, ((8, 1024, 4, 64), (4, 2048, 4, 64), (16, 1024, 8, 64))))
               for bn, bk, w, cap in tiles],
             variant("moe_qkv_no_preload", {QKV_MOE: {"preload": False, "maxnreg": 0}}),
+            # the decode attention's split count fixed (None: its own choice per shape)
+            *[variant(f"split{n}", splits=n) for n in (1, 2, 4, 8, 16)],
             variant("moe_o_no_preload", {O_MOE: {"preload": False, "maxnreg": 0}}),
             # Qwen3-8B's MLP and LM head tiles with the preload (16-bit)
             *[variant(f"{name}_{bn}x{bk}w{w}", {shape: tile(bn, bk, w)})
