@@ -26,6 +26,11 @@ from tqdm import tqdm
 from pdserve.bench.workload import RequestSpec, poisson_arrivals
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer token header every request to the server carries (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 @dataclass
 class RequestResult:
     input_len: int  # intended prompt length in words
@@ -71,7 +76,7 @@ class LoadConfig:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return auth_headers(self.api_key)
 
 
 @dataclass
@@ -224,9 +229,9 @@ def run_load(specs: list[RequestSpec], cfg: LoadConfig,
 def fetch_models(base_url: str, api_key: str | None = None,
                  timeout_s: float = 30.0) -> list[str]:
     """Model ids the server lists at /v1/models ([] when it lists none or has no such route)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout_s)
+        resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key),
+                         timeout=timeout_s)
         resp.raise_for_status()
         return [str(m["id"]) for m in resp.json().get("data", [])]
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.bench.loadgen import auth_headers
+
 PREFIX = "pdserve:"
 STAGE = PREFIX + "stage_"
 E2E = PREFIX + "e2e_request_latency_seconds"
@@ -21,9 +23,9 @@ def scrape(base_url: str, api_key: str | None = None,
     """{histogram name: (sum, count)} as flat "name_sum" / "name_count" keys, summed over label
     sets, for the router's stage and e2e histograms; None when the server exports none.
     The key goes along for a gateway in front (pdserve's own /metrics is open)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=timeout_s)
+        resp = httpx.get(base_url.rstrip("/") + "/metrics", headers=auth_headers(api_key),
+                         timeout=timeout_s)
         resp.raise_for_status()
         families = list(text_string_to_metric_families(resp.text))
     except (httpx.HTTPError, ValueError):

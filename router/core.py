@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.router.admission import FairGate, completions_problem, timeout_problem
 from pdserve.router.deltas import Delta
-from pdserve.router.dispatch import ChoiceRun
+from pdserve.router.dispatch import TRACE_LOG, ChoiceRun
 from pdserve.router.errors import BadRequest, Draining, Overloaded, RequestTimeout, RouterError
 from pdserve.router.frontend import Frontend
 from pdserve.router.metrics import RouterMetrics
@@ -82,7 +82,7 @@ class RouterCore:
         # completions take turns for the decode workers' stream slots, request by request
         self.gate = FairGate(lambda: sum(w.capacity for w in pool.by_role("decode", "colocated")))
         if cfg.log_requests:  # its INFO lines pass whatever the root level (--log-level)
-            logging.getLogger("pdserve.trace").setLevel(logging.INFO)
+            TRACE_LOG.setLevel(logging.INFO)
 
     # -- admission -----------------------------------------------------------------------
     def _admit(self, job: Job) -> int:
