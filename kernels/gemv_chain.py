@@ -1,0 +1,283 @@
+"""A decoder layer's batch-1 tail as ONE kernel: o_proj -> gate_up -> down, 16-bit or FP8.
+
+    h  = W_o a + residual                  ([1, D])    a: the attention output [1, Hq * Dh]
+    gu = W_gu (rmsnorm(h) * norm_weight)   ([1, 2I])   [gate | up]
+    y  = W_down (silu(gate) * up) + h      ([1, D])    the residual stream after the layer
+
+Why: at batch 1 each projection is a GEMV bound by reading its weight once, and each kernel
+boundary costs its ramp (the first loads' latency) and its tail (the last programs draining,
+SMs idle) even with PDL. On an H200 at Qwen3-8B's FP8 shapes a kernel that only READS the
+weights with the GEMVs' tiles took o 5.9 us (4.0 at the copy rate), gate_up 26.9 (24.3), down
+14.4 (12.1) (bench/results/fp8_b1_probes_h200_2026-11-26.json), while the long LM head GEMV
+reads at 4.45 TB/s. Here the three GEMVs are one stream of work items.
+
+How (a persistent kernel with a work queue):
+  - GRID programs (as many as fit the GPU at once) take items from a ticket counter in
+    increasing order: the o_proj row blocks, then gate_up's, then down's. An item is one
+    kernels/gemv_row.py program's work (BLOCK_N rows of one projection, its prologue and
+    epilogue), so the math and the tiles are the one-row GEMV's.
+  - Stage s + 1 needs all of stage s's output (gate_up's norm needs all of h; down's K runs
+    over all of gu). An item stores its rows, then bumps its stage's done counter (release);
+    an item of the next stage first loads its first weight tile (weights never change), then
+    waits (acquire) until that counter is full -- once per program and stage. So at a stage
+    boundary the programs that are done already stream the next stage's first tiles while the
+    last items of the stage before finish: no launch, no drained GPU.
+  - No deadlock for any GRID, resident or not: tickets are taken in order and an item waits
+    only on items of lower tickets, each taken by a running program that never waits on a
+    higher one. The smallest unfinished item can always run. In Triton's interpreter (one
+    program at a time) GRID is 1 and the waits are met at once.
+  - The last program out zeroes the counters for the next launch (each call site has its own
+    counters, kernels._triton.chain_counters), so the kernel is CUDA-graph safe. Before the
+    PDL wait a program takes its first ticket (this site's counters were last written by its
+    own previous launch, long complete) and asks L2 for its share of o_proj's weight, which
+    streams in while the latency-bound attention kernel before it runs.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels._triton import (
+    FLOAT_DTYPES,
+    chain_counters,
+    check_launchable,
+    check_tensor,
+    interpreting,
+    jit,
+    l2_prefetch_flat,
+    next_pow2,
+    num_sms,
+    pdl_enter,
+    pdl_launch,
+)
+from pdserve.kernels.fp8_scales import FP8_DTYPE, Block, check_scales
+from pdserve.kernels.gemv_configs import GemvConfig
+from pdserve.kernels.gemv_row import _load_w, _row_step
+
+# counters of one call site (int32): ticket, done o_proj, done gate_up, done down, programs out
+_TICKET = tl.constexpr(0)
+_DONE_O = tl.constexpr(1)
+_DONE_GU = tl.constexpr(2)
+_DONE_D = tl.constexpr(3)
+_OUT = tl.constexpr(4)
+
+
+@jit
+def _spin_until(ptr, target):
+    """Wait until the int32 counter at ptr reaches target. Acquire: what the counted items
+    stored before their release is visible to this program's loads after it."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(ptr, 0, sem="acquire")
+
+
+@jit
+def _item(blk, wait, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_w, stride_s,
+          eps, ticket_ptr, wait_ptr, wait_target, done_ptr, PROLOGUE: tl.constexpr,
+          HAS_ADD: tl.constexpr,
+          SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """Rows blk * BLOCK_N .. of y = prologue(x) @ W^T (+ add), as kernels/gemv_row.py's
+    program blk computes them. Its first weight tile is in flight while it takes the next
+    ticket (returned; a scalar atomic stalls the program until it answers) and, if `wait`,
+    waits for its input. Then its stage's done counter is bumped."""
+    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k0 = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    w = _load_w(w_rows, n_ok, offs_k0, 0, K, VEC, "evict_first")
+    nxt = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    if wait:
+        _spin_until(wait_ptr, wait_target)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    ss = tl.zeros([BLOCK_K // VEC], tl.float32)
+    acc, ss = _row_step(w, 0, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr, nw_ptr, x_ptr,
+                        s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN, S_BK, BLOCK_N,
+                        BLOCK_K, VEC)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _load_w(w_rows, n_ok, offs_k0, k0, K, VEC, "evict_first")
+        acc, ss = _row_step(w, k0, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr, nw_ptr,
+                            x_ptr, s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN, S_BK,
+                            BLOCK_N, BLOCK_K, VEC)
+    y = tl.sum(acc, axis=1)
+    if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
+        y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    if HAS_ADD:
+        y += tl.load(add_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y, mask=n_ok)
+    tl.debug_barrier()  # every thread's rows stored before the release below
+    tl.atomic_add(done_ptr, 1, sem="release")
+    return nxt
+
+
+@jit
+def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, wg_ptr, sg_ptr,
+                  wd_ptr, sd_ptr, cnt_ptr, D, KO, I, stride_so, stride_sg, stride_sd, eps,
+                  n_o, n_g, n_d, grid, o_lines, o_elems,
+                  SC_O: tl.constexpr, SBN_O: tl.constexpr, SBK_O: tl.constexpr,
+                  BN_O: tl.constexpr, BK_O: tl.constexpr,
+                  SC_G: tl.constexpr, SBN_G: tl.constexpr, SBK_G: tl.constexpr,
+                  BN_G: tl.constexpr, BK_G: tl.constexpr,
+                  SC_D: tl.constexpr, SBN_D: tl.constexpr, SBK_D: tl.constexpr,
+                  BN_D: tl.constexpr, BK_D: tl.constexpr,
+                  VEC: tl.constexpr, PF: tl.constexpr, PF_LINE: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """Weights are contiguous [N, K] (W_o [D, KO], W_gu [2I, D], W_down [D, I]); FP8 ones
+    as int8 bytes with their scales (SC_* as kernels/fp8_scales.py's SCALE)."""
+    it = tl.atomic_add(cnt_ptr + _TICKET, 1, sem="relaxed")
+    if PF > 0:  # this program's share of o_proj's weight, PF_LINE elements a line, into L2
+        first = tl.program_id(0) * o_lines
+        line = tl.minimum(first + tl.arange(0, PF), first + o_lines - 1).to(tl.int64)
+        l2_prefetch_flat(wo_ptr, tl.minimum(line * PF_LINE, o_elems - 1))
+    pdl_enter(USE_PDL)
+    total = n_o + n_g + n_d
+    waited_g = it * 0  # this program has seen o_proj complete (then gate_up's)
+    waited_d = it * 0
+    ticket = cnt_ptr + _TICKET
+    while it < total:
+        if it < n_o:
+            nxt = _item(it, False, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO, KO,
+                        stride_so, eps, ticket, cnt_ptr, 0, cnt_ptr + _DONE_O, 0, True, SC_O,
+                        SBN_O, SBK_O, BN_O, BK_O, VEC)
+        elif it < n_o + n_g:
+            nxt = _item(it - n_o, waited_g == 0, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr,
+                        2 * I, D, D, stride_sg, eps, ticket, cnt_ptr + _DONE_O, n_o,
+                        cnt_ptr + _DONE_GU, 1, False, SC_G, SBN_G, SBK_G, BN_G, BK_G, VEC)
+            waited_g = waited_g * 0 + 1
+        else:
+            nxt = _item(it - n_o - n_g, waited_d == 0, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr,
+                        y_ptr, D, I, I, stride_sd, eps, ticket, cnt_ptr + _DONE_GU, n_g,
+                        cnt_ptr + _DONE_D, 2, True, SC_D, SBN_D, SBK_D, BN_D, BK_D, VEC)
+            waited_d = waited_d * 0 + 1
+        it = nxt
+    # every ticket this program will take is taken: the last one out resets the counters
+    if tl.atomic_add(cnt_ptr + _OUT, 1, sem="acq_rel") == grid - 1:
+        z = tl.arange(0, 8)
+        tl.store(cnt_ptr + z, z * 0, mask=z <= _OUT)
+
+
+class ChainWeight(NamedTuple):
+    """One projection's weight [N, K] (16-bit, or FP8 with its float32 scales and block)."""
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    block: Block | None = None
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """Tiles (block_n, block_k) of o_proj, gate_up, down; warps per program; programs per
+    SM (0: as many as the compiled kernel's registers allow)."""
+    o: tuple[int, int] = (4, 2048)
+    gate_up: tuple[int, int] = (8, 1024)
+    down: tuple[int, int] = (4, 2048)
+    num_warps: int = 4
+    per_sm: int = 0
+    maxnreg: int = 0
+
+
+def default_chain_config(fp8: bool) -> ChainConfig:
+    """FP8: the one-row GEMV's H200 tiles at Qwen3-8B's shapes where they take 4 warps (down's
+    16 x 2048 on 8 warps becomes 4 x 2048). 16-bit: the one-row rule's 1024-wide K steps."""
+    if fp8:
+        return ChainConfig()
+    return ChainConfig(o=(4, 1024), gate_up=(8, 1024), down=(4, 1024))
+
+
+def _stage_args(w: ChainWeight, tile: tuple[int, int], vec: int) -> tuple[tuple, dict, int]:
+    """(weight, scales, scales' row stride), its constexprs, block_k (shrunk to fit scales)."""
+    from pdserve.kernels.gemv import _fp8_args  # kernels.gemv imports this module's users
+
+    cfg = GemvConfig(tile[0], tile[1])
+    if interpreting():  # one program at a time: small tiles are not faster there
+        cfg = GemvConfig(min(64, next_pow2(w.weight.shape[0])), min(256, tile[1]))
+    f = _fp8_args(cfg, w.weight, w.scales, w.block)
+    bk = min(f["block_k"], next_pow2(w.weight.shape[1]))
+    if bk < vec:
+        raise ValueError(f"config: a K step of {bk} is narrower than {vec} columns per thread")
+    return (f["w"], f["s"], f["stride"]), {**f["consts"], "BN": cfg.block_n, "BK": bk}, cfg.block_n
+
+
+def _check(a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+           ws: tuple[ChainWeight, ChainWeight, ChainWeight]) -> tuple[int, int, int]:
+    check_tensor("attn", a, ndim=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_launchable("attn", a)
+    if a.shape[0] != 1:
+        raise ValueError(f"attn: the chain takes one row, got {a.shape[0]}")
+    D, KO = ws[0].weight.shape
+    I2, I = ws[1].weight.shape[0], ws[2].weight.shape[1]
+    for name, w, shape in (("o_proj", ws[0], (D, a.shape[1])), ("gate_up_proj", ws[1], (2 * I, D)),
+                           ("down_proj", ws[2], (D, I))):
+        check_tensor(f"{name}.weight", w.weight, shape=shape, dtypes=(a.dtype, FP8_DTYPE),
+                     device=a.device)
+        if not w.weight.is_contiguous():
+            raise ValueError(f"{name}.weight: must be contiguous")
+        check_scales(w.weight, w.scales, w.block, f"{name}.weight")
+    if I2 != 2 * I:
+        raise ValueError(f"gate_up_proj.weight: {I2} rows, expected 2 x down's {I} columns")
+    check_tensor("residual", residual, shape=(1, D), dtypes=(a.dtype,), device=a.device,
+                 last_contiguous=True)
+    check_tensor("norm_weight", norm_weight, shape=(D,), dtypes=FLOAT_DTYPES, device=a.device)
+    return D, KO, I
+
+
+@functools.cache
+def _per_sm(n_regs: int, num_warps: int) -> int:
+    """Programs of num_warps warps that fit one SM by registers (64K, in units of 8 per
+    thread) and threads (2048)."""
+    regs = max(8, -(-n_regs // 8) * 8) * 32 * num_warps
+    return max(1, min(65536 // regs, 2048 // (32 * num_warps), 32))
+
+
+_REGS: dict[tuple, int] = {}  # the compiled kernel's registers per thread, by its constexprs
+
+
+def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+               o_proj: ChainWeight, gate_up: ChainWeight, down: ChainWeight, slot: int,
+               config: ChainConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h) of the module doc for one row: attn [1, KO], residual [1, D] (the stream before
+    o_proj's add), norm_weight [D] (post-attention norm), weights o [D, KO], gate_up [2I, D],
+    down [D, I]. slot: this call site's counters (one per decoder layer; two launches in
+    flight must not share one)."""
+    if not (isinstance(eps, float) and eps > 0):
+        raise ValueError(f"eps: must be a float > 0, got {eps!r}")
+    D, KO, I = _check(attn, residual, norm_weight, (o_proj, gate_up, down))
+    fp8 = any(w.scales is not None for w in (o_proj, gate_up, down))
+    cfg = config or default_chain_config(fp8)
+    vec = 16 // attn.element_size()
+    consts = {}
+    ptrs = []
+    counts = []
+    for tag, w, tile in (("O", o_proj, cfg.o), ("G", gate_up, cfg.gate_up), ("D", down, cfg.down)):
+        p, c, bn = _stage_args(w, tile, vec)
+        ptrs.append(p)
+        counts.append(triton.cdiv(w.weight.shape[0], bn))
+        consts.update({f"SC_{tag}": c["SCALE"], f"SBN_{tag}": c["S_BN"], f"SBK_{tag}": c["S_BK"],
+                       f"BN_{tag}": c["BN"], f"BK_{tag}": c["BK"]})
+    h = torch.empty((1, D), dtype=attn.dtype, device=attn.device)
+    gu = torch.empty((1, 2 * I), dtype=attn.dtype, device=attn.device)
+    y = torch.empty((1, D), dtype=attn.dtype, device=attn.device)
+    cnt = chain_counters(attn.device, slot)
+    key = (tuple(sorted(consts.items())), cfg.num_warps, cfg.maxnreg, attn.dtype)
+    if interpreting():
+        grid = 1
+    else:
+        sms = num_sms(attn.device.index or 0)
+        per_sm = cfg.per_sm or (_per_sm(_REGS[key], cfg.num_warps) if key in _REGS else 8)
+        grid = sms * per_sm
+    line = 128 // o_proj.weight.element_size()  # elements per 128-byte line
+    o_lines = 0 if interpreting() else triton.cdiv(triton.cdiv(o_proj.weight.numel(), line), grid)
+    kernel = _chain_kernel[(grid,)](
+        attn, residual, norm_weight, h, gu, y, *ptrs[0][:2], *ptrs[1][:2], *ptrs[2][:2], cnt, D,
+        KO, I, ptrs[0][2], ptrs[1][2], ptrs[2][2], float(eps), counts[0], counts[1], counts[2],
+        grid, o_lines, o_proj.weight.numel(), **consts, VEC=vec,
+        PF=min(next_pow2(o_lines), 512) if o_lines else 0, PF_LINE=line,
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(attn),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}))
+    if not interpreting() and key not in _REGS and hasattr(kernel, "n_regs"):
+        _REGS[key] = int(kernel.n_regs)
+    return y, h
