@@ -52,18 +52,21 @@ from pdserve.kernels._triton import (
     l2_prefetch_flat,
     next_pow2,
     num_sms,
-    pdl_enter,
     pdl_launch,
 )
-from pdserve.kernels.fp8_scales import FP8_DTYPE, Block, check_scales
-from pdserve.kernels.gemv_configs import GemvConfig
+from pdserve.kernels.fp8_scales import (
+    FP8_DTYPE,
+    Block,
+    check_scales,
+    fit_block_k,
+    kernel_block,
+    scale_mode,
+)
 from pdserve.kernels.gemv_row import _load_w, _row_step
 
 # counters of one call site (int32): ticket, done o_proj, done gate_up, done down, programs out
 _TICKET = tl.constexpr(0)
-_DONE_O = tl.constexpr(1)
-_DONE_GU = tl.constexpr(2)
-_DONE_D = tl.constexpr(3)
+_DONE = tl.constexpr(1)  # + stage
 _OUT = tl.constexpr(4)
 
 
@@ -77,42 +80,68 @@ def _spin_until(ptr, target):
 
 
 @jit
-def _item(blk, wait, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_w, stride_s,
-          eps, ticket_ptr, wait_ptr, wait_target, done_ptr, PROLOGUE: tl.constexpr,
-          HAS_ADD: tl.constexpr,
-          SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """Rows blk * BLOCK_N .. of y = prologue(x) @ W^T (+ add), as kernels/gemv_row.py's
-    program blk computes them. Its first weight tile is in flight while it takes the next
-    ticket (returned; a scalar atomic stalls the program until it answers) and, if `wait`,
-    waits for its input. Then its stage's done counter is bumped."""
-    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+def _first_tile(t, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN: tl.constexpr,
+                BK: tl.constexpr, VEC: tl.constexpr):
+    """The first K step's weight tile [BN, BK] of ticket t's item (all masked past the last):
+    weights only, so it may be loaded before the item's input is ready."""
+    rows = tl.arange(0, BN)
+    offs_k0 = tl.arange(0, BK)
+    if t < n_o:
+        r = t * BN + rows
+        w = _load_w(wo_ptr + r[:, None].to(tl.int64) * KO, r < D, offs_k0, 0, KO, VEC,
+                    "evict_first")
+    elif t < n_o + n_g:
+        r = (t - n_o) * BN + rows
+        w = _load_w(wg_ptr + r[:, None].to(tl.int64) * D, r < 2 * I, offs_k0, 0, D, VEC,
+                    "evict_first")
+    else:
+        r = (t - n_o - n_g) * BN + rows
+        w = _load_w(wd_ptr + r[:, None].to(tl.int64) * I, (r < D) & (t < n_o + n_g + n_d),
+                    offs_k0, 0, I, VEC, "evict_first")
+    return w
+
+
+@jit
+def _item(blk, w, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_s, eps,
+          ticket_ptr, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, PROLOGUE: tl.constexpr,
+          HAS_ADD: tl.constexpr, SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
+    """Rows blk * BN .. of y = prologue(x) @ W[N, K]^T (+ add), as kernels/gemv_row.py's
+    program blk computes them, from its first weight tile w (already loaded). With the last
+    K step's tile in flight it loads the first tile of ticket nt's item and takes the ticket
+    after that (a scalar atomic holds the program until it answers): returns both, so the
+    next item's bytes stream in while this one finishes (no gap between items)."""
+    offs_n = blk * BN + tl.arange(0, BN)
     n_ok = offs_n < N
-    offs_k0 = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    w = _load_w(w_rows, n_ok, offs_k0, 0, K, VEC, "evict_first")
-    nxt = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
-    if wait:
-        _spin_until(wait_ptr, wait_target)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
-    ss = tl.zeros([BLOCK_K // VEC], tl.float32)
+    offs_k0 = tl.arange(0, BK)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    acc = tl.zeros([BN, BK // VEC], tl.float32)
+    ss = tl.zeros([BK // VEC], tl.float32)
     acc, ss = _row_step(w, 0, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr, nw_ptr, x_ptr,
-                        s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN, S_BK, BLOCK_N,
-                        BLOCK_K, VEC)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+                        s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN, S_BK, BN, BK, VEC)
+    k_last = (K - 1) // BK * BK
+    for k0 in range(BK, k_last, BK):
         w = _load_w(w_rows, n_ok, offs_k0, k0, K, VEC, "evict_first")
         acc, ss = _row_step(w, k0, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr, nw_ptr,
                             x_ptr, s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN, S_BK,
-                            BLOCK_N, BLOCK_K, VEC)
+                            BN, BK, VEC)
+    if k_last > 0:
+        w = _load_w(w_rows, n_ok, offs_k0, k_last, K, VEC, "evict_first")
+        w_next = _first_tile(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, VEC)
+        t_next = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+        acc, ss = _row_step(w, k_last, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr,
+                            nw_ptr, x_ptr, s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN,
+                            S_BK, BN, BK, VEC)
+    else:
+        w_next = _first_tile(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, VEC)
+        t_next = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_ADD:
         y += tl.load(add_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y, mask=n_ok)
-    tl.debug_barrier()  # every thread's rows stored before the release below
-    tl.atomic_add(done_ptr, 1, sem="release")
-    return nxt
+    return w_next, t_next
 
 
 @jit
@@ -120,41 +149,58 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
                   wd_ptr, sd_ptr, cnt_ptr, D, KO, I, stride_so, stride_sg, stride_sd, eps,
                   n_o, n_g, n_d, grid, o_lines, o_elems,
                   SC_O: tl.constexpr, SBN_O: tl.constexpr, SBK_O: tl.constexpr,
-                  BN_O: tl.constexpr, BK_O: tl.constexpr,
                   SC_G: tl.constexpr, SBN_G: tl.constexpr, SBK_G: tl.constexpr,
-                  BN_G: tl.constexpr, BK_G: tl.constexpr,
                   SC_D: tl.constexpr, SBN_D: tl.constexpr, SBK_D: tl.constexpr,
-                  BN_D: tl.constexpr, BK_D: tl.constexpr,
-                  VEC: tl.constexpr, PF: tl.constexpr, PF_LINE: tl.constexpr,
-                  USE_PDL: tl.constexpr):
-    """Weights are contiguous [N, K] (W_o [D, KO], W_gu [2I, D], W_down [D, I]); FP8 ones
-    as int8 bytes with their scales (SC_* as kernels/fp8_scales.py's SCALE)."""
-    it = tl.atomic_add(cnt_ptr + _TICKET, 1, sem="relaxed")
+                  BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr, PF: tl.constexpr,
+                  PF_LINE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Weights are contiguous [N, K] (W_o [D, KO], W_gu [2I, D], W_down [D, I]), all of one
+    dtype, FP8 ones as int8 bytes with their scales (SC_* as kernels/fp8_scales.py's SCALE);
+    one tile shape [BN, BK] for all three, so a tile can be carried from item to item."""
+    ticket = cnt_ptr + _TICKET
+    total = n_o + n_g + n_d
+    it = tl.atomic_add(ticket, 1, sem="relaxed")
+    w = _first_tile(it, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, VEC)
     if PF > 0:  # this program's share of o_proj's weight, PF_LINE elements a line, into L2
         first = tl.program_id(0) * o_lines
         line = tl.minimum(first + tl.arange(0, PF), first + o_lines - 1).to(tl.int64)
         l2_prefetch_flat(wo_ptr, tl.minimum(line * PF_LINE, o_elems - 1))
-    pdl_enter(USE_PDL)
-    total = n_o + n_g + n_d
-    waited_g = it * 0  # this program has seen o_proj complete (then gate_up's)
-    waited_d = it * 0
-    ticket = cnt_ptr + _TICKET
+    if USE_PDL:  # the attention's output; the next kernel launches once all are in down
+        tl.extra.cuda.gdc_wait()
+    nt = tl.atomic_add(ticket, 1, sem="relaxed")
+    seen = it * 0  # the last stage whose input this program has seen complete
+    mine = it * 0  # items of its current stage done, not yet counted in the stage's total
     while it < total:
         if it < n_o:
-            nxt = _item(it, False, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO, KO,
-                        stride_so, eps, ticket, cnt_ptr, 0, cnt_ptr + _DONE_O, 0, True, SC_O,
-                        SBN_O, SBK_O, BN_O, BK_O, VEC)
+            stage = 0
+            w, nn = _item(it, w, nt, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO,
+                          stride_so, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO,
+                          I, 0, True, SC_O, SBN_O, SBK_O, BN, BK, VEC)
         elif it < n_o + n_g:
-            nxt = _item(it - n_o, waited_g == 0, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr,
-                        2 * I, D, D, stride_sg, eps, ticket, cnt_ptr + _DONE_O, n_o,
-                        cnt_ptr + _DONE_GU, 1, False, SC_G, SBN_G, SBK_G, BN_G, BK_G, VEC)
-            waited_g = waited_g * 0 + 1
+            stage = 1
+            if seen < 1:  # h whole (gate_up's norm reads all of it)
+                _spin_until(cnt_ptr + _DONE, n_o)
+                seen = seen * 0 + 1
+            w, nn = _item(it - n_o, w, nt, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I,
+                          D, stride_sg, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D,
+                          KO, I, 1, False, SC_G, SBN_G, SBK_G, BN, BK, VEC)
         else:
-            nxt = _item(it - n_o - n_g, waited_d == 0, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr,
-                        y_ptr, D, I, I, stride_sd, eps, ticket, cnt_ptr + _DONE_GU, n_g,
-                        cnt_ptr + _DONE_D, 2, True, SC_D, SBN_D, SBK_D, BN_D, BK_D, VEC)
-            waited_d = waited_d * 0 + 1
-        it = nxt
+            stage = 2
+            if seen < 2:
+                _spin_until(cnt_ptr + _DONE + 1, n_g)
+                seen = seen * 0 + 2
+                if USE_PDL:
+                    tl.extra.cuda.gdc_launch_dependents()
+            w, nn = _item(it - n_o - n_g, w, nt, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr, y_ptr,
+                          D, I, stride_sd, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr,
+                          D, KO, I, 2, True, SC_D, SBN_D, SBK_D, BN, BK, VEC)
+        mine += 1
+        next_stage = (nt >= n_o).to(tl.int32) + (nt >= n_o + n_g).to(tl.int32)
+        if (next_stage != stage) | (nt >= total):  # count this stage's items in, once
+            tl.debug_barrier()  # every thread's rows stored before the release below
+            tl.atomic_add(cnt_ptr + _DONE + stage, mine, sem="release")
+            mine = mine * 0
+        it = nt
+        nt = nn
     # every ticket this program will take is taken: the last one out resets the counters
     if tl.atomic_add(cnt_ptr + _OUT, 1, sem="acq_rel") == grid - 1:
         z = tl.arange(0, 8)
@@ -170,36 +216,48 @@ class ChainWeight(NamedTuple):
 
 @dataclass(frozen=True)
 class ChainConfig:
-    """Tiles (block_n, block_k) of o_proj, gate_up, down; warps per program; programs per
-    SM (0: as many as the compiled kernel's registers allow)."""
-    o: tuple[int, int] = (4, 2048)
-    gate_up: tuple[int, int] = (8, 1024)
-    down: tuple[int, int] = (4, 2048)
+    """The one tile [block_n, block_k] of all three projections (block_k shrinks to fit FP8
+    scales and the narrowest K), warps per program, programs per SM (0: as many as the
+    compiled kernel's registers allow), a ptxas register cap (0: none)."""
+    block_n: int = 8
+    block_k: int = 1024
     num_warps: int = 4
     per_sm: int = 0
     maxnreg: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"config.{name}: {v!r} must be a power of 2 >= 1")
+        if not isinstance(self.per_sm, int) or not 0 <= self.per_sm <= 32:
+            raise ValueError(f"config.per_sm: {self.per_sm!r} must be an int in [0, 32]")
 
-def default_chain_config(fp8: bool) -> ChainConfig:
-    """FP8: the one-row GEMV's H200 tiles at Qwen3-8B's shapes where they take 4 warps (down's
-    16 x 2048 on 8 warps becomes 4 x 2048). 16-bit: the one-row rule's 1024-wide K steps."""
-    if fp8:
-        return ChainConfig()
-    return ChainConfig(o=(4, 1024), gate_up=(8, 1024), down=(4, 1024))
 
-
-def _stage_args(w: ChainWeight, tile: tuple[int, int], vec: int) -> tuple[tuple, dict, int]:
-    """(weight, scales, scales' row stride), its constexprs, block_k (shrunk to fit scales)."""
-    from pdserve.kernels.gemv import _fp8_args  # kernels.gemv imports this module's users
-
-    cfg = GemvConfig(tile[0], tile[1])
-    if interpreting():  # one program at a time: small tiles are not faster there
-        cfg = GemvConfig(min(64, next_pow2(w.weight.shape[0])), min(256, tile[1]))
-    f = _fp8_args(cfg, w.weight, w.scales, w.block)
-    bk = min(f["block_k"], next_pow2(w.weight.shape[1]))
+def _stage_consts(ws: tuple[ChainWeight, ...], cfg: ChainConfig, vec: int
+                  ) -> tuple[list[tuple], dict, int, int]:
+    """Per projection (weight as the kernel reads it, scales, scales' row stride), the
+    SC_/SBN_/SBK_ constexprs, and the shared block_n, block_k (the config's, shrunk where
+    a projection's scales or K need it)."""
+    bn, bk = cfg.block_n, cfg.block_k
+    bk = min([bk] + [next_pow2(w.weight.shape[1]) for w in ws])
+    for w in ws:
+        if w.scales is not None:
+            bk = fit_block_k(w.block, *w.weight.shape, bn, bk)
     if bk < vec:
         raise ValueError(f"config: a K step of {bk} is narrower than {vec} columns per thread")
-    return (f["w"], f["s"], f["stride"]), {**f["consts"], "BN": cfg.block_n, "BK": bk}, cfg.block_n
+    ptrs, consts = [], {}
+    for tag, w in zip("OGD", ws):
+        if w.scales is None:
+            ptrs.append((w.weight, w.weight, 0))
+            consts.update({f"SC_{tag}": 0, f"SBN_{tag}": 1, f"SBK_{tag}": 1})
+            continue
+        N, K = w.weight.shape
+        s_bn, s_bk = kernel_block(w.block, N, K)
+        ptrs.append((w.weight.view(torch.int8), w.scales, w.scales.stride(0)))
+        consts.update({f"SC_{tag}": scale_mode(w.block, N, K, bn, bk), f"SBN_{tag}": s_bn,
+                       f"SBK_{tag}": s_bk})
+    return ptrs, consts, bn, bk
 
 
 def _check(a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -246,23 +304,20 @@ def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     if not (isinstance(eps, float) and eps > 0):
         raise ValueError(f"eps: must be a float > 0, got {eps!r}")
     D, KO, I = _check(attn, residual, norm_weight, (o_proj, gate_up, down))
-    fp8 = any(w.scales is not None for w in (o_proj, gate_up, down))
-    cfg = config or default_chain_config(fp8)
+    ws = (o_proj, gate_up, down)
+    if len({w.weight.dtype for w in ws}) != 1:
+        raise ValueError("o_proj, gate_up_proj, down_proj: weights of one dtype (one tile "
+                         "carried from item to item)")
+    # the interpreter runs one program at a time: big tiles run fastest there
+    cfg = config or (ChainConfig(16, 256) if interpreting() else ChainConfig())
     vec = 16 // attn.element_size()
-    consts = {}
-    ptrs = []
-    counts = []
-    for tag, w, tile in (("O", o_proj, cfg.o), ("G", gate_up, cfg.gate_up), ("D", down, cfg.down)):
-        p, c, bn = _stage_args(w, tile, vec)
-        ptrs.append(p)
-        counts.append(triton.cdiv(w.weight.shape[0], bn))
-        consts.update({f"SC_{tag}": c["SCALE"], f"SBN_{tag}": c["S_BN"], f"SBK_{tag}": c["S_BK"],
-                       f"BN_{tag}": c["BN"], f"BK_{tag}": c["BK"]})
+    ptrs, consts, bn, bk = _stage_consts(ws, cfg, vec)
+    counts = [triton.cdiv(w.weight.shape[0], bn) for w in ws]
     h = torch.empty((1, D), dtype=attn.dtype, device=attn.device)
     gu = torch.empty((1, 2 * I), dtype=attn.dtype, device=attn.device)
     y = torch.empty((1, D), dtype=attn.dtype, device=attn.device)
     cnt = chain_counters(attn.device, slot)
-    key = (tuple(sorted(consts.items())), cfg.num_warps, cfg.maxnreg, attn.dtype)
+    key = (tuple(sorted(consts.items())), bn, bk, cfg.num_warps, cfg.maxnreg, attn.dtype)
     if interpreting():
         grid = 1
     else:
@@ -274,7 +329,7 @@ def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     kernel = _chain_kernel[(grid,)](
         attn, residual, norm_weight, h, gu, y, *ptrs[0][:2], *ptrs[1][:2], *ptrs[2][:2], cnt, D,
         KO, I, ptrs[0][2], ptrs[1][2], ptrs[2][2], float(eps), counts[0], counts[1], counts[2],
-        grid, o_lines, o_proj.weight.numel(), **consts, VEC=vec,
+        grid, o_lines, o_proj.weight.numel(), **consts, BN=bn, BK=bk, VEC=vec,
         PF=min(next_pow2(o_lines), 512) if o_lines else 0, PF_LINE=line,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(attn),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}))
