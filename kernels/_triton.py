@@ -199,7 +199,7 @@ def scratch_fp32(device: torch.device, n: int) -> torch.Tensor:
     return _grown(_SCRATCH, device, n, torch.float32, "split-K scratch")
 
 
-CHAIN_SLOT = 8  # int32 counters per call site of a work-queue kernel (kernels/gemv_chain.py)
+CHAIN_SLOT = 96  # int32 counters per call site of a work-queue kernel (kernels/gemv_chain.py)
 
 
 def chain_counters(device: torch.device, slot: int) -> torch.Tensor:

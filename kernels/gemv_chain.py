@@ -64,19 +64,27 @@ from pdserve.kernels.fp8_scales import (
 )
 from pdserve.kernels.gemv_row import _load_w, _row_step
 
-# counters of one call site (int32): ticket, done o_proj, done gate_up, done down, programs out
+# counters of one call site (int32, CHAIN_SLOT of them): the ticket, the done counters of
+# o_proj, gate_up, down, and the programs out, the ticket and the done counters on 128-byte
+# lines of their own (every item takes a ticket; waiting programs poll the done counters)
 _TICKET = tl.constexpr(0)
-_DONE = tl.constexpr(1)  # + stage
-_OUT = tl.constexpr(4)
+_DONE = tl.constexpr(32)  # + stage
+_OUT = tl.constexpr(64)
 
 
 @jit
-def _spin_until(ptr, target):
-    """Wait until the int32 counter at ptr reaches target. Acquire: what the counted items
-    stored before their release is visible to this program's loads after it."""
-    seen = tl.atomic_add(ptr, 0, sem="acquire")
+def _spin_until(ptr, target, PTX: tl.constexpr):
+    """Wait until the int32 counter at ptr reaches target: polled with plain (volatile)
+    loads and a short sleep, so that up to every program of the grid waiting here does not
+    queue atomics ahead of the producers' releases on that L2 line; then one acquire, so
+    that what the counted items stored before their release is visible after it."""
+    seen = tl.load(ptr, volatile=True)
     while seen < target:
-        seen = tl.atomic_add(ptr, 0, sem="acquire")
+        if PTX:
+            tl.inline_asm_elementwise("nanosleep.u32 256;\n\tmov.u32 $0, $1;", "=r,r", [seen],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        seen = tl.load(ptr, volatile=True)
+    tl.atomic_add(ptr, 0, sem="acquire")
 
 
 @jit
@@ -152,7 +160,7 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
                   SC_G: tl.constexpr, SBN_G: tl.constexpr, SBK_G: tl.constexpr,
                   SC_D: tl.constexpr, SBN_D: tl.constexpr, SBK_D: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr, PF: tl.constexpr,
-                  PF_LINE: tl.constexpr, USE_PDL: tl.constexpr):
+                  PF_LINE: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr):
     """Weights are contiguous [N, K] (W_o [D, KO], W_gu [2I, D], W_down [D, I]), all of one
     dtype, FP8 ones as int8 bytes with their scales (SC_* as kernels/fp8_scales.py's SCALE);
     one tile shape [BN, BK] for all three, so a tile can be carried from item to item."""
@@ -178,7 +186,7 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
         elif it < n_o + n_g:
             stage = 1
             if seen < 1:  # h whole (gate_up's norm reads all of it)
-                _spin_until(cnt_ptr + _DONE, n_o)
+                _spin_until(cnt_ptr + _DONE, n_o, PTX)
                 seen = seen * 0 + 1
             w, nn = _item(it - n_o, w, nt, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I,
                           D, stride_sg, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D,
@@ -186,7 +194,7 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
         else:
             stage = 2
             if seen < 2:
-                _spin_until(cnt_ptr + _DONE + 1, n_g)
+                _spin_until(cnt_ptr + _DONE + 1, n_g, PTX)
                 seen = seen * 0 + 2
                 if USE_PDL:
                     tl.extra.cuda.gdc_launch_dependents()
@@ -203,7 +211,7 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
         nt = nn
     # every ticket this program will take is taken: the last one out resets the counters
     if tl.atomic_add(cnt_ptr + _OUT, 1, sem="acq_rel") == grid - 1:
-        z = tl.arange(0, 8)
+        z = tl.arange(0, 128)
         tl.store(cnt_ptr + z, z * 0, mask=z <= _OUT)
 
 
@@ -292,6 +300,7 @@ def _per_sm(n_regs: int, num_warps: int) -> int:
 
 
 _REGS: dict[tuple, int] = {}  # the compiled kernel's registers per thread, by its constexprs
+SPILLS: dict[tuple, int] = {}  # and its spilled registers (benchmarks print them)
 
 
 def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -331,8 +340,10 @@ def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
         KO, I, ptrs[0][2], ptrs[1][2], ptrs[2][2], float(eps), counts[0], counts[1], counts[2],
         grid, o_lines, o_proj.weight.numel(), **consts, BN=bn, BK=bk, VEC=vec,
         PF=min(next_pow2(o_lines), 512) if o_lines else 0, PF_LINE=line,
+        PTX=not interpreting(),
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(attn),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}))
     if not interpreting() and key not in _REGS and hasattr(kernel, "n_regs"):
         _REGS[key] = int(kernel.n_regs)
+        SPILLS[key] = int(getattr(kernel, "n_spills", -1))
     return y, h
