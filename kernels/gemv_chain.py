@@ -88,6 +88,15 @@ def _spin_until(ptr, target, PTX: tl.constexpr):
 
 
 @jit
+def _count_in(done_ptr, mine):
+    """Add this program's finished items of a stage to its done counter, after every
+    thread's stores (release)."""
+    if mine > 0:
+        tl.debug_barrier()
+        tl.atomic_add(done_ptr, mine, sem="release")
+
+
+@jit
 def _first_tile(t, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN: tl.constexpr,
                 BK: tl.constexpr, VEC: tl.constexpr):
     """The first K step's weight tile [BN, BK] of ticket t's item (all masked past the last):
@@ -175,38 +184,37 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     if USE_PDL:  # the attention's output; the next kernel launches once all are in down
         tl.extra.cuda.gdc_wait()
     nt = tl.atomic_add(ticket, 1, sem="relaxed")
-    seen = it * 0  # the last stage whose input this program has seen complete
-    mine = it * 0  # items of its current stage done, not yet counted in the stage's total
-    while it < total:
-        if it < n_o:
-            stage = 0
-            w, nn = _item(it, w, nt, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO,
-                          stride_so, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO,
-                          I, 0, True, SC_O, SBN_O, SBK_O, BN, BK, VEC)
-        elif it < n_o + n_g:
-            stage = 1
-            if seen < 1:  # h whole (gate_up's norm reads all of it)
-                _spin_until(cnt_ptr + _DONE, n_o, PTX)
-                seen = seen * 0 + 1
-            w, nn = _item(it - n_o, w, nt, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I,
-                          D, stride_sg, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D,
-                          KO, I, 1, False, SC_G, SBN_G, SBK_G, BN, BK, VEC)
-        else:
-            stage = 2
-            if seen < 2:
-                _spin_until(cnt_ptr + _DONE + 1, n_g, PTX)
-                seen = seen * 0 + 2
-                if USE_PDL:
-                    tl.extra.cuda.gdc_launch_dependents()
-            w, nn = _item(it - n_o - n_g, w, nt, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr, y_ptr,
-                          D, I, stride_sd, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr,
-                          D, KO, I, 2, True, SC_D, SBN_D, SBK_D, BN, BK, VEC)
+    # One loop per stage (a program's tickets only grow): ptxas allocates each loop's
+    # registers on its own (one loop over all three with a branch per item took 168 per
+    # thread at 8 x 1024 FP8: 3 programs per SM).
+    mine = it * 0  # this program's items of the stage, counted in once at its end
+    while it < n_o:
+        w, nn = _item(it, w, nt, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO,
+                      stride_so, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
+                      0, True, SC_O, SBN_O, SBK_O, BN, BK, VEC)
         mine += 1
-        next_stage = (nt >= n_o).to(tl.int32) + (nt >= n_o + n_g).to(tl.int32)
-        if (next_stage != stage) | (nt >= total):  # count this stage's items in, once
-            tl.debug_barrier()  # every thread's rows stored before the release below
-            tl.atomic_add(cnt_ptr + _DONE + stage, mine, sem="release")
-            mine = mine * 0
+        it = nt
+        nt = nn
+    _count_in(cnt_ptr + _DONE, mine)
+    mine = it * 0
+    if it < n_o + n_g:  # h whole (gate_up's norm reads all of it)
+        _spin_until(cnt_ptr + _DONE, n_o, PTX)
+    while it < n_o + n_g:
+        w, nn = _item(it - n_o, w, nt, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I, D,
+                      stride_sg, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
+                      1, False, SC_G, SBN_G, SBK_G, BN, BK, VEC)
+        mine += 1
+        it = nt
+        nt = nn
+    _count_in(cnt_ptr + _DONE + 1, mine)
+    if it < total:
+        _spin_until(cnt_ptr + _DONE + 1, n_g, PTX)
+    if USE_PDL:  # the next kernel's programs take the places of those that finish
+        tl.extra.cuda.gdc_launch_dependents()
+    while it < total:
+        w, nn = _item(it - n_o - n_g, w, nt, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr, y_ptr, D, I,
+                      stride_sd, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
+                      2, True, SC_D, SBN_D, SBK_D, BN, BK, VEC)
         it = nt
         nt = nn
     # every ticket this program will take is taken: the last one out resets the counters
