@@ -97,41 +97,42 @@ def _count_in(done_ptr, mine):
 
 
 @jit
-def _first_tile(t, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN: tl.constexpr,
-                BK: tl.constexpr, VEC: tl.constexpr):
-    """The first K step's weight tile [BN, BK] of ticket t's item (all masked past the last):
-    weights only, so it may be loaded before the item's input is ready."""
-    rows = tl.arange(0, BN)
-    offs_k0 = tl.arange(0, BK)
-    if t < n_o:
-        r = t * BN + rows
-        w = _load_w(wo_ptr + r[:, None].to(tl.int64) * KO, r < D, offs_k0, 0, KO, VEC,
-                    "evict_first")
-    elif t < n_o + n_g:
-        r = (t - n_o) * BN + rows
-        w = _load_w(wg_ptr + r[:, None].to(tl.int64) * D, r < 2 * I, offs_k0, 0, D, VEC,
-                    "evict_first")
-    else:
-        r = (t - n_o - n_g) * BN + rows
-        w = _load_w(wd_ptr + r[:, None].to(tl.int64) * I, (r < D) & (t < n_o + n_g + n_d),
-                    offs_k0, 0, I, VEC, "evict_first")
-    return w
+def _prefetch_first(t, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN: tl.constexpr,
+                    BK: tl.constexpr, LINE: tl.constexpr, PTX: tl.constexpr):
+    """Ask L2 for the first K step's weight tile [BN, BK] of ticket t's item (LINE elements
+    a 128-byte line; nothing past the last item). A prefetch holds no register: carried
+    from item to item in registers, the FP8 tile took one register per byte (168 per
+    thread, 3 programs per SM)."""
+    if PTX:
+        rows = tl.arange(0, BN)[:, None]
+        cols = (tl.arange(0, BK // LINE) * LINE)[None, :]
+        if t < n_o:
+            r = tl.minimum(t * BN + rows, D - 1).to(tl.int64)
+            l2_prefetch_flat(wo_ptr, r * KO + tl.minimum(cols, KO - 1))
+        elif t < n_o + n_g:
+            r = tl.minimum((t - n_o) * BN + rows, 2 * I - 1).to(tl.int64)
+            l2_prefetch_flat(wg_ptr, r * D + tl.minimum(cols, D - 1))
+        elif t < n_o + n_g + n_d:
+            r = tl.minimum((t - n_o - n_g) * BN + rows, D - 1).to(tl.int64)
+            l2_prefetch_flat(wd_ptr, r * I + tl.minimum(cols, I - 1))
 
 
 @jit
-def _item(blk, w, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_s, eps,
+def _item(blk, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_s, eps,
           ticket_ptr, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, PROLOGUE: tl.constexpr,
           HAS_ADD: tl.constexpr, SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr, LINE: tl.constexpr,
+          PTX: tl.constexpr):
     """Rows blk * BN .. of y = prologue(x) @ W[N, K]^T (+ add), as kernels/gemv_row.py's
-    program blk computes them, from its first weight tile w (already loaded). With the last
-    K step's tile in flight it loads the first tile of ticket nt's item and takes the ticket
-    after that (a scalar atomic holds the program until it answers): returns both, so the
-    next item's bytes stream in while this one finishes (no gap between items)."""
+    program blk computes them. With the last K step's tile in flight it asks L2 for the
+    first tile of ticket nt's item and takes the ticket after that (a scalar atomic holds
+    the program until it answers; returned), so the next item's first bytes are on their
+    way while this one finishes."""
     offs_n = blk * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     offs_k0 = tl.arange(0, BK)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    w = _load_w(w_rows, n_ok, offs_k0, 0, K, VEC, "evict_first")
     acc = tl.zeros([BN, BK // VEC], tl.float32)
     ss = tl.zeros([BK // VEC], tl.float32)
     acc, ss = _row_step(w, 0, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr, nw_ptr, x_ptr,
@@ -144,13 +145,13 @@ def _item(blk, w, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_
                             BN, BK, VEC)
     if k_last > 0:
         w = _load_w(w_rows, n_ok, offs_k0, k_last, K, VEC, "evict_first")
-        w_next = _first_tile(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, VEC)
+        _prefetch_first(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, LINE, PTX)
         t_next = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
         acc, ss = _row_step(w, k_last, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr,
                             nw_ptr, x_ptr, s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN,
                             S_BK, BN, BK, VEC)
     else:
-        w_next = _first_tile(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, VEC)
+        _prefetch_first(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, LINE, PTX)
         t_next = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
@@ -158,7 +159,7 @@ def _item(blk, w, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_
     if HAS_ADD:
         y += tl.load(add_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y, mask=n_ok)
-    return w_next, t_next
+    return t_next
 
 
 @jit
@@ -176,7 +177,7 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     ticket = cnt_ptr + _TICKET
     total = n_o + n_g + n_d
     it = tl.atomic_add(ticket, 1, sem="relaxed")
-    w = _first_tile(it, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, VEC)
+    _prefetch_first(it, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, PF_LINE, PTX)
     if PF > 0:  # this program's share of o_proj's weight, PF_LINE elements a line, into L2
         first = tl.program_id(0) * o_lines
         line = tl.minimum(first + tl.arange(0, PF), first + o_lines - 1).to(tl.int64)
@@ -189,9 +190,9 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     # thread at 8 x 1024 FP8: 3 programs per SM).
     mine = it * 0  # this program's items of the stage, counted in once at its end
     while it < n_o:
-        w, nn = _item(it, w, nt, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO,
+        nn = _item(it, nt, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO,
                       stride_so, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
-                      0, True, SC_O, SBN_O, SBK_O, BN, BK, VEC)
+                      0, True, SC_O, SBN_O, SBK_O, BN, BK, VEC, PF_LINE, PTX)
         mine += 1
         it = nt
         nt = nn
@@ -200,9 +201,9 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     if it < n_o + n_g:  # h whole (gate_up's norm reads all of it)
         _spin_until(cnt_ptr + _DONE, n_o, PTX)
     while it < n_o + n_g:
-        w, nn = _item(it - n_o, w, nt, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I, D,
+        nn = _item(it - n_o, nt, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I, D,
                       stride_sg, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
-                      1, False, SC_G, SBN_G, SBK_G, BN, BK, VEC)
+                      1, False, SC_G, SBN_G, SBK_G, BN, BK, VEC, PF_LINE, PTX)
         mine += 1
         it = nt
         nt = nn
@@ -212,9 +213,9 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     if USE_PDL:  # the next kernel's programs take the places of those that finish
         tl.extra.cuda.gdc_launch_dependents()
     while it < total:
-        w, nn = _item(it - n_o - n_g, w, nt, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr, y_ptr, D, I,
+        nn = _item(it - n_o - n_g, nt, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr, y_ptr, D, I,
                       stride_sd, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
-                      2, True, SC_D, SBN_D, SBK_D, BN, BK, VEC)
+                      2, True, SC_D, SBN_D, SBK_D, BN, BK, VEC, PF_LINE, PTX)
         it = nt
         nt = nn
     # every ticket this program will take is taken: the last one out resets the counters
