@@ -105,7 +105,7 @@ def _prefetch_first(t, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN: tl.c
     thread, 3 programs per SM)."""
     if PTX:
         rows = tl.arange(0, BN)[:, None]
-        cols = (tl.arange(0, BK // LINE) * LINE)[None, :]
+        cols = (tl.arange(0, max(BK // LINE, 1)) * LINE)[None, :]
         if t < n_o:
             r = tl.minimum(t * BN + rows, D - 1).to(tl.int64)
             l2_prefetch_flat(wo_ptr, r * KO + tl.minimum(cols, KO - 1))
@@ -119,7 +119,7 @@ def _prefetch_first(t, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN: tl.c
 
 @jit
 def _item(blk, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_s, eps,
-          ticket_ptr, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, PROLOGUE: tl.constexpr,
+          n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, PROLOGUE: tl.constexpr,
           HAS_ADD: tl.constexpr, SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr, LINE: tl.constexpr,
           PTX: tl.constexpr):
@@ -132,34 +132,24 @@ def _item(blk, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_s, 
     n_ok = offs_n < N
     offs_k0 = tl.arange(0, BK)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-    w = _load_w(w_rows, n_ok, offs_k0, 0, K, VEC, "evict_first")
     acc = tl.zeros([BN, BK // VEC], tl.float32)
     ss = tl.zeros([BK // VEC], tl.float32)
-    acc, ss = _row_step(w, 0, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr, nw_ptr, x_ptr,
-                        s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN, S_BK, BN, BK, VEC)
-    k_last = (K - 1) // BK * BK
-    for k0 in range(BK, k_last, BK):
+    # The next item's first tile is asked into L2 first, then the K loop. (A K step peeled
+    # off the loop, to send it with the last load or to preload the first tile, took
+    # 121-125 registers per thread inside the work loop, against 72 without: cuobjdump of
+    # the sm_90 build; 3-4 programs per SM instead of 8.)
+    _prefetch_first(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, LINE, PTX)
+    for k0 in range(0, K, BK):
         w = _load_w(w_rows, n_ok, offs_k0, k0, K, VEC, "evict_first")
         acc, ss = _row_step(w, k0, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr, nw_ptr,
                             x_ptr, s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN, S_BK,
                             BN, BK, VEC)
-    if k_last > 0:
-        w = _load_w(w_rows, n_ok, offs_k0, k_last, K, VEC, "evict_first")
-        _prefetch_first(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, LINE, PTX)
-        t_next = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
-        acc, ss = _row_step(w, k_last, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr,
-                            nw_ptr, x_ptr, s_ptr, N, K, stride_s, PROLOGUE, False, SCALE, S_BN,
-                            S_BK, BN, BK, VEC)
-    else:
-        _prefetch_first(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, LINE, PTX)
-        t_next = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1:  # rmsnorm's per-row scale commutes with the dot product
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_ADD:
         y += tl.load(add_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y, mask=n_ok)
-    return t_next
 
 
 @jit
@@ -174,9 +164,8 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     """Weights are contiguous [N, K] (W_o [D, KO], W_gu [2I, D], W_down [D, I]), all of one
     dtype, FP8 ones as int8 bytes with their scales (SC_* as kernels/fp8_scales.py's SCALE);
     one tile shape [BN, BK] for all three, so a tile can be carried from item to item."""
-    ticket = cnt_ptr + _TICKET
     total = n_o + n_g + n_d
-    it = tl.atomic_add(ticket, 1, sem="relaxed")
+    it = tl.program_id(0)
     _prefetch_first(it, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, PF_LINE, PTX)
     if PF > 0:  # this program's share of o_proj's weight, PF_LINE elements a line, into L2
         first = tl.program_id(0) * o_lines
@@ -184,41 +173,37 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
         l2_prefetch_flat(wo_ptr, tl.minimum(line * PF_LINE, o_elems - 1))
     if USE_PDL:  # the attention's output; the next kernel launches once all are in down
         tl.extra.cuda.gdc_wait()
-    nt = tl.atomic_add(ticket, 1, sem="relaxed")
-    # One loop per stage (a program's tickets only grow): ptxas allocates each loop's
+    # One loop per stage (a program's items only grow): ptxas allocates each loop's
     # registers on its own (one loop over all three with a branch per item took 168 per
     # thread at 8 x 1024 FP8: 3 programs per SM).
     mine = it * 0  # this program's items of the stage, counted in once at its end
     while it < n_o:
-        nn = _item(it, nt, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO,
-                      stride_so, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
-                      0, True, SC_O, SBN_O, SBK_O, BN, BK, VEC, PF_LINE, PTX)
+        _item(it, it + grid, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO, stride_so,
+              eps, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, 0, True, SC_O, SBN_O,
+              SBK_O, BN, BK, VEC, PF_LINE, PTX)
         mine += 1
-        it = nt
-        nt = nn
+        it += grid
     _count_in(cnt_ptr + _DONE, mine)
     mine = it * 0
     if it < n_o + n_g:  # h whole (gate_up's norm reads all of it)
         _spin_until(cnt_ptr + _DONE, n_o, PTX)
     while it < n_o + n_g:
-        nn = _item(it - n_o, nt, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I, D,
-                      stride_sg, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
-                      1, False, SC_G, SBN_G, SBK_G, BN, BK, VEC, PF_LINE, PTX)
+        _item(it - n_o, it + grid, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I, D,
+              stride_sg, eps, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, 1, False, SC_G,
+              SBN_G, SBK_G, BN, BK, VEC, PF_LINE, PTX)
         mine += 1
-        it = nt
-        nt = nn
+        it += grid
     _count_in(cnt_ptr + _DONE + 1, mine)
     if it < total:
         _spin_until(cnt_ptr + _DONE + 1, n_g, PTX)
     if USE_PDL:  # the next kernel's programs take the places of those that finish
         tl.extra.cuda.gdc_launch_dependents()
     while it < total:
-        nn = _item(it - n_o - n_g, nt, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr, y_ptr, D, I,
-                      stride_sd, eps, ticket, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I,
-                      2, True, SC_D, SBN_D, SBK_D, BN, BK, VEC, PF_LINE, PTX)
-        it = nt
-        nt = nn
-    # every ticket this program will take is taken: the last one out resets the counters
+        _item(it - n_o - n_g, it + grid, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr, y_ptr, D, I,
+              stride_sd, eps, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, 2, True, SC_D,
+              SBN_D, SBK_D, BN, BK, VEC, PF_LINE, PTX)
+        it += grid
+    # the last program out resets the counters for the next launch
     if tl.atomic_add(cnt_ptr + _OUT, 1, sem="acq_rel") == grid - 1:
         z = tl.arange(0, 128)
         tl.store(cnt_ptr + z, z * 0, mask=z <= _OUT)
@@ -301,15 +286,18 @@ def _check(a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
 
 
 @functools.cache
-def _per_sm(n_regs: int, num_warps: int) -> int:
-    """Programs of num_warps warps that fit one SM by registers (64K, in units of 8 per
-    thread) and threads (2048)."""
-    regs = max(8, -(-n_regs // 8) * 8) * 32 * num_warps
-    return max(1, min(65536 // regs, 2048 // (32 * num_warps), 32))
+def _per_sm(n_regs: int, shared: int, num_warps: int) -> int:
+    """Programs of num_warps warps that fit one SM at once: by registers (64K, allocated in
+    units of 8 per thread), threads (2048), shared memory (227 KB, 1 KB of it reserved per
+    program) and the 32-program cap."""
+    threads = 32 * num_warps
+    regs = max(8, -(-n_regs // 8) * 8) * threads
+    return max(1, min(65536 // regs, 2048 // threads, (227 << 10) // (shared + 1024), 32))
 
 
-_REGS: dict[tuple, int] = {}  # the compiled kernel's registers per thread, by its constexprs
-SPILLS: dict[tuple, int] = {}  # and its spilled registers (benchmarks print them)
+# the compiled kernel's (registers per thread, shared memory, spilled registers), by its
+# constexprs: the grid must fit the GPU at once (module doc)
+COMPILED: dict[tuple, tuple[int, int, int]] = {}
 
 
 def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -336,12 +324,10 @@ def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     y = torch.empty((1, D), dtype=attn.dtype, device=attn.device)
     cnt = chain_counters(attn.device, slot)
     key = (tuple(sorted(consts.items())), bn, bk, cfg.num_warps, cfg.maxnreg, attn.dtype)
-    if interpreting():
-        grid = 1
-    else:
-        sms = num_sms(attn.device.index or 0)
-        per_sm = cfg.per_sm or (_per_sm(_REGS[key], cfg.num_warps) if key in _REGS else 8)
-        grid = sms * per_sm
+    grid = 1  # the interpreter; on a GPU, before the first compile: one program per SM
+    if not interpreting():
+        cap = _per_sm(*COMPILED[key][:2], cfg.num_warps) if key in COMPILED else 1
+        grid = num_sms(attn.device.index or 0) * min(cfg.per_sm or cap, cap)
     line = 128 // o_proj.weight.element_size()  # elements per 128-byte line
     o_lines = 0 if interpreting() else triton.cdiv(triton.cdiv(o_proj.weight.numel(), line), grid)
     kernel = _chain_kernel[(grid,)](
@@ -352,7 +338,7 @@ def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
         PTX=not interpreting(),
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(attn),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}))
-    if not interpreting() and key not in _REGS and hasattr(kernel, "n_regs"):
-        _REGS[key] = int(kernel.n_regs)
-        SPILLS[key] = int(getattr(kernel, "n_spills", -1))
+    if not interpreting() and key not in COMPILED:
+        COMPILED[key] = (int(kernel.n_regs), int(kernel.metadata.shared),
+                         int(getattr(kernel, "n_spills", -1)))
     return y, h

@@ -110,12 +110,11 @@ def main() -> None:
         print(f"{k:16s} {us:7.2f} us/layer  {nbytes / us / 1e6:.2f} TB/s", flush=True)
     out = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "layers": args.layers,
            "weight_bytes_per_layer": nbytes, "chain_vs_unfused_rel_err": err,
-           "chain_regs_spills": {str(k[1:]): (v, chain_mod.SPILLS.get(k))
-                                 for k, v in chain_mod._REGS.items()},
+           "chain_regs_shared_spills": {str(k[1:]): v for k, v in chain_mod.COMPILED.items()},
            "results": results,
            "command": "python -m bench.lab.bench_chain " + " ".join(sys.argv[1:]),
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    print(json.dumps({k: out[k] for k in ("chain_vs_unfused_rel_err", "chain_regs_spills")}))
+    print(json.dumps({k: out[k] for k in ("chain_vs_unfused_rel_err", "chain_regs_shared_spills")}))
     if args.out:
         json.dump(out, open(args.out, "w"), indent=1)
 
