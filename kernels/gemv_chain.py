@@ -97,32 +97,38 @@ def _count_in(done_ptr, mine):
 
 
 @jit
-def _prefetch_first(t, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN: tl.constexpr,
-                    BK: tl.constexpr, LINE: tl.constexpr, PTX: tl.constexpr):
+def _prefetch_first(t, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN_O: tl.constexpr,
+                    BK_O: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr,
+                    BN_D: tl.constexpr, BK_D: tl.constexpr, LINE: tl.constexpr,
+                    PTX: tl.constexpr):
     """Ask L2 for the first K step's weight tile [BN, BK] of ticket t's item (LINE elements
     a 128-byte line; nothing past the last item). A prefetch holds no register: carried
     from item to item in registers, the FP8 tile took one register per byte (168 per
     thread, 3 programs per SM)."""
     if PTX:
-        rows = tl.arange(0, BN)[:, None]
-        cols = (tl.arange(0, max(BK // LINE, 1)) * LINE)[None, :]
         if t < n_o:
-            r = tl.minimum(t * BN + rows, D - 1).to(tl.int64)
-            l2_prefetch_flat(wo_ptr, r * KO + tl.minimum(cols, KO - 1))
+            _prefetch_tile(wo_ptr, t, D, KO, BN_O, BK_O, LINE)
         elif t < n_o + n_g:
-            r = tl.minimum((t - n_o) * BN + rows, 2 * I - 1).to(tl.int64)
-            l2_prefetch_flat(wg_ptr, r * D + tl.minimum(cols, D - 1))
+            _prefetch_tile(wg_ptr, t - n_o, 2 * I, D, BN_G, BK_G, LINE)
         elif t < n_o + n_g + n_d:
-            r = tl.minimum((t - n_o - n_g) * BN + rows, D - 1).to(tl.int64)
-            l2_prefetch_flat(wd_ptr, r * I + tl.minimum(cols, I - 1))
+            _prefetch_tile(wd_ptr, t - n_o - n_g, D, I, BN_D, BK_D, LINE)
+
+
+@jit
+def _prefetch_tile(w_ptr, blk, N, K, BN: tl.constexpr, BK: tl.constexpr, LINE: tl.constexpr):
+    """prefetch.global.L2 of tile [BN, BK] at rows blk * BN .., columns 0.. of W [N, K]."""
+    r = tl.minimum(blk * BN + tl.arange(0, BN)[:, None], N - 1).to(tl.int64)
+    cols = (tl.arange(0, max(BK // LINE, 1)) * LINE)[None, :]
+    l2_prefetch_flat(w_ptr, r * K + tl.minimum(cols, K - 1))
 
 
 @jit
 def _item(blk, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_s, eps,
           n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, PROLOGUE: tl.constexpr,
           HAS_ADD: tl.constexpr, SCALE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr, LINE: tl.constexpr,
-          PTX: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
+          BN_G: tl.constexpr, BK_G: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+          VEC: tl.constexpr, LINE: tl.constexpr, PTX: tl.constexpr):
     """Rows blk * BN .. of y = prologue(x) @ W[N, K]^T (+ add), as kernels/gemv_row.py's
     program blk computes them. With the last K step's tile in flight it asks L2 for the
     first tile of ticket nt's item and takes the ticket after that (a scalar atomic holds
@@ -138,7 +144,8 @@ def _item(blk, nt, x_ptr, nw_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_s, 
     # off the loop, to send it with the last load or to preload the first tile, took
     # 121-125 registers per thread inside the work loop, against 72 without: cuobjdump of
     # the sm_90 build; 3-4 programs per SM instead of 8.)
-    _prefetch_first(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, LINE, PTX)
+    _prefetch_first(nt, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN_O, BK_O, BN_G,
+                    BK_G, BN_D, BK_D, LINE, PTX)
     for k0 in range(0, K, BK):
         w = _load_w(w_rows, n_ok, offs_k0, k0, K, VEC, "evict_first")
         acc, ss = _row_step(w, k0, acc, ss, blk, offs_n, n_ok, offs_k0, x_ptr, x_ptr, nw_ptr,
@@ -159,14 +166,17 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
                   SC_O: tl.constexpr, SBN_O: tl.constexpr, SBK_O: tl.constexpr,
                   SC_G: tl.constexpr, SBN_G: tl.constexpr, SBK_G: tl.constexpr,
                   SC_D: tl.constexpr, SBN_D: tl.constexpr, SBK_D: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr, PF: tl.constexpr,
+                  BN_O: tl.constexpr, BK_O: tl.constexpr, BN_G: tl.constexpr,
+                  BK_G: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+                  VEC: tl.constexpr, PF: tl.constexpr,
                   PF_LINE: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr):
     """Weights are contiguous [N, K] (W_o [D, KO], W_gu [2I, D], W_down [D, I]), all of one
     dtype, FP8 ones as int8 bytes with their scales (SC_* as kernels/fp8_scales.py's SCALE);
-    one tile shape [BN, BK] for all three, so a tile can be carried from item to item."""
+    tiles [BN_*, BK_*] per projection."""
     total = n_o + n_g + n_d
     it = tl.program_id(0)
-    _prefetch_first(it, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN, BK, PF_LINE, PTX)
+    _prefetch_first(it, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, BN_O, BK_O, BN_G,
+                    BK_G, BN_D, BK_D, PF_LINE, PTX)
     if PF > 0:  # this program's share of o_proj's weight, PF_LINE elements a line, into L2
         first = tl.program_id(0) * o_lines
         line = tl.minimum(first + tl.arange(0, PF), first + o_lines - 1).to(tl.int64)
@@ -180,7 +190,7 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     while it < n_o:
         _item(it, it + grid, a_ptr, nw_ptr, wo_ptr, so_ptr, res_ptr, h_ptr, D, KO, stride_so,
               eps, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, 0, True, SC_O, SBN_O,
-              SBK_O, BN, BK, VEC, PF_LINE, PTX)
+              SBK_O, BN_O, BK_O, BN_O, BK_O, BN_G, BK_G, BN_D, BK_D, VEC, PF_LINE, PTX)
         mine += 1
         it += grid
     _count_in(cnt_ptr + _DONE, mine)
@@ -190,7 +200,7 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     while it < n_o + n_g:
         _item(it - n_o, it + grid, h_ptr, nw_ptr, wg_ptr, sg_ptr, h_ptr, gu_ptr, 2 * I, D,
               stride_sg, eps, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, 1, False, SC_G,
-              SBN_G, SBK_G, BN, BK, VEC, PF_LINE, PTX)
+              SBN_G, SBK_G, BN_G, BK_G, BN_O, BK_O, BN_G, BK_G, BN_D, BK_D, VEC, PF_LINE, PTX)
         mine += 1
         it += grid
     _count_in(cnt_ptr + _DONE + 1, mine)
@@ -201,7 +211,7 @@ def _chain_kernel(a_ptr, res_ptr, nw_ptr, h_ptr, gu_ptr, y_ptr, wo_ptr, so_ptr, 
     while it < total:
         _item(it - n_o - n_g, it + grid, gu_ptr, nw_ptr, wd_ptr, sd_ptr, h_ptr, y_ptr, D, I,
               stride_sd, eps, n_o, n_g, n_d, wo_ptr, wg_ptr, wd_ptr, D, KO, I, 2, True, SC_D,
-              SBN_D, SBK_D, BN, BK, VEC, PF_LINE, PTX)
+              SBN_D, SBK_D, BN_D, BK_D, BN_O, BK_O, BN_G, BK_G, BN_D, BK_D, VEC, PF_LINE, PTX)
         it += grid
     # the last program out resets the counters for the next launch
     if tl.atomic_add(cnt_ptr + _OUT, 1, sem="acq_rel") == grid - 1:
@@ -218,48 +228,47 @@ class ChainWeight(NamedTuple):
 
 @dataclass(frozen=True)
 class ChainConfig:
-    """The one tile [block_n, block_k] of all three projections (block_k shrinks to fit FP8
-    scales and the narrowest K), warps per program, programs per SM (0: as many as the
-    compiled kernel's registers allow), a ptxas register cap (0: none)."""
-    block_n: int = 8
-    block_k: int = 1024
+    """Tiles (block_n, block_k) of o_proj, gate_up, down (block_k shrinks to fit FP8 scales
+    and K), warps per program, programs per SM (0: as many as fit; never more)."""
+    o: tuple[int, int] = (4, 2048)
+    gate_up: tuple[int, int] = (8, 1024)
+    down: tuple[int, int] = (4, 2048)
     num_warps: int = 4
     per_sm: int = 0
-    maxnreg: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"config.{name}: {v!r} must be a power of 2 >= 1")
+        for name in ("o", "gate_up", "down"):
+            t = getattr(self, name)
+            if len(t) != 2 or any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in t):
+                raise ValueError(f"config.{name}: {t!r} must be two powers of 2 >= 1")
+        if not isinstance(self.num_warps, int) or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"config.num_warps: {self.num_warps!r} not in 1, 2, 4, 8, 16")
         if not isinstance(self.per_sm, int) or not 0 <= self.per_sm <= 32:
             raise ValueError(f"config.per_sm: {self.per_sm!r} must be an int in [0, 32]")
 
 
 def _stage_consts(ws: tuple[ChainWeight, ...], cfg: ChainConfig, vec: int
-                  ) -> tuple[list[tuple], dict, int, int]:
-    """Per projection (weight as the kernel reads it, scales, scales' row stride), the
-    SC_/SBN_/SBK_ constexprs, and the shared block_n, block_k (the config's, shrunk where
-    a projection's scales or K need it)."""
-    bn, bk = cfg.block_n, cfg.block_k
-    bk = min([bk] + [next_pow2(w.weight.shape[1]) for w in ws])
-    for w in ws:
-        if w.scales is not None:
-            bk = fit_block_k(w.block, *w.weight.shape, bn, bk)
-    if bk < vec:
-        raise ValueError(f"config: a K step of {bk} is narrower than {vec} columns per thread")
-    ptrs, consts = [], {}
-    for tag, w in zip("OGD", ws):
-        if w.scales is None:
-            ptrs.append((w.weight, w.weight, 0))
-            consts.update({f"SC_{tag}": 0, f"SBN_{tag}": 1, f"SBK_{tag}": 1})
-            continue
+                  ) -> tuple[list[tuple], dict, list[int]]:
+    """Per projection: (weight as the kernel reads it, scales, scales' row stride), the
+    SC_/SBN_/SBK_/BN_/BK_ constexprs, and its number of items (row blocks)."""
+    ptrs, consts, counts = [], {}, []
+    for tag, w, (bn, bk) in zip("OGD", ws, (cfg.o, cfg.gate_up, cfg.down)):
         N, K = w.weight.shape
-        s_bn, s_bk = kernel_block(w.block, N, K)
-        ptrs.append((w.weight.view(torch.int8), w.scales, w.scales.stride(0)))
-        consts.update({f"SC_{tag}": scale_mode(w.block, N, K, bn, bk), f"SBN_{tag}": s_bn,
-                       f"SBK_{tag}": s_bk})
-    return ptrs, consts, bn, bk
+        bk = min(bk, next_pow2(K))
+        sc, s_bn, s_bk = 0, 1, 1
+        if w.scales is not None:
+            bk = fit_block_k(w.block, N, K, bn, bk)
+            s_bn, s_bk = kernel_block(w.block, N, K)
+            sc = scale_mode(w.block, N, K, bn, bk)
+        if bk < vec:
+            raise ValueError(f"config: a K step of {bk} is narrower than {vec} columns per "
+                             f"thread")
+        ptrs.append((w.weight, w.weight, 0) if w.scales is None else
+                    (w.weight.view(torch.int8), w.scales, w.scales.stride(0)))
+        consts.update({f"SC_{tag}": sc, f"SBN_{tag}": s_bn, f"SBK_{tag}": s_bk,
+                       f"BN_{tag}": bn, f"BK_{tag}": bk})
+        counts.append(triton.cdiv(N, bn))
+    return ptrs, consts, counts
 
 
 def _check(a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -311,19 +320,16 @@ def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
         raise ValueError(f"eps: must be a float > 0, got {eps!r}")
     D, KO, I = _check(attn, residual, norm_weight, (o_proj, gate_up, down))
     ws = (o_proj, gate_up, down)
-    if len({w.weight.dtype for w in ws}) != 1:
-        raise ValueError("o_proj, gate_up_proj, down_proj: weights of one dtype (one tile "
-                         "carried from item to item)")
     # the interpreter runs one program at a time: big tiles run fastest there
-    cfg = config or (ChainConfig(16, 256) if interpreting() else ChainConfig())
+    big = ((16, 256),) * 3
+    cfg = config or (ChainConfig(*big) if interpreting() else ChainConfig())
     vec = 16 // attn.element_size()
-    ptrs, consts, bn, bk = _stage_consts(ws, cfg, vec)
-    counts = [triton.cdiv(w.weight.shape[0], bn) for w in ws]
+    ptrs, consts, counts = _stage_consts(ws, cfg, vec)
     h = torch.empty((1, D), dtype=attn.dtype, device=attn.device)
     gu = torch.empty((1, 2 * I), dtype=attn.dtype, device=attn.device)
     y = torch.empty((1, D), dtype=attn.dtype, device=attn.device)
     cnt = chain_counters(attn.device, slot)
-    key = (tuple(sorted(consts.items())), bn, bk, cfg.num_warps, cfg.maxnreg, attn.dtype)
+    key = (tuple(sorted(consts.items())), cfg.num_warps, attn.dtype)
     grid = 1  # the interpreter; on a GPU, before the first compile: one program per SM
     if not interpreting():
         cap = _per_sm(*COMPILED[key][:2], cfg.num_warps) if key in COMPILED else 1
@@ -333,11 +339,10 @@ def gemv_chain(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     kernel = _chain_kernel[(grid,)](
         attn, residual, norm_weight, h, gu, y, *ptrs[0][:2], *ptrs[1][:2], *ptrs[2][:2], cnt, D,
         KO, I, ptrs[0][2], ptrs[1][2], ptrs[2][2], float(eps), counts[0], counts[1], counts[2],
-        grid, o_lines, o_proj.weight.numel(), **consts, BN=bn, BK=bk, VEC=vec,
+        grid, o_lines, o_proj.weight.numel(), **consts, VEC=vec,
         PF=min(next_pow2(o_lines), 512) if o_lines else 0, PF_LINE=line,
         PTX=not interpreting(),
-        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(attn),
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}))
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(attn))
     if not interpreting() and key not in COMPILED:
         COMPILED[key] = (int(kernel.n_regs), int(kernel.metadata.shared),
                          int(getattr(kernel, "n_spills", -1)))

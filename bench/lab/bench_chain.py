@@ -23,11 +23,11 @@ from pdserve.kernels.gemv import gemv
 from pdserve.kernels.gemv_chain import ChainConfig, ChainWeight, gemv_chain
 
 D, KO, I = 4096, 4096, 12288
-VARIANTS = {"chain": ChainConfig(), "chain_4x1k": ChainConfig(4, 1024),
-            "chain_ps4": ChainConfig(per_sm=4), "chain_ps8": ChainConfig(per_sm=8),
-            "chain_16x1k_w8": ChainConfig(16, 1024, 8), "chain_r64": ChainConfig(maxnreg=64),
-            "chain_r80": ChainConfig(maxnreg=80), "chain_4x2k_r64": ChainConfig(4, 2048, maxnreg=64),
-            "chain_4x1k_r64": ChainConfig(4, 1024, maxnreg=64)}
+CC = ChainConfig
+VARIANTS = {"chain": CC(), "ch_all4x2k": CC((4, 2048), (4, 2048), (4, 2048)),
+            "ch_dn8x1k": CC(down=(8, 1024)), "ch_4x1k": CC((4, 1024), (8, 1024), (4, 1024)),
+            "ch_all8x1k": CC((8, 1024), (8, 1024), (8, 1024)),
+            "ch_all4x2k_ps5": CC((4, 2048), (4, 2048), (4, 2048), per_sm=5)}
 
 
 def _weight(n: int, k: int, fp8: bool) -> ChainWeight:

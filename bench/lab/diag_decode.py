@@ -171,16 +171,10 @@ GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 CC = ChainConfig
 VARIANTS = [variant("no_chain", chain=False),
-            # kernels/gemv_chain.py: its one tile (default 8 x 1024 on 4 warps), a register
-            # cap, programs per SM (default: as many as its registers allow)
-            *[variant(f"ch_{bn}x{bk}w{w}", chain=CC(bn, bk, w))
-              for bn, bk, w in ((4, 2048, 4), (4, 1024, 4), (16, 512, 4), (16, 1024, 8),
-                                (8, 2048, 8))],
-            variant("ch_reg64", chain=CC(maxnreg=64)),
-            variant("ch_reg80", chain=CC(maxnreg=80)),
-            variant("ch_ps4", chain=CC(per_sm=4)),
-            variant("ch_ps6", chain=CC(per_sm=6)),
-            variant("ch_ps12", chain=CC(per_sm=12)),
+            # kernels/gemv_chain.py tiles (default o 4 x 2048, gate_up 8 x 1024, down 4 x 2048)
+            variant("ch_dn2x4k", chain=CC(down=(2, 4096))),
+            variant("ch_dn8x1k", chain=CC(down=(8, 1024))),
+            variant("ch_bf16_4x1k", chain=CC((4, 1024), (8, 1024), (4, 1024))),
             variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
             # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
             variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),

@@ -88,7 +88,7 @@ def test_counters_reset_and_repeat(device):
 def test_small_tiles_many_items(device, close):
     """Tiles far smaller than the stages: many items per stage and program."""
     args, ref = _case(torch.float32, device, BLOCKS["square"])
-    cfg = ChainConfig(block_n=2, block_k=32)
+    cfg = ChainConfig(o=(2, 32), gate_up=(4, 64), down=(2, 32))
     y, h = gemv_chain(*args, slot=1, config=cfg)
     y_ref, h_ref = gemv_chain_ref(*ref)
     close(h, h_ref, torch.float32)
