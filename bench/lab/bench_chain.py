@@ -1,9 +1,10 @@
 """kernels/gemv_chain.py against the three one-row GEMVs it replaces (GPU).
 
-    python -m bench.lab.bench_chain [--dtype fp8|bf16] [--layers 36] [--out F.json]
+    python -m bench.lab.bench_chain [--dtype fp8|bf16] [--shape qwen3-8b] [--out F.json]
 
-Qwen3-8B's shapes (o_proj 4096 x 4096, gate_up 24576 x 4096, down 4096 x 12288), random
-weights, one set per layer (36 layers: 6 GB in FP8, far past L2), each layer's tail as one
+A preset's shapes (Qwen3-8B: o_proj 4096 x 4096, gate_up 24576 x 4096, down 4096 x 12288),
+random weights, one set per layer (Qwen3-8B's 36: 6 GB in FP8, far past L2), each layer's
+tail as one
 chain launch or as three GEMV launches, all PDL-chained in one CUDA graph. Prints and writes
 the time per layer of each variant (median of the rounds, variants timed in turn) and the
 bandwidth it reaches on the weight bytes, with the chain kernel's registers per thread.
@@ -22,7 +23,10 @@ from pdserve.kernels.fp8_scales import FP8_DTYPE
 from pdserve.kernels.gemv import gemv
 from pdserve.kernels.gemv_chain import ChainConfig, ChainWeight, gemv_chain
 
-D, KO, I = 4096, 4096, 12288
+# (hidden D, attention width KO, intermediate I, layers) of the presets' shapes
+SHAPES = {"qwen3-8b": (4096, 4096, 12288, 36), "qwen3-4b": (2560, 4096, 9728, 36),
+          "qwen3-0.6b": (1024, 2048, 3072, 28), "smollm2-135m": (576, 576, 1536, 30)}
+D, KO, I = SHAPES["qwen3-8b"][:3]
 CC = ChainConfig
 VARIANTS = {"chain": CC(), "ch_all4x2k": CC((4, 2048), (4, 2048), (4, 2048)),
             "ch_dn8x1k": CC(down=(8, 1024)), "ch_4x1k": CC((4, 1024), (8, 1024), (4, 1024)),
@@ -78,11 +82,13 @@ def time_graph(g: torch.cuda.CUDAGraph, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="fp8", choices=("fp8", "bf16"))
-    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    global D, KO, I
+    D, KO, I, args.layers = SHAPES[args.shape]
     fp8 = args.dtype == "fp8"
     ws = build(args.layers, fp8)
     a = torch.randn(1, KO, device="cuda", dtype=torch.bfloat16)
@@ -108,7 +114,8 @@ def main() -> None:
         us = ms * 1e3 / args.layers
         results[k] = {"ms": ms, "us_per_layer": us, "tb_s": nbytes / us / 1e6, "rounds_ms": t}
         print(f"{k:16s} {us:7.2f} us/layer  {nbytes / us / 1e6:.2f} TB/s", flush=True)
-    out = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "layers": args.layers,
+    out = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "shape": args.shape,
+           "layers": args.layers,
            "weight_bytes_per_layer": nbytes, "chain_vs_unfused_rel_err": err,
            "chain_regs_shared_spills": {str(k[1:]): v for k, v in chain_mod.COMPILED.items()},
            "results": results,
