@@ -126,9 +126,6 @@ def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,
         net = bind_context(net, TPContext(group, model_cfg.vocab_size))
     check_fp8_kernels(net, args.use_triton)
     net.use_fused_ops(args.use_triton)
-    # batch-1 decode layers: o_proj, gate_up and down in one kernel on a GPU (its tiles by
-    # weight dtype, kernels/gemv_chain.py); the interpreter runs it as one program, no faster
-    net.use_gemv_chain(args.use_triton and torch.device(device).type == "cuda")
     spec = args.spec_config()
     head, head_id = None, ""
     if spec is not None:  # the KV cache gets one more layer per MTP layer

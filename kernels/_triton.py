@@ -99,12 +99,6 @@ def l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, part, num_parts,
     _prefetch_l2((w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.int64, bitcast=True))
 
 
-@jit
-def l2_prefetch_flat(ptr, offs):
-    """Ask L2 for the 128-byte lines holding elements ptr + offs (int64 offsets)."""
-    _prefetch_l2((ptr + offs).to(tl.int64, bitcast=True))
-
-
 def prefetch_lines(K: int, num_parts: int, share: float, elem_size: int) -> int:
     """LINES for l2_prefetch_rows: a power of two covering `share` of a part's K columns."""
     if share <= 0:
@@ -168,7 +162,6 @@ def check_head_dim(name: str, head_dim: int) -> None:
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_CHAIN: dict[torch.device, list[torch.Tensor]] = {}
 _SCRATCH: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -197,17 +190,3 @@ def scratch_fp32(device: torch.device, n: int) -> torch.Tensor:
     """fp32 scratch for split-K partials (written before they are read in the same launch),
     shared by every launch on the device, under the same rules as arrival_counters."""
     return _grown(_SCRATCH, device, n, torch.float32, "split-K scratch")
-
-
-CHAIN_SLOT = 96  # int32 counters per call site of a work-queue kernel (kernels/gemv_chain.py)
-
-
-def chain_counters(device: torch.device, slot: int) -> torch.Tensor:
-    """int32 zeros [CHAIN_SLOT] of one call site (e.g. a decoder layer) of a work-queue
-    kernel: its ticket and done counters, zeroed again by the launch's last program. A site
-    of its own per launch that may overlap another (under PDL, the next one's first ticket
-    is taken before its wait). Allocated as arrival_counters are (before any capture)."""
-    if not isinstance(slot, int) or slot < 0:
-        raise ValueError(f"slot: must be an int >= 0, got {slot!r}")
-    n = (slot + 1) * CHAIN_SLOT
-    return _grown(_CHAIN, device, n, torch.int32, "chain counters")[slot * CHAIN_SLOT:n]

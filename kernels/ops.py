@@ -19,7 +19,6 @@ from pdserve.kernels.fused_moe import Fp8Experts, fused_experts, fused_moe
 from pdserve.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pdserve.kernels.gemv import MODEL_ROWS as GEMV_ROWS
 from pdserve.kernels.gemv import gemv
-from pdserve.kernels.gemv_chain import ChainConfig, ChainWeight, gemv_chain
 from pdserve.kernels.kv_write import write_kv
 from pdserve.kernels.moe_align import moe_align
 from pdserve.kernels.moe_gemm import moe_down, moe_gate_up
@@ -30,10 +29,9 @@ from pdserve.kernels.silu_mul import silu_and_mul
 from pdserve.kernels.spec_accept import spec_accept
 
 __all__ = [
-    "ChainConfig", "ChainWeight", "Fp8Experts", "GEMV_MAX_ROWS", "GEMV_ROWS", "MAX_GROUP_ROWS",
-    "Prologue", "argmax", "choose_num_splits", "fp8_gemm", "fused_add_rmsnorm",
-    "fused_decode_attention", "fused_experts", "fused_moe", "fused_qk_norm_rope_kv", "gemv",
-    "gemv_chain", "moe_align", "moe_down", "moe_gate_up", "moe_route", "moe_route_align",
-    "paged_decode_attention", "paged_prefill_attention", "quant_act", "silu_and_mul",
-    "spec_accept", "write_kv",
+    "Fp8Experts", "GEMV_MAX_ROWS", "GEMV_ROWS", "MAX_GROUP_ROWS", "Prologue", "argmax", "choose_num_splits",
+    "fp8_gemm", "fused_add_rmsnorm", "fused_decode_attention", "fused_experts", "fused_moe",
+    "fused_qk_norm_rope_kv", "gemv", "moe_align", "moe_down", "moe_gate_up", "moe_route",
+    "moe_route_align", "paged_decode_attention", "paged_prefill_attention", "quant_act",
+    "silu_and_mul", "spec_accept", "write_kv",
 ]

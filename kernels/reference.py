@@ -218,13 +218,3 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         out.index_add_(0, rows, (h @ w2[e].float().t()) * topk_weights[rows, slots, None].float())
     return out.to(x.dtype)
-
-
-def gemv_chain_ref(attn: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                   eps: float, w_o: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels/gemv_chain.py's (y, h) from float weights: h = attn @ W_o^T + residual, then
-    y = down(silu_and_mul(rmsnorm(h) @ W_gu^T)) + h, each rounded to attn.dtype as stored."""
-    h = gemv_ref(attn, w_o, add=residual)
-    gu, _ = gemv_ref(h, w_gate_up, "norm", norm_weight=norm_weight, eps=eps)
-    return gemv_ref(gu, w_down, "silu", add=h), h

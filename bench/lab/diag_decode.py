@@ -25,7 +25,6 @@ import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the functio
 import pdserve.kernels.moe_gemv as moe_gemv
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm import build_engine
-from pdserve.kernels.gemv_chain import ChainConfig
 
 from bench.lab.bench_engine import Plan, drive, fill_static
 from bench.lab.engine_probes import random_prompts, time_ms
@@ -53,9 +52,7 @@ def critical_by_position(fn) -> dict:
     pos, done = 0, events[0].time_range.start
     for e in events:
         label = "other"
-        if e.name.startswith("_chain_kernel"):  # o_proj -> gate_up -> down in one kernel
-            label, pos = "chain", 0
-        elif e.name.startswith(NAMES[LAYER[pos]]):
+        if e.name.startswith(NAMES[LAYER[pos]]):
             label, pos = LAYER[pos], (pos + 1) % len(LAYER)
         crit[label] += max(0, e.time_range.end - done) / 1e3
         dur[label] += (e.time_range.end - e.time_range.start) / 1e3
@@ -135,15 +132,11 @@ def engine_timeline(engine, vocab: int) -> dict:
     return out
 
 
-MODEL: list = []  # the engine's model, for variants that switch the GEMV chain
-
-
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
-            every: dict | None = None, moe: dict | None = None, chain: object = True):
+            every: dict | None = None, moe: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
-    GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
-    Model.use_gemv_chain's argument (True: the default tiles, a ChainConfig, False: off)."""
+    GEMVs (`moe`), and the decode attention's split count (None: the kernel's own choice)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -158,7 +151,6 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
     def setup() -> None:
         gemv_mod.pick_config = pick
         moe_gemv.pick_gemv_config = pick_moe
-        MODEL[0].use_gemv_chain(chain)
     return name, setup, splits
 
 
@@ -169,13 +161,7 @@ def tile(block_n: int, block_k: int, num_warps: int) -> dict:
 QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
-CC = ChainConfig
-VARIANTS = [variant("no_chain", chain=False),
-            # kernels/gemv_chain.py tiles (default o 4 x 2048, gate_up 8 x 1024, down 4 x 2048)
-            variant("ch_dn2x4k", chain=CC(down=(2, 4096))),
-            variant("ch_dn8x1k", chain=CC(down=(8, 1024))),
-            variant("ch_bf16_4x1k", chain=CC((4, 1024), (8, 1024), (4, 1024))),
-            variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
+VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
             # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
             variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),
             # every one-row GEMV with / without its first weight tile loaded before the wait
@@ -304,7 +290,6 @@ def main() -> None:
                           quantization=args.quantization)
     runner = engine.runner
     model, vocab = runner.model, engine.config.model.vocab_size
-    MODEL.append(model)
     drive(engine, random_prompts(1, 700, vocab, 0), 4)  # real KV in the first blocks
     only = set(filter(None, args.variants.split(",")))
     variants = [variant("default")] + ([] if args.quick else

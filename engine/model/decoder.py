@@ -52,7 +52,7 @@ from pdserve.engine.model.layers import (
     fused_attention,
     fused_kernels,
 )
-from pdserve.engine.model.linear_ops import chain_weight, linear_gemv
+from pdserve.engine.model.linear_ops import linear_gemv
 from pdserve.engine.model.moe import make_mlp
 
 
@@ -137,11 +137,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, kv_layer)  # dense SwiGLU or MoE (moe.py)
         self.fused = False  # decode-sized batches: 4 prologue-fused GEMV kernels (kernels.gemv)
-        # batch 1, with `fused`: o_proj, gate_up and down as one work-queue kernel
-        # (kernels/gemv_chain.py; Model.use_gemv_chain): True (its default tiles), a
-        # ChainConfig, or False (three GEMV launches)
-        self.chain: bool | object = False
-        self.kv_layer = kv_layer  # the chain kernel's counters slot
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata,
@@ -177,12 +172,6 @@ class DecoderLayer(nn.Module):
         # it instead was slower (bench/results/diag_decode_h100_2026-11-24_prefetch*.json)
         # with TP, rank 0 alone adds the residual: the all-reduce then holds it once
         add = self.adds_residual
-        if self._chains(x.shape[0], attn.o_proj):
-            y, _ = fused_kernels().gemv_chain(
-                o, h, ln2.weight, ln2.eps, chain_weight(attn.o_proj),
-                chain_weight(mlp.gate_up_proj), chain_weight(mlp.down_proj), self.kv_layer,
-                None if self.chain is True else self.chain)
-            return y, None
         h = self.reduce(linear_gemv(o, attn.o_proj, add=h if add else None, prefetch=True))
         if not isinstance(mlp, SwiGLUMLP):  # MoE: the norm rides in the router (batch 1),
             # a PDL launch behind o_proj unless an all-reduce comes between (PDL behind a
@@ -191,13 +180,6 @@ class DecoderLayer(nn.Module):
         gate_up, _ = linear_gemv(h, mlp.gate_up_proj, "norm", None, ln2.weight, ln2.eps)
         return self.reduce(linear_gemv(gate_up, mlp.down_proj, "silu",
                                        add=h if add else None)), None
-
-
-    def _chains(self, rows: int, o_proj: nn.Module) -> bool:
-        """o_proj -> gate_up -> down as one kernel: one row, a dense SwiGLU MLP, no bias, no
-        all-reduce between them (tensor parallelism)."""
-        return (self.chain is not False and rows == 1 and isinstance(self.mlp, SwiGLUMLP)
-                and self.reduce is _identity and o_proj.bias is None)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -230,15 +212,6 @@ class Model(nn.Module):
         for module in self.modules():
             if hasattr(module, "fused") and isinstance(module.fused, bool):
                 module.fused = enabled
-        return self
-
-    def use_gemv_chain(self, config: bool | object = True) -> Model:
-        """Batch-1 decode layers run o_proj, gate_up and down as one kernel
-        (kernels/gemv_chain.py) with its default tiles (True) or this ChainConfig, or as
-        three GEMVs (False). Only with use_fused_ops; a layer that cannot (MoE, tensor
-        parallelism, o_proj bias) keeps three."""
-        for layer in self.layers:
-            layer.chain = config
         return self
 
     def tie_weights(self) -> None:

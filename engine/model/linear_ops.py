@@ -25,12 +25,3 @@ def linear_gemv(x: torch.Tensor, module: nn.Module, prologue: str = "none",
         if isinstance(module, Fp8Linear) else {}
     return fused_kernels().gemv(x, module.weight, prologue, residual, norm_weight, eps, add,
                                 prefetch=prefetch, **fp8)
-
-
-def chain_weight(module: nn.Module):
-    """kernels.gemv_chain.ChainWeight of a linear module (FP8: with its scales and block)."""
-    from pdserve.kernels.gemv_chain import ChainWeight
-
-    if isinstance(module, Fp8Linear):
-        return ChainWeight(module.weight, module.weight_scale, module.block)
-    return ChainWeight(module.weight)

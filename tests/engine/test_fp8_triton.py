@@ -66,27 +66,6 @@ def test_gemv_rows_equal_the_torch_path(folder: Path) -> None:
         prompts = [prompts[0] + [3], prompts[1] + [17]]
 
 
-def test_batch1_gemv_chain_equals_the_torch_path(folder: Path) -> None:
-    """Decode steps of one row with o_proj -> gate_up -> down as one kernel
-    (kernels/gemv_chain.py); the MoE model's layers keep their own kernels."""
-    from pdserve.kernels.gemv_chain import ChainConfig
-
-    ref, fast = _pair(folder)
-    fast.model.use_gemv_chain(ChainConfig())
-    from pdserve.engine.model.layers import SwiGLUMLP
-
-    chained = [layer._chains(1, layer.self_attn.o_proj) for layer in fast.model.layers]
-    assert chained == [isinstance(layer.mlp, SwiGLUMLP) for layer in fast.model.layers]
-    assert any(chained) or "moe" in folder.name
-    tokens, table = prompt(6, 3), [4, 1]
-    for a, b in zip(ref.step([(tokens, 0, table)]), fast.step([(tokens, 0, table)])):
-        assert_match(b, a)
-    for nxt in (5, 11):
-        a = ref.step([([nxt], len(tokens), table)])[0]
-        assert_match(fast.step([([nxt], len(tokens), table)])[0], a)
-        tokens = tokens + [nxt]
-
-
 def test_gemm_rows_stay_close(folder: Path) -> None:
     ref, fast = _pair(folder)
     batch = [(prompt(23, 5), 0, list(range(6))), (prompt(18, 6), 0, list(range(6, 11)))]

@@ -129,23 +129,6 @@ def test_logits_match_torch_path(preset: str, dtype: torch.dtype, rope_tables: b
     _assert_close(runs[1].kv.float(), runs[0].kv.float(), dtype)
 
 
-@pytest.mark.parametrize("chain", [False, True], ids=["three_gemvs", "gemv_chain"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_batch1_decode_matches_torch_path(dtype: torch.dtype, chain: bool) -> None:
-    """One sequence: prefill, then decode steps of one row, whose layers run the one-row
-    GEMVs, with o_proj -> gate_up -> down as three launches or one (kernels/gemv_chain.py)."""
-    ref, fast = _pair("tiny-qwen3", dtype)
-    fast.use_gemv_chain(chain)
-    assert fast.layers[0]._chains(1, fast.layers[0].self_attn.o_proj) == chain
-    runs, vocab, table = [Driver(ref), Driver(fast)], ref.config.vocab_size, [5, 1, 9]
-    seq = _tokens(7, 4, vocab)
-    _assert_close(runs[1].step([(seq, 0, table)]), runs[0].step([(seq, 0, table)]), dtype)
-    for i in range(3):
-        seq.append(_tokens(1, 50 + i, vocab)[0])
-        step = [(seq[-1:], len(seq) - 1, table)]
-        _assert_close(runs[1].step(step), runs[0].step(step), dtype)
-
-
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in counts]
