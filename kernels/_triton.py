@@ -93,14 +93,7 @@ def l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, part, num_parts,
     cache lines of LINE elements (128 bytes) each. Addresses are clamped into W, so edge
     programs only fetch lines again. Meant for before a PDL wait behind a latency-bound
     kernel, which leaves HBM idle (kernels.gemv)."""
-    l2_prefetch_cols(w_ptr, offs_n, N, K, stride_w, part * tl.cdiv(K, num_parts), LINES, LINE)
-
-
-@jit
-def l2_prefetch_cols(w_ptr, offs_n, N, K, stride_w, start, LINES: tl.constexpr,
-                     LINE: tl.constexpr):
-    """Ask L2 for rows offs_n of W [N, K], LINES lines of LINE elements from column start
-    (addresses clamped into W)."""
+    start = part * tl.cdiv(K, num_parts)
     cols = tl.minimum(start + tl.arange(0, LINES) * LINE, K - 1)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     _prefetch_l2((w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.int64, bitcast=True))

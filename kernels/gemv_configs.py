@@ -52,8 +52,6 @@ class GemvConfig:
     # one-row kernel: ptxas register cap per thread (0: none); fewer registers, more
     # programs resident per SM
     maxnreg: int = 0
-    # one-row kernel: each K step asks L2 for the weight tile this many steps on (0: none)
-    l2_ahead: int = 0
 
 
 # One-row tiles (kernels/gemv_row.py) measured on a device at given shapes, where they beat

@@ -45,14 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._triton import (
-    interpreting,
-    jit,
-    l2_prefetch_cols,
-    l2_prefetch_rows,
-    pdl_enter,
-    pdl_launch,
-)
+from pdserve.kernels._triton import interpreting, jit, l2_prefetch_rows, pdl_enter, pdl_launch
 from pdserve.kernels.fp8_scales import fp8_n_scales
 from pdserve.kernels.gemv_configs import GemvConfig
 
@@ -127,16 +120,13 @@ def _gemv_row_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr,
                      S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
                      PRELOAD: tl.constexpr, W_EVICT: tl.constexpr, PF_LINES: tl.constexpr,
-                     PF_LINE: tl.constexpr, AHEAD: tl.constexpr, A_LINES: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     PF_LINE: tl.constexpr, USE_PDL: tl.constexpr):
     """Program p: outputs p * BLOCK_N ..; x, residual, add, y are single rows. FP8 (SCALE >
     0): w_ptr holds the e4m3 bytes as int8; SCALE 1 multiplies the activation by the K
     scales of the program's row block, SCALE 2 each row's VEC-sums by its scale for the step
     (kernels/fp8_scales.py). PRELOAD: the first K step's weight tile is loaded before the PDL
     wait (weights are never written; the step is peeled off the loop, so no tile is carried
-    through it). AHEAD > 0: the weight tile AHEAD K steps on is asked into L2 each step (the
-    first AHEAD of the loop before the wait), A_LINES lines of PF_LINE elements a row: more
-    bytes in flight per program without registers to hold them."""
+    through it)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -148,22 +138,17 @@ def _gemv_row_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, add_ptr,
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     if PF_LINES > 0:  # o_proj behind the decode attention (see kernels/gemv.py gemv)
         l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, 0, 1, PF_LINES, PF_LINE)
-    start = BLOCK_K if PRELOAD else 0
-    for j in tl.static_range(AHEAD):
-        l2_prefetch_cols(w_ptr, offs_n, N, K, stride_w, start + j * BLOCK_K, A_LINES, PF_LINE)
+    start = 0
     if PRELOAD:
         w0 = _load_w(w_rows, n_ok, offs_k0, 0, K, VEC, W_EVICT)
         pdl_enter(USE_PDL)
         acc, ss = _row_step(w0, 0, acc, ss, pid, offs_n, n_ok, offs_k0, x_ptr, res_ptr,
                             nw_ptr, res_out_ptr, s_ptr, N, K, stride_s, PROLOGUE, HAS_RESIDUAL,
                             SCALE, S_BN, S_BK, BLOCK_N, BLOCK_K, VEC)
+        start = BLOCK_K
     else:
         pdl_enter(USE_PDL)
     for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
-        if AHEAD > 0:
-            if k0 + AHEAD * BLOCK_K < K:
-                l2_prefetch_cols(w_ptr, offs_n, N, K, stride_w, k0 + AHEAD * BLOCK_K, A_LINES,
-                                 PF_LINE)
         w = _load_w(w_rows, n_ok, offs_k0, k0, K, VEC, W_EVICT)
         acc, ss = _row_step(w, k0, acc, ss, pid, offs_n, n_ok, offs_k0, x_ptr, res_ptr, nw_ptr,
                             res_out_ptr, s_ptr, N, K, stride_s, PROLOGUE, HAS_RESIDUAL, SCALE,
@@ -192,7 +177,6 @@ def gemv_one_row(x: torch.Tensor, weight: torch.Tensor, prologue: int,
     y = torch.empty((1, N), dtype=x.dtype, device=x.device)
     # VEC columns per thread: one 16-byte load of the activation (8 for 16-bit x)
     vec = min(cfg.vec or 16 // x.element_size(), fp8["block_k"])
-    ahead = 0 if interpreting() else cfg.l2_ahead  # inline PTX: compiled kernels only
     _gemv_row_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, fp8["w"], y, res_out,
@@ -201,8 +185,7 @@ def gemv_one_row(x: torch.Tensor, weight: torch.Tensor, prologue: int,
         HAS_ADD=add is not None, **fp8["consts"], BLOCK_N=cfg.block_n,
         BLOCK_K=fp8["block_k"], VEC=vec,
         STAGES=cfg.num_stages, PRELOAD=cfg.preload,
-        W_EVICT="evict_first" if cfg.stream_weights else "", **prefetch, AHEAD=ahead,
-        A_LINES=max(1, fp8["block_k"] * weight.element_size() // 128),
+        W_EVICT="evict_first" if cfg.stream_weights else "", **prefetch,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(x),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}))
     return y, res_out

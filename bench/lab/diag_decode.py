@@ -161,15 +161,7 @@ def tile(block_n: int, block_k: int, num_warps: int) -> dict:
 QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
-PROJ = (QKV, O_PROJ, GATE_UP, DOWN)
-VARIANTS = [  # each K step asks L2 for the weight tile 1..3 steps on (GemvConfig.l2_ahead)
-            *[variant(f"ahead{n}", every={"l2_ahead": n}) for n in (1, 2, 3)],
-            variant("ahead1_proj", {s: {"l2_ahead": 1} for s in PROJ}),
-            variant("ahead2_proj", {s: {"l2_ahead": 2} for s in PROJ}),
-            variant("ahead1_mlp", {s: {"l2_ahead": 1} for s in (GATE_UP, DOWN)}),
-            variant("ahead1_qkv_o", {s: {"l2_ahead": 1} for s in (QKV, O_PROJ)}),
-            variant("ahead1_lm", {LM_HEAD: {"l2_ahead": 1}}),
-            variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
+VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
             # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
             variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),
             # every one-row GEMV with / without its first weight tile loaded before the wait
