@@ -99,12 +99,6 @@ def l2_prefetch_rows(w_ptr, offs_n, N, K, stride_w, part, num_parts,
     _prefetch_l2((w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.int64, bitcast=True))
 
 
-@jit
-def l2_prefetch_flat(ptr, offs):
-    """Ask L2 for the 128-byte lines holding elements ptr + offs (int64 offsets)."""
-    _prefetch_l2((ptr + offs).to(tl.int64, bitcast=True))
-
-
 def prefetch_lines(K: int, num_parts: int, share: float, elem_size: int) -> int:
     """LINES for l2_prefetch_rows: a power of two covering `share` of a part's K columns."""
     if share <= 0:

@@ -45,7 +45,6 @@ from pdserve.kernels._triton import (
     dot_precision,
     interpreting,
     jit,
-    l2_prefetch_flat,
     next_pow2,
     num_sms,
     pdl_enter,
@@ -95,8 +94,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True, pf_ptr=None,
-                   pf_lines=0, IDLE_PF: tl.constexpr = 0):
+                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,11 +141,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         k_first = tl.zeros([BLOCK_N, D], dtype=kc_ptr.dtype.element_ty)
         v_first = tl.zeros([BLOCK_N, D], dtype=vc_ptr.dtype.element_ty)
     pdl_enter(USE_PDL)
-    if IDLE_PF > 0:  # a split past the context: ask L2 for its share of the next weight
-        if split >= tl.maximum(n_active, 1):
-            _idle_prefetch(pf_ptr, pf_lines, b * HKV + kvh, tl.num_programs(0) * HKV,
-                           split - tl.maximum(n_active, 1), num_splits - tl.maximum(n_active, 1),
-                           IDLE_PF)
     if split < tl.maximum(n_active, 1):
         heads = kvh * GROUP + g % GROUP  # the query heads that share this KV head
         q_rows = q_ptr + qrow[:, None] * stride_qb + heads[:, None] * stride_qh
@@ -204,19 +197,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                 tl.store(counter, 0)  # all have arrived: reset for the next launch
                 merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
                               stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC)
-
-
-@jit
-def _idle_prefetch(pf_ptr, pf_lines, group, groups, idle, idles, CHUNK: tl.constexpr):
-    """Idle program `idle` of `idles` in (sequence, KV head) group `group` of `groups` asks
-    L2 for its share of the pf_lines 128-byte lines at pf_ptr (int8), CHUNK lines a step."""
-    per_group = tl.cdiv(pf_lines, groups)
-    per_prog = tl.cdiv(per_group, idles)
-    first = group * per_group + idle * per_prog
-    end = tl.minimum(tl.minimum(first + per_prog, (group + 1) * per_group), pf_lines)
-    for c in range(first, end, CHUNK):
-        line = tl.minimum(c + tl.arange(0, CHUNK), end - 1).to(tl.int64)
-        l2_prefetch_flat(pf_ptr, line * 128)
 
 
 def _operand_dtype(q_dtype: torch.dtype, fp8: bool) -> tuple[tl.dtype, str]:
@@ -289,31 +269,22 @@ def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.T
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            rows_per_seq: int = 1, kv_scales: KVScales | None = None,
-                           tiles: DecodeTiles | None = None,
-                           l2_after: torch.Tensor | None = None) -> torch.Tensor:
+                           tiles: DecodeTiles | None = None) -> torch.Tensor:
     """paged_decode_attention with the attention prologue folded in: q [B * R, Hq, D] is the
     raw projection (before QK-norm and RoPE), and the same kernel normalises and rotates q
     and the new k and writes k/v into the cache (as fused_qk_norm_rope_kv would) before
     reading it. One kernel per layer where there were three (prologue, split, reduce). An fp8
-    cache's new rows are quantized here too (attn_prologue.write_new_kv_fp8). l2_after (a
-    contiguous tensor on q's device, e.g. the o_proj weight the next kernel reads): the
-    split programs past the context, which have no keys, ask L2 for it after the PDL wait,
-    while the programs with keys run their latency-bound chain and HBM is idle."""
+    cache's new rows are quantized here too (attn_prologue.write_new_kv_fp8)."""
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
     check_prologue(q, prologue, k_cache.shape[2])
-    if l2_after is not None:
-        check_tensor("l2_after", l2_after, device=q.device)
-        if not l2_after.is_contiguous():
-            raise ValueError("l2_after: must be contiguous")
     return _launch(q, prologue, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                   None, rows_per_seq, kv_scales, tiles, l2_after)
+                   None, rows_per_seq, kv_scales, tiles)
 
 
 def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
             num_splits: int | None, max_seq_len: int | None, R: int,
-            kv_scales: KVScales | None, tiles: DecodeTiles | None,
-            l2_after: torch.Tensor | None = None) -> torch.Tensor:
+            kv_scales: KVScales | None, tiles: DecodeTiles | None) -> torch.Tensor:
     fp8 = cache_is_fp8(k_cache, kv_scales)
     sc = kv_scales if fp8 else KVScales(q, q)  # placeholders: never read without FP8
     T, HQ, D = q.shape
@@ -362,15 +333,5 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
         FP8=fp8, V_WORDS=words, PTX=not interpreting(), num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
-        num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q),
-        **_idle_prefetch_args(l2_after, num_splits))
+        num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
     return out
-
-
-def _idle_prefetch_args(l2_after: torch.Tensor | None, num_splits: int) -> dict:
-    """pf_ptr, pf_lines, IDLE_PF for the kernel: off without a tensor, one split, or PTX."""
-    if l2_after is None or num_splits == 1 or interpreting():
-        return {}
-    nbytes = l2_after.numel() * l2_after.element_size()
-    return {"pf_ptr": l2_after.view(-1).view(torch.int8), "pf_lines": -(-nbytes // 128),
-            "IDLE_PF": 256}

@@ -132,15 +132,11 @@ def engine_timeline(engine, vocab: int) -> dict:
     return out
 
 
-MODEL: list = []  # the engine's model, for variants that switch a layer attribute
-
-
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
-            every: dict | None = None, moe: dict | None = None, l2_o_proj: bool = False):
+            every: dict | None = None, moe: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
-    GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
-    whether its idle split programs ask L2 for o_proj's weight (Attention.l2_o_proj)."""
+    GEMVs (`moe`), and the decode attention's split count (None: the kernel's own choice)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -155,8 +151,6 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
     def setup() -> None:
         gemv_mod.pick_config = pick
         moe_gemv.pick_gemv_config = pick_moe
-        for layer in MODEL[0].layers:
-            layer.self_attn.l2_o_proj = l2_o_proj
     return name, setup, splits
 
 
@@ -167,9 +161,7 @@ def tile(block_n: int, block_k: int, num_warps: int) -> dict:
 QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
-VARIANTS = [variant("idle_l2_o", l2_o_proj=True),  # kernels/decode_attention.py l2_after
-            variant("idle_l2_o_no_o_pf", {O_PROJ: {"l2_prefetch": 0.0}}, l2_o_proj=True),
-            variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
+VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
             # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
             variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),
             # every one-row GEMV with / without its first weight tile loaded before the wait
@@ -298,7 +290,6 @@ def main() -> None:
                           quantization=args.quantization)
     runner = engine.runner
     model, vocab = runner.model, engine.config.model.vocab_size
-    MODEL.append(model)
     drive(engine, random_prompts(1, 700, vocab, 0), 4)  # real KV in the first blocks
     only = set(filter(None, args.variants.split(",")))
     variants = [variant("default")] + ([] if args.quick else

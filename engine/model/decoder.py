@@ -78,9 +78,6 @@ class Attention(nn.Module):
         # the prologue kernels rotate whole heads; partial rotary keeps the torch RoPE (the
         # backend's kernels still write the cache and attend)
         self.prologue_kernel = cfg.rotary_dim == cfg.head_dim
-        # fused decode attention: its split programs past the context ask L2 for o_proj's
-        # weight (kernels/decode_attention.py l2_after)
-        self.l2_o_proj = False
         # an fp8 KV cache's per-tensor (k_scale, v_scale) when the checkpoint ships them (every
         # block then takes them as its scales); None: per-block scales from each block's values
         self.kv_static_scales: tuple[float, float] | None = None
@@ -109,11 +106,8 @@ class Attention(nn.Module):
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,
                 self.q_norm.eps if self.q_norm is not None else 1e-6, meta.rope_positions)
-            # the decode kernel's idle split programs ask L2 for o_proj's weight
-            after = self.o_proj.weight if self.l2_o_proj else None
             o = fused_attention().attend_with_prologue(self.backend, q, prologue, k_cache,
-                                                       v_cache, meta, self.scale, kv_scales,
-                                                       l2_after=after)
+                                                       v_cache, meta, self.scale, kv_scales)
             return o.reshape(T, self.q_size)
         if meta is not None and meta.rope_positions is not None:  # tables (Model.rope): rows
             cos, sin = cos[meta.rope_positions], sin[meta.rope_positions]

@@ -44,20 +44,18 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def attend_with_prologue(backend: AttentionBackend, q: torch.Tensor, prologue: Prologue,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float, kv_scales: KVScales | None = None,
-                         l2_after: torch.Tensor | None = None) -> torch.Tensor:
+                         scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
     """QK-norm + RoPE + KV write, then attention, for the raw q [T, Hq, D] of a qkv projection
     (the model's fused path). With the Triton backend, decode and uniform verify steps run it
     all as one kernel (fused_decode_attention); otherwise the prologue kernel runs first and
     the backend attends over the rotated q. With an fp8 cache (kv_scales) the quantization
-    happens inside whichever kernel writes the cache. l2_after: see fused_decode_attention."""
+    happens inside whichever kernel writes the cache."""
     if isinstance(backend, TritonAttentionBackend) and not backend.takes_sdpa(q, meta):
         rows = _uniform_rows(q, k_cache, meta)
         if rows:
             return fused_decode_attention(q, prologue, k_cache, v_cache, meta.block_tables,
                                           meta.seq_lens, scale, num_splits=backend.num_splits,
-                                          rows_per_seq=rows, kv_scales=kv_scales,
-                                          l2_after=l2_after)
+                                          rows_per_seq=rows, kv_scales=kv_scales)
     p = prologue
     q = fused_qk_norm_rope_kv(q, p.k, p.v, p.positions, p.cos, p.sin, k_cache, v_cache,
                               p.slot_mapping, p.q_norm, p.k_norm, p.eps, kv_scales)

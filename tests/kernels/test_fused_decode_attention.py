@@ -145,20 +145,3 @@ def test_heads_outer_views_write_and_read_the_same(R, splits, device, paged_cach
                                  rows_per_seq=R)
     assert torch.equal(out, want)
     assert torch.equal(ho, cache.kv.permute(0, 4, 1, 2, 3, 5))
-
-
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_l2_after_leaves_the_result_unchanged(weight_dtype, device, paged_cache, close):
-    """Idle split programs (most of 16 at these lengths) ask L2 for a weight: a GPU runs the
-    prefetch (compiled), the interpreter leaves it out; the answer is the same either way."""
-    cache = paged_cache([20, 3], 16, 2, 64, torch.float32)
-    q, p = _case(cache, 1, 8, 64, torch.float32, device, True)
-    want, kv_want = _reference(q, p, cache, 1)
-    weight = torch.randn(300, 77).to(device, weight_dtype)
-    out = fused_decode_attention(q, p, cache.k, cache.v, cache.block_tables, cache.seq_lens,
-                                 64 ** -0.5, num_splits=16, l2_after=weight)
-    close(out, want, torch.float32)
-    close(cache.kv, kv_want, torch.float32)
-    with pytest.raises(ValueError, match="l2_after"):
-        fused_decode_attention(q, p, cache.k, cache.v, cache.block_tables, cache.seq_lens,
-                               64 ** -0.5, num_splits=16, l2_after=weight.t())
