@@ -16,9 +16,7 @@ of Qwen3-8B, copies past L2, timed in a CUDA graph:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 
 import torch
 import triton
@@ -26,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench.lab.bench_gemv import _graph_us, copy_gbps
-from bench.lab.probe_fp8_vec import _read_kernel
+from bench.lab.probe_fp8_vec import _read_kernel, write_result
 
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288)}
 MIN_BYTES = 2 << 30
@@ -92,13 +90,7 @@ def main() -> None:
         out["shapes"][name] = row
         del ws
         torch.cuda.empty_cache()
-    out["device"] = torch.cuda.get_device_name()
-    out["command"] = "python3 -m bench.lab.probe_fp8_tma " + " ".join(sys.argv[1:])
-    out["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    print(json.dumps(out, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_result(out, "bench.lab.probe_fp8_tma", args.out)
 
 
 if __name__ == "__main__":

@@ -87,12 +87,18 @@ def main() -> None:
         print(name, json.dumps(row), file=sys.stderr, flush=True)
         del inp
         torch.cuda.empty_cache()
+    write_result(out, "bench.lab.probe_fp8_vec", args.out)
+
+
+def write_result(out: dict, module: str, path: str | None) -> None:
+    """Stamp a probe's result with the device, its command and the date; print it and, with
+    a path, write it there."""
     out["device"] = torch.cuda.get_device_name()
-    out["command"] = "PYTHONPATH=. python3 -m bench.lab.probe_fp8_vec " + " ".join(sys.argv[1:])
+    out["command"] = f"PYTHONPATH=. python3 -m {module} " + " ".join(sys.argv[1:])
     out["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     print(json.dumps(out, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
 
 
