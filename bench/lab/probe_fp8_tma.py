@@ -10,7 +10,7 @@ the bytes in flight of a 16 KB bf16 one at the same registers. A TMA load puts i
 shared memory and holds no register while in flight, so stages of it could keep more bytes
 in flight. Read-only kernels (load, e4m3 -> fp32, row sums) over the FP8 gate_up and down
 of Qwen3-8B, copies past L2, timed in a CUDA graph:
-  reg: pointer loads into registers, the GEMV's tile and warps (kernels/gemv_row.py layout);
+  reg: pointer loads into registers, the GEMV's tile and warps (probe_fp8_vec.read_only);
   tma: tensor-descriptor loads (boxes <= 256 wide), tl.range(num_stages=S) pipelined.
 """
 from __future__ import annotations
@@ -23,8 +23,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pdserve.kernels.gemv_configs import GemvConfig
+
 from bench.lab.bench_gemv import _graph_us, copy_gbps
-from bench.lab.probe_fp8_vec import _read_kernel, write_result
+from bench.lab.probe_fp8_vec import read_only, write_result
 
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288)}
 MIN_BYTES = 2 << 30
@@ -50,14 +52,6 @@ def _copies(N: int, K: int) -> list[torch.Tensor]:
             .to(torch.float8_e4m3fn).view(torch.int8) for _ in range(n)]
 
 
-def reg_us(ws: list[torch.Tensor], bn: int, bk: int, warps: int) -> float:
-    N, K = ws[0].shape
-    y = torch.empty(N, device="cuda", dtype=torch.float32)
-    return _graph_us(lambda: [_read_kernel[(triton.cdiv(N, bn),)](
-        w, y, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, VEC=8, num_warps=warps)
-        for w in ws], len(ws))
-
-
 def tma_us(ws: list[torch.Tensor], bn: int, bk: int, warps: int, stages: int) -> float:
     N, K = ws[0].shape
     y = torch.empty(N, device="cuda", dtype=torch.float32)
@@ -76,7 +70,7 @@ def main() -> None:
         ws = _copies(N, K)
         row: dict = {}
         for bn, bk, warps in ((8, 1024, 4), (16, 2048, 8)):
-            us = reg_us(ws, bn, bk, warps)
+            us = read_only([(w, None) for w in ws], GemvConfig(bn, bk, num_warps=warps), 8)
             row[f"reg_{bn}x{bk}w{warps}"] = {"us": round(us, 2), "GBps": round(N * K / us / 1e3)}
         for bn, bk, warps, stages in ((32, 256, 4, 3), (32, 256, 4, 4), (64, 256, 4, 3),
                                       (64, 256, 8, 4), (16, 256, 4, 4), (128, 256, 8, 3)):
