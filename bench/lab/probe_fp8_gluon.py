@@ -1,0 +1,205 @@
+"""Can a persistent FP8 GEMV that streams its weight through shared memory with TMA beat the
+one-row Triton GEMV in a batch-1 decode chain? (GPU, Hopper)
+
+    python -m bench.lab.probe_fp8_gluon [--layers 36] [--out F.json]
+
+Session 18 found the FP8 GEMVs stream at ~3.55 TB/s where bf16 ones reach ~4.2: a
+register-tiled program keeps half the bytes in flight at FP8. Here each CTA (one or two per
+SM, a persistent grid) owns a ring of STAGES weight tiles in shared memory that TMA fills; the
+bytes in flight no longer cost registers, and before the PDL wait each CTA already has its
+first STAGES tiles in flight while the kernel before it drains. Timed: 36 layers of Qwen3-8B's
+four projections (FP8 weights, 128 x 128 block scales, prologue "none"), each layer its own
+weights, one CUDA graph of PDL launches, against the same chain of the one-row Triton GEMV.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue(w_desc, ring, bars, t, total, pid, G, KT: gl.constexpr, BLOCK_N: gl.constexpr,
+           BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """TMA the t-th tile of this CTA's sequence (row block pid + (t // KT) * G, K tile t % KT)
+    into slot t % STAGES, if t < total."""
+    s = t % STAGES
+    ok = t < total
+    rb = pid + (t // KT) * G
+    mbarrier.expect(bars.index(s), BLOCK_N * BLOCK_K, pred=ok)
+    tma.async_copy_global_to_shared(w_desc, [rb * BLOCK_N, (t % KT) * BLOCK_K], bars.index(s),
+                                    ring.index(s), pred=ok)
+
+
+@gluon.jit
+def _gemv_tma_kernel(w_desc, x_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                     NUM_WARPS: gl.constexpr, USE_PDL: gl.constexpr):
+    """y[N] = (W8 * block scales)[N, K] @ x[K]; CTA pid takes row blocks pid, pid + G, ...
+    Weight tile [BLOCK_N, BLOCK_K] viewed as [BLOCK_N, BLOCK_K / 16, 16]: each thread reads
+    16 consecutive bytes of a row (one LDS.128) and sums its 16 products in registers."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+    XL: gl.constexpr = gl.SliceLayout(0, L3)   # [BLOCK_K / 16, 16]
+    AL: gl.constexpr = gl.SliceLayout(2, L3)   # [BLOCK_N, BLOCK_K / 16]
+    KT: gl.constexpr = K // BLOCK_K
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    n_rb = gl.cdiv(N, BLOCK_N)
+    total = ((n_rb - pid + G - 1) // G) * KT
+
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES):  # weights are never written: load before the wait
+        _issue(w_desc, ring, bars, i, total, pid, G, KT, BLOCK_N, BLOCK_K, STAGES)
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch()
+
+    j = gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(1, XL))
+    e = gl.arange(0, 16, layout=gl.SliceLayout(0, XL))
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, AL))
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    t = 0
+    for rb in range(pid, n_rb, G):
+        acc = gl.zeros([BLOCK_N, BLOCK_K // 16], gl.float32, AL)
+        for kt in range(KT):
+            s = t % STAGES
+            mbarrier.wait(bars.index(s), (t // STAGES) & 1)
+            w = ring.index(s)._reinterpret(gl.float8e4nv, [BLOCK_N, BLOCK_K // 16, 16],
+                                           flat).load(L3)
+            gl.thread_barrier()  # every warp has read slot s: refill it
+            fence_async_shared()
+            _issue(w_desc, ring, bars, t + STAGES, total, pid, G, KT, BLOCK_N, BLOCK_K, STAGES)
+            k = kt * BLOCK_K + j[:, None] * 16 + e[None, :]
+            sc = gl.load(s_ptr + (rb * BLOCK_N // 128) * stride_s + (kt * BLOCK_K + j * 16) // 128)
+            xv = gl.load(x_ptr + k).to(gl.float32) * sc[:, None]
+            acc += gl.sum(w.to(gl.float32) * xv[None, :, :], axis=2)
+            t += 1
+        y = gl.sum(acc, axis=1)
+        n = rb * BLOCK_N + rows
+        gl.store(y_ptr + n, y.to(gl.bfloat16), mask=n < N)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+def gemv_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, grid: int,
+             block_n: int, block_k: int, stages: int, num_warps: int) -> None:
+    """x [K] bf16, w [N, K] e4m3, s [N / 128, K / 128] fp32, y [N] bf16."""
+    N, K = w.shape
+    assert K % block_k == 0 and 128 % block_n == 0 and block_k % 128 == 0
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    desc = TensorDescriptor(w, [N, K], [K, 1], [block_n, block_k], layout)
+    _gemv_tma_kernel[(grid,)](desc, x, s, y, N, s.stride(0), K=K, BLOCK_N=block_n,
+                              BLOCK_K=block_k, STAGES=stages, NUM_WARPS=num_warps,
+                              USE_PDL=True, num_warps=num_warps, launch_pdl=True)
+
+
+def _layers(n_layers: int, dev) -> list:
+    from pdserve.kernels.fp8_scales import FP8_DTYPE
+    out = []
+    for _ in range(n_layers):
+        layer = []
+        for _name, N, K in SHAPES:
+            w = (torch.randn(N, K, device=dev) * 64).clamp(-448, 448).to(FP8_DTYPE)
+            s = (torch.rand(N // 128, K // 128, device=dev) + 0.5) / (64 * K ** 0.5)
+            x = torch.randn(K, device=dev, dtype=torch.bfloat16)
+            layer.append((w, s, x, torch.empty(N, device=dev, dtype=torch.bfloat16)))
+        out.append(layer)
+    return out
+
+
+def _graph_us(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=100) * 1e3
+
+
+def main() -> None:
+    from pdserve.kernels.gemv_configs import pick_config
+    from pdserve.kernels.ops import gemv
+    from pdserve.kernels.reference import fp8_dequant_ref
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--variants", default="16x256x8x2,16x256x4x2,32x256x4x2,32x256x6x2,"
+                    "64x256x4x2,32x256x8x1,16x256x12x1,8x256x8x3")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    layers = _layers(args.layers, dev)
+    nbytes = sum(N * K for _n, N, K in SHAPES)
+    out: dict = {"what": __doc__.split("\n")[0], "layers": args.layers, "sms": sms,
+                 "bytes_per_layer": nbytes, "variants": {}}
+
+    def triton_chain():
+        for layer in layers:
+            for w, s, x, _y in layer:
+                gemv(x[None], w, "none", scales=s, block=(128, 128))
+    us = _graph_us(triton_chain) / args.layers
+    out["triton_one_row"] = {"us_per_layer": round(us, 2), "TBps": round(nbytes / us / 1e6, 3),
+                             "us_alone": {n: round(_graph_us(lambda i=i: [gemv(
+                                 lay[i][2][None], lay[i][0], "none", scales=lay[i][1],
+                                 block=(128, 128)) for lay in layers]) / args.layers, 2)
+                                 for i, (n, _, _) in enumerate(SHAPES)}}
+    print("triton", out["triton_one_row"], file=sys.stderr, flush=True)
+    cfgs = {n: pick_config(N, K, 1, 1, None, dev) for n, N, K in SHAPES}
+    out["triton_tiles"] = {n: [c.block_n, c.block_k, c.num_warps] for n, c in cfgs.items()}
+
+    w, s, x, y = layers[0][2]
+    ref = (fp8_dequant_ref(w, s, (128, 128)).float() @ x.float())
+    for v in args.variants.split(","):
+        bn, bk, stages, per_sm = (int(t) for t in v.split("x"))
+        warps = 4
+        try:
+            gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps)
+            err = float((y.float() - ref).norm() / ref.norm())
+
+            def chain(bn=bn, bk=bk, stages=stages, per_sm=per_sm):
+                for layer in layers:
+                    for w, s, x, y in layer:
+                        gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps)
+            us = _graph_us(chain) / args.layers
+            row = {"us_per_layer": round(us, 2), "TBps": round(nbytes / us / 1e6, 3),
+                   "rel_err": err}
+            per = {}
+            for name, N, K in SHAPES:
+                i = [n for n, _, _ in SHAPES].index(name)
+                per[name] = round(_graph_us(lambda i=i: [gemv_tma(
+                    lay[i][2], lay[i][0], lay[i][1], lay[i][3], sms * per_sm, bn, bk, stages,
+                    warps) for lay in layers]) / args.layers, 2)
+            row["us_alone"] = per
+        except Exception as exc:  # noqa: BLE001 - a probe records what failed and goes on
+            row = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        out["variants"][v] = row
+        print(v, row, file=sys.stderr, flush=True)
+    from bench.lab.probe_fp8_vec import write_result
+    write_result(out, "bench.lab.probe_fp8_gluon", args.out)
+
+
+if __name__ == "__main__":
+    main()
