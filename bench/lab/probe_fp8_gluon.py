@@ -19,7 +19,7 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
@@ -102,10 +102,12 @@ def _gemv_tma_kernel(w_desc, x_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
         mbarrier.wait(bars.index(s), (t // STAGES) & 1)
         w = ring.index(s)._reinterpret(gl.float8e4nv, [BLOCK_N, BLOCK_K // 16, 16],
                                        flat).load(L3)
-        gl.thread_barrier()  # every warp has read slot s: refill it
-        fence_async_shared()
-        _issue(w_desc, ring, bars, t + STAGES, total, pid, G, KT, BLOCK_N, BLOCK_K, STAGES)
         acc += gl.sum(w.to(gl.float32) * xs[None, :, :], axis=2)
+        # every warp has used slot s (its values are in acc): refill it. No proxy fence: a
+        # fence.proxy.async here compiles to MEMBAR.ALL.CTA, which also waits for the next
+        # tile's activation loads in flight
+        gl.thread_barrier()
+        _issue(w_desc, ring, bars, t + STAGES, total, pid, G, KT, BLOCK_N, BLOCK_K, STAGES)
         if t % KT == KT - 1:
             n = (pid + (t // KT) * G) * BLOCK_N + rows
             gl.store(y_ptr + n, gl.sum(acc, axis=1).to(gl.bfloat16), mask=n < N)
@@ -114,16 +116,95 @@ def _gemv_tma_kernel(w_desc, x_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit
+def _ws_loader(w_desc, ring, ready, empty, N, KT: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: TMA the CTA's tiles in order into the ring, each slot once its consumers
+    released it (empty), across row-block boundaries; never waits for the kernel before."""
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    total = ((gl.cdiv(N, BLOCK_N) - pid + G - 1) // G) * KT
+    for t in range(total):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), BLOCK_N * BLOCK_K)
+        tma.async_copy_global_to_shared(w_desc, [(pid + (t // KT) * G) * BLOCK_N,
+                                                 (t % KT) * BLOCK_K], ready.index(s),
+                                        ring.index(s))
+
+
+@gluon.jit
+def _ws_consumer(ring, ready, empty, x_ptr, s_ptr, y_ptr, N, stride_s, KT: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                 NUM_WARPS: gl.constexpr, USE_PDL: gl.constexpr, NO_X: gl.constexpr):
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+    XL: gl.constexpr = gl.SliceLayout(0, L3)
+    AL: gl.constexpr = gl.SliceLayout(2, L3)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    total = ((gl.cdiv(N, BLOCK_N) - pid + G - 1) // G) * KT
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch()
+    j = gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(1, XL))
+    e = gl.arange(0, 16, layout=gl.SliceLayout(0, XL))
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, AL))
+    xs_n = _act(x_ptr, s_ptr, stride_s, pid, 0, j, e, KT, BLOCK_N, BLOCK_K)
+    acc = gl.zeros([BLOCK_N, BLOCK_K // 16], gl.float32, AL)
+    for t in range(total):
+        xs = xs_n
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        w = ring.index(s)._reinterpret(gl.float8e4nv, [BLOCK_N, BLOCK_K // 16, 16],
+                                       flat).load(L3)
+        if NO_X:  # probe: the weight stream alone, no activation loads in the loop
+            acc += gl.sum(w.to(gl.float32), axis=2)
+        else:
+            acc += gl.sum(w.to(gl.float32) * xs[None, :, :], axis=2)
+        mbarrier.arrive(empty.index(s), count=1)
+        if not NO_X:
+            t1 = gl.minimum(t + 1, total - 1)
+            xs_n = _act(x_ptr, s_ptr, stride_s, pid + (t1 // KT) * G, t1 % KT, j, e, KT,
+                        BLOCK_N, BLOCK_K)
+        if t % KT == KT - 1:
+            n = (pid + (t // KT) * G) * BLOCK_N + rows
+            gl.store(y_ptr + n, gl.sum(acc, axis=1).to(gl.bfloat16), mask=n < N)
+            acc = gl.zeros([BLOCK_N, BLOCK_K // 16], gl.float32, AL)
+
+
+@gluon.jit
+def _gemv_ws_kernel(w_desc, x_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    NUM_WARPS: gl.constexpr, USE_PDL: gl.constexpr, NO_X: gl.constexpr):
+    """_gemv_tma_kernel with the TMA issue in a warp of its own (warp specialization): the
+    consumer warps never block on a CTA barrier, the loader runs up to STAGES tiles ahead."""
+    KT: gl.constexpr = K // BLOCK_K
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_ws_consumer, (ring, ready, empty, x_ptr, s_ptr, y_ptr, N, stride_s, KT, BLOCK_N,
+                        BLOCK_K, STAGES, NUM_WARPS, USE_PDL, NO_X)),
+        (_ws_loader, (w_desc, ring, ready, empty, N, KT, BLOCK_N, BLOCK_K, STAGES)),
+    ], [1], [40])
+
+
 def gemv_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, grid: int,
-             block_n: int, block_k: int, stages: int, num_warps: int) -> None:
+             block_n: int, block_k: int, stages: int, num_warps: int, ws: str = "") -> None:
     """x [K] bf16, w [N, K] e4m3, s [N / 128, K / 128] fp32, y [N] bf16."""
     N, K = w.shape
     assert K % block_k == 0 and 128 % block_n == 0 and block_k % 128 == 0
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
     desc = TensorDescriptor(w, [N, K], [K, 1], [block_n, block_k], layout)
-    _gemv_tma_kernel[(grid,)](desc, x, s, y, N, s.stride(0), K=K, BLOCK_N=block_n,
-                              BLOCK_K=block_k, STAGES=stages, NUM_WARPS=num_warps,
-                              USE_PDL=True, num_warps=num_warps, launch_pdl=True)
+    kernel = _gemv_ws_kernel if ws else _gemv_tma_kernel
+    extra = {"maxnreg": 128, "NO_X": ws == "nox"} if ws else {}
+    kernel[(grid,)](desc, x, s, y, N, s.stride(0), K=K, BLOCK_N=block_n, BLOCK_K=block_k,
+                    STAGES=stages, NUM_WARPS=num_warps, USE_PDL=True, num_warps=num_warps,
+                    launch_pdl=True, **extra)
 
 
 def _layers(n_layers: int, dev) -> list:
@@ -182,15 +263,17 @@ def main() -> None:
     w, s, x, y = layers[0][2]
     ref = (fp8_dequant_ref(w, s, (128, 128)).float() @ x.float())
     for v in args.variants.split(","):
-        bn, bk, stages, per_sm, warps = (int(t) for t in v.split("x"))
+        parts = v.split("x")
+        bn, bk, stages, per_sm, warps = (int(t) for t in parts[:5])
+        ws = parts[5] if len(parts) > 5 else ""
         try:
-            gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps)
+            gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps, ws)
             err = float((y.float() - ref).norm() / ref.norm())
 
-            def chain(bn=bn, bk=bk, stages=stages, per_sm=per_sm, warps=warps):
+            def chain(bn=bn, bk=bk, stages=stages, per_sm=per_sm, warps=warps, ws=ws):
                 for layer in layers:
                     for w, s, x, y in layer:
-                        gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps)
+                        gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps, ws)
             us = _graph_us(chain) / args.layers
             row = {"us_per_layer": round(us, 2), "TBps": round(nbytes / us / 1e6, 3),
                    "rel_err": err}
@@ -198,7 +281,7 @@ def main() -> None:
             for i, (name, _n, _k) in enumerate(SHAPES):
                 per[name] = round(_graph_us(lambda i=i: [gemv_tma(
                     lay[i][2], lay[i][0], lay[i][1], lay[i][3], sms * per_sm, bn, bk, stages,
-                    warps) for lay in layers]) / args.layers, 2)  # noqa: B023
+                    warps, ws) for lay in layers]) / args.layers, 2)  # noqa: B023
             row["us_alone"] = per
         except Exception as exc:  # noqa: BLE001 - a probe records what failed and goes on
             row = {"error": f"{type(exc).__name__}: {exc}"[:500]}
