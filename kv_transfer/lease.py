@@ -22,7 +22,8 @@ Protocol (ANCHORS #2 and #6: no leak, and a read from freed blocks is an error, 
      the table counts kv_lease_expired. An expired lease never validates a release.
   5. Release is idempotent: a retried release of a generation already released returns []
      again (valid, nothing more to free), from a bounded memory of recent releases.
-     `release(r)` without generation drops whatever lease r holds (P's own abort paths).
+     `release(r)` without generation drops whatever lease r holds (P's own abort paths) and
+     is not remembered: a reader's later release(r, generation) is then stale (None).
 
 "Alive" means "still in the table": past its deadline but not yet swept by expire(), a
 lease's blocks are still pinned, so a release then is still a valid read. The deadline is
@@ -103,9 +104,12 @@ class LeaseTable:
                 return None
             del self._leases[request_id]
             self._set_pinned(self._pinned - len(lease.block_ids))
-            self._released[(request_id, lease.generation)] = None
-            while len(self._released) > RELEASED_MEMORY:
-                self._released.popitem(last=False)
+            if generation is not None:  # only a reader's release vouches for its read: an
+                # abort (no generation) freed the blocks under any read still in flight, so
+                # that reader's later release must come back stale (None), not []
+                self._released[(request_id, lease.generation)] = None
+                while len(self._released) > RELEASED_MEMORY:
+                    self._released.popitem(last=False)
             return list(lease.block_ids)
 
     def expire(self, now: float | None = None) -> list[Lease]:

@@ -92,6 +92,15 @@ def test_release_without_generation_drops_current_lease():
     assert table.release("r1") == [3] and len(table) == 0
 
 
+def test_an_abort_makes_a_later_readers_release_stale():
+    """P's abort (release without generation) frees the blocks under any read in flight: the
+    reader's release that follows must say stale, not 'already released' ([])."""
+    table = LeaseTable(clock=Clock())
+    lease = table.pin("r1", [3, 4], ttl_s=10)
+    assert table.release("r1") == [3, 4]
+    assert table.release("r1", lease.generation) is None
+
+
 def test_dropped_release_leaves_lease_to_expire():
     clock = Clock()
     faults = FaultInjector(FaultConfig(drop_release_prob=1.0))
