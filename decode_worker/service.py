@@ -95,7 +95,8 @@ class DecodeService:
         except (IncompatiblePeerError, HandshakeError) as e:
             return pb.AddPeerReply(accepted=False, reason=str(e))
         except KVTransferError as e:
-            return pb.AddPeerReply(accepted=False, reason=f"warm-up read failed: {e}")
+            return pb.AddPeerReply(accepted=False, reason=f"warm-up read failed: {e}",
+                                   retryable=True)
         with self._lock:
             old = self._peers.pop(msg.worker_id, None)
             if old is not None:

@@ -390,9 +390,11 @@ class GetPeerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AddPeerReply(_message.Message):
-    __slots__ = ("accepted", "reason")
+    __slots__ = ("accepted", "reason", "retryable")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    retryable: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...

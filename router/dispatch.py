@@ -228,11 +228,12 @@ class ChoiceRun:
             return None
         if d.role == "colocated" or not self.pool.by_role("prefill"):
             return None, d
-        ps = [p for p in self.pool.usable("prefill") if (p.worker_id, p.incarnation) not in d.refused]
-        ps = _prefer(ps, excluded)
+        now = time.monotonic()
+        ps = _prefer([p for p in self.pool.usable("prefill") if d.may_pair(p, now)], excluded)
         if not ps:
-            if any(p.up for p in self.pool.by_role("prefill")):
-                return None  # prefill workers are up but full: wait for one
+            if any(p.up and d.may_pair(p, now) for p in self.pool.by_role("prefill")):
+                return None  # prefill workers d can pair with are up but full: wait for one
+            # none d may pair with (refused, or backing off a passing refusal): decode-only
             core.metrics.fallbacks.labels(**core.metrics.labels).inc()  # visible (ANCHORS #5)
             return None, d
         p, cached = core.prefill_policy.choose(ps, self.hashes)

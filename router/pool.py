@@ -59,6 +59,7 @@ class Breaker:
 
 
 HARD_CODES = (grpc.StatusCode.UNAVAILABLE,)
+PEER_RETRY_S = 2.0  # a pair refused for a passing reason is introduced again after this
 
 
 class WorkerState:
@@ -77,6 +78,9 @@ class WorkerState:
         self.inflight = 0
         self.peers: set[tuple[str, str]] = set()  # decode: (prefill id, incarnation) accepted
         self.refused: dict[tuple[str, str], str] = {}  # decode: peers refused, with the reason
+        # decode: peers whose introduction failed for a passing reason, introduced again
+        # after this monotonic time (until then requests skip the pair, see may_pair)
+        self.retry_peer_at: dict[tuple[str, str], float] = {}
         self._pending_blocks = 0  # reserved since the last health poll
 
     @property
@@ -84,6 +88,12 @@ class WorkerState:
         """Connected, breaker closed, not draining."""
         draining = self.health is not None and self.health.status == "draining"
         return self.stub is not None and not self.breaker.open and not draining
+
+    def may_pair(self, p: WorkerState, now: float) -> bool:
+        """This decode worker may take KV from prefill worker p: not refused as incompatible
+        (ANCHORS #8), and not backing off after a refusal that may pass."""
+        key = (p.worker_id, p.incarnation)
+        return key not in self.refused and self.retry_peer_at.get(key, 0.0) <= now
 
     @property
     def usable(self) -> bool:
@@ -200,6 +210,7 @@ class WorkerPool:
         w.stub = pbg.WorkerStub(w.channel)
         w.peers.clear()  # a new decode incarnation knows no peers
         w.refused.clear()
+        w.retry_peer_at.clear()
         if old is not None:
             await old.close()
             log.warning("worker %s rejoined as incarnation %s at %s", w.worker_id,
@@ -216,7 +227,7 @@ class WorkerPool:
         key = (p.worker_id, p.incarnation)
         if key in d.peers:
             return True
-        if key in d.refused or p.stub is None or d.stub is None:
+        if not d.may_pair(p, time.monotonic()) or p.stub is None or d.stub is None:
             return False
         async with self._intro_lock:
             if key in d.peers:
@@ -229,10 +240,16 @@ class WorkerPool:
             except grpc.aio.AioRpcError as e:
                 log.warning("introducing %s to %s failed: %s", p.worker_id, d.worker_id, e.details())
                 return False
+            if not reply.accepted and reply.retryable:  # e.g. a failed warm-up read
+                log.warning("decode %s refused prefill %s for now (again in %.0f s): %s",
+                            d.worker_id, p.worker_id, PEER_RETRY_S, reply.reason)
+                d.retry_peer_at[key] = time.monotonic() + PEER_RETRY_S
+                return False
             if not reply.accepted:  # incompatible pair (ANCHORS #8): never route across it
                 log.error("decode %s refused prefill %s: %s", d.worker_id, p.worker_id, reply.reason)
                 d.refused[key] = reply.reason
                 return False
+            d.retry_peer_at.pop(key, None)
             d.peers.add(key)
             return True
 

@@ -45,6 +45,9 @@ class FakeWorker(pbg.WorkerServicer):
         self.token_delay_s = 0.0
         self.fail_after_tokens = 0  # decode crashes (INTERNAL) after streaming N tokens
         self.invalid_detail: str | None = None  # Prefill/Decode answer INVALID_ARGUMENT
+        self.refuse_peers = 0  # decode: the next N AddPeer calls refuse the pair
+        self.refuse_retryable = True  # ... for a passing reason (else: incompatible)
+        self.add_peer_calls = 0
         self.server: grpc.Server | None = None
         self.address = ""
         FakeWorker.registry[worker_id] = self
@@ -180,6 +183,14 @@ class FakeWorker(pbg.WorkerServicer):
                            role=self.role, grpc_address=self.address)
 
     def AddPeer(self, req: pb.PeerInfo, context) -> pb.AddPeerReply:
+        with self.lock:
+            self.add_peer_calls += 1
+            if self.refuse_peers > 0:
+                self.refuse_peers -= 1
+                why = "warm-up read failed: injected" if self.refuse_retryable else \
+                    "incompatible peer: injected"
+                return pb.AddPeerReply(accepted=False, reason=why,
+                                       retryable=self.refuse_retryable)
         self.peers.add((req.worker_id, req.incarnation))
         return pb.AddPeerReply(accepted=True)
 

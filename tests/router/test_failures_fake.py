@@ -46,6 +46,7 @@ def healthy(cluster):
     yield
     for w in ws.values():
         w.fail_prefills = w.fail_transfers = w.fail_after_tokens = w.full_decodes = 0
+        w.refuse_peers, w.refuse_retryable = 0, True
         w.prefill_delay_s = w.token_delay_s = 0.0
         w.invalid_detail = None
     wait_until(lambda: all(not w.held and not w.active for w in ws.values()), 10,
@@ -229,6 +230,53 @@ def test_restarted_prefill_worker_rejoins_with_new_incarnation(cluster, frontend
     for i in range(6):
         assert complete(client, prompt=f"after restart {i}").status_code == 200
     assert p1.prefills, "the restarted worker received prefills"
+
+
+@pytest.mark.parametrize("retryable", [True, False], ids=["passing", "incompatible"])
+def test_a_refused_introduction_falls_back_and_only_an_incompatible_one_sticks(
+        cluster, frontend, monkeypatch, retryable):
+    """D refuses both (new) prefill workers once: the request is still served, decode-only
+    and counted (ANCHORS #5), never left waiting for a pair that cannot form. A refusal that
+    may pass (a failed warm-up read) is retried after PEER_RETRY_S and the pair then serves;
+    an incompatible pair is never introduced again (ANCHORS #8)."""
+    monkeypatch.setattr("pdserve.router.pool.PEER_RETRY_S", 0.5)
+    rt, ws, client = cluster
+    d = ws["fd0"]
+    _new_prefill_incarnations(rt, ws)  # fd0 must be introduced to both again
+    try:
+        _refused_introduction(rt, ws, client, frontend, retryable)
+    finally:  # fd0 forgets the refused pairs: later tests see a fresh introduction
+        d.refuse_peers = 0
+        _new_prefill_incarnations(rt, ws)
+
+
+def _new_prefill_incarnations(rt, ws) -> None:
+    for name in ("fp0", "fp1"):
+        ws[name].restart()
+    for name in ("fp0", "fp1"):
+        state = rt.core.pool.workers[name]
+        wait_until(lambda s=state, w=ws[name]: s.incarnation == w.incarnation and s.up, 20,
+                   f"{name} rejoined")
+
+
+def _refused_introduction(rt, ws, client, frontend, retryable: bool) -> None:
+    d = ws["fd0"]
+    d.refuse_peers, d.refuse_retryable = 2, retryable
+    before = metric(rt, "pdserve:router_prefill_fallbacks_total")
+    r = complete(client, prompt="introduce me")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected(frontend, "introduce me", 4)
+    assert metric(rt, "pdserve:router_prefill_fallbacks_total") == before + 1
+    calls = d.add_peer_calls
+    threading.Event().wait(0.6)  # past the backoff
+    for i in range(3):
+        assert complete(client, prompt=f"after the refusal {i}").status_code == 200
+    pairs = {(n, ws[n].incarnation) for n in ("fp0", "fp1")}
+    if retryable:
+        assert pairs & d.peers, "a pair refused for a passing reason was introduced again"
+    else:
+        assert not pairs & d.peers and d.add_peer_calls == calls, "incompatible pair retried"
+        assert metric(rt, "pdserve:router_prefill_fallbacks_total") == before + 4
 
 
 def test_grpc_generate_matches_http_and_checks_auth_and_input(cluster, frontend):
