@@ -48,6 +48,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal: BaseException | None = None
+        self.died = threading.Event()  # set once fatal is: a host process may end itself
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -133,4 +134,5 @@ class EngineLoop:
                 subs = list(self._subs.values())
             for q in subs:
                 q.put(EngineLoopError(f"engine loop died: {e!r}"))
+            self.died.set()
             raise

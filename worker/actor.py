@@ -9,7 +9,11 @@ re-reads endpoints() and re-introduces peers.
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from google.protobuf.json_format import MessageToDict
@@ -17,6 +21,11 @@ from google.protobuf.json_format import MessageToDict
 from pdserve.kernels.triton_mode import select_triton_mode
 from pdserve.kv_transfer.ucx_binding import bind_ucx
 from pdserve.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from pdserve.worker.runtime import WorkerRuntime
+
+DIE_DELAY_S = 0.2  # lets open streams send the loop's error before the process ends
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,20 @@ class Endpoints:
     grpc_address: str
     metrics_address: str
     node_ip: str
+
+
+def watch_engine_loop(rt: WorkerRuntime, on_death: Callable[[BaseException], None]) -> None:
+    """Block until rt's engine loop dies; then say so in Health (draining), give open
+    streams DIE_DELAY_S to send the loop's error, and call on_death(the loop's error)."""
+    rt.loop.died.wait()
+    rt.draining = True
+    time.sleep(DIE_DELAY_S)
+    on_death(rt.loop.fatal or RuntimeError("engine loop died"))
+
+
+def _end_process(why: BaseException) -> None:
+    from pdserve.worker.tp_follower import die
+    die("worker", f"its engine loop died: {why!r}")
 
 
 class WorkerActor:
@@ -41,6 +64,10 @@ class WorkerActor:
 
         logging.basicConfig(level=logging.INFO)
         self.w = Worker(cfg).start()
+        # a dead engine loop must not leave a live process that answers Ray's ping (the
+        # router would keep routing to it): end the process, and the router relaunches it
+        threading.Thread(target=watch_engine_loop, args=(self.w.rt, _end_process),
+                         name="engine-watch", daemon=True).start()
 
     def endpoints(self) -> dict:
         w = self.w

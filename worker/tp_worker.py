@@ -37,14 +37,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.worker.actor import WorkerActor
+from pdserve.worker.actor import DIE_DELAY_S, WorkerActor
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.tp_follower import ENDPOINT_KEY, die, rank_device, rank_transport
 from pdserve.worker.tp_group import RankActor, group_name, remove_previous
 
 log = logging.getLogger(__name__)
 
-DIE_DELAY_S = 0.2  # lets open streams send their error before the process ends
 FOLLOWER_START_TIMEOUT_S = 300.0  # Ray starting the follower ranks' processes
 
 

@@ -1,10 +1,13 @@
 """EngineLoop (engine/engine_loop.py) around a real engine on the tiny Qwen3 preset: the loop
 thread runs commands and steps, publishes each request's outputs to its subscriber, a
 failing command reaches only its caller, and a dying engine ends every open stream (a fake
-engine whose step raises) and refuses later calls."""
+engine whose step raises), refuses later calls and wakes the worker's watcher, which ends
+the worker process (worker/actor.py watch_engine_loop)."""
 from __future__ import annotations
 
 import queue
+import threading
+import types
 
 import pytest
 
@@ -12,6 +15,7 @@ from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine_loop import EngineLoop, EngineLoopError
 from pdserve.engine.llm import build_engine
+from pdserve.worker.actor import watch_engine_loop
 
 TINY = dict(device="cpu", block_size=4, num_blocks=64)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -78,9 +82,16 @@ def test_a_dying_engine_ends_open_streams_and_refuses_calls(engine) -> None:
 
     loop = EngineLoop(Broken())  # type: ignore[arg-type]
     q = loop.subscribe("open-stream")
+    # a worker process watches its loop: it says draining, then ends (here: records why)
+    rt = types.SimpleNamespace(loop=loop, draining=False)
+    deaths: list[BaseException] = []
+    watcher = threading.Thread(target=watch_engine_loop, args=(rt, deaths.append), daemon=True)
+    watcher.start()
     loop.start()
     item = q.get(timeout=30)
     assert isinstance(item, EngineLoopError) and "device lost" in str(item)
+    watcher.join(30)
+    assert rt.draining and len(deaths) == 1 and "device lost" in str(deaths[0])
     loop.stop(timeout_s=5)
     with pytest.raises(EngineLoopError, match="died"):
         loop.call(lambda e: None, timeout_s=5)
