@@ -175,6 +175,15 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "chat_template": ((None,), "not supported: the model's own chat template is used"),
     "functions": ((None,), "not supported: use tools"),
     "function_call": ((None,), "not supported: use tool_choice"),
+    # vLLM's sampling and output extensions pdserve does not implement
+    "allowed_token_ids": ((None,), "not supported: use logit_bias"),
+    "bad_words": ((None, []), "not supported: use logit_bias"),
+    "truncate_prompt_tokens": ((None,), "not supported: prompts are never truncated"),
+    "return_tokens_as_token_ids": ((None, False), "not supported"),
+    "skip_special_tokens": ((None, True), "not supported: special tokens are always skipped"),
+    "spaces_between_special_tokens": ((None, True), "not supported"),
+    "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),
+    "priority": ((None, 0), "not supported: requests are served first come, first served"),
     **{f"guided_{kind}": ((None,), f"not supported: use structured_outputs.{kind}")
        for kind in ("json", "regex", "choice", "grammar")},
 }

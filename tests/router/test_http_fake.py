@@ -186,7 +186,10 @@ BAD = [
         ("min_tokens", 17), ("min_tokens", -1),  # above the default max_tokens (16), negative
         ("use_beam_search", True), ("include_stop_str_in_output", True),
         ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
-        ("guided_grammar", "root ::= 'a'"), ("best_of", 3))],
+        ("guided_grammar", "root ::= 'a'"), ("best_of", 3),
+        ("allowed_token_ids", [28]), ("bad_words", [" 5"]), ("truncate_prompt_tokens", 2),
+        ("return_tokens_as_token_ids", True), ("skip_special_tokens", False),
+        ("spaces_between_special_tokens", False), ("length_penalty", 0.5), ("priority", 1))],
     *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], name: value},
        400, name) for name, value in (
         ("chat_template", "{{ messages }}"), ("functions", [{"name": "f"}]),
