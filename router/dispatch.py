@@ -71,6 +71,9 @@ class ChoiceRun:
         self.sent_ids: list[int] = []  # tokens of this completion already sent to the client
         self.prompt_lps: list | None = None  # prompt_logprobs, from the worker that prefilled
         self.prompt_lps_sent = False
+        # prompt tokens the prefill worker found in its prefix cache: D pulled the KV, so its
+        # own usage says 0 cached for them
+        self.prefill_cached = 0
         self.continued = False  # a decode worker failed after output started
         self.last_failure = ""
         self.waiting = False
@@ -276,6 +279,7 @@ class ChoiceRun:
         self.stages.prefill_queue = wall - self.stages.prefill
         self.core.prefill_policy.prefilled(self.hashes, p.worker_id)
         self._keep_prompt_logprobs(res.prompt_logprobs)
+        self.prefill_cached = res.num_cached_tokens
         return res
 
     def _finish_at_prefill(self, res: pb.PrefillResult) -> None:
@@ -384,7 +388,8 @@ class ChoiceRun:
         if msg.finish_reason:
             delta.completion_tokens = msg.usage.completion_tokens or len(self.sent_ids) + len(msg.token_ids)
             # a continuation's prefix-cache hits may cover sent tokens: count prompt ones only
-            delta.cached_tokens = min(msg.usage.cached_tokens, len(self.prompt_ids))
+            delta.cached_tokens = min(max(msg.usage.cached_tokens, self.prefill_cached),
+                                      len(self.prompt_ids))
         self._emit(delta)
 
     def _keep_prompt_logprobs(self, lps: Sequence[pb.TokenLogprob]) -> None:

@@ -37,6 +37,7 @@ class FakeWorker(pbg.WorkerServicer):
         self.aborted: list[str] = []
         self.prefills: list[str] = []
         self.peers: set[tuple[str, str]] = set()
+        self.seen: set[tuple[int, ...]] = set()  # prefill: prompts prefilled (prefix cache)
         # failure switches
         self.fail_prefills = 0  # the next N Prefill calls fail with UNAVAILABLE
         self.prefill_delay_s = 0.0
@@ -99,8 +100,12 @@ class FakeWorker(pbg.WorkerServicer):
         if not context.is_active():  # the caller gave up: pin nothing (what a worker must do)
             context.abort(grpc.StatusCode.CANCELLED, "caller went away")
         tokens = self._tokens(list(req.prompt_token_ids), req.params)
+        prompt = tuple(req.prompt_token_ids)
+        with self.lock:  # a prefix cache of whole prompts: a repeat hits its full blocks
+            cached = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE if prompt in self.seen else 0
+            self.seen.add(prompt)
         res = pb.PrefillResult(request_id=req.request_id, first_token_id=tokens[0],
-                               stages=pb.StageTimes(prefill=0.001))
+                               stages=pb.StageTimes(prefill=0.001), num_cached_tokens=cached)
         lps = self._lp(tokens[0], req.params)
         if lps:
             res.first_logprob.CopyFrom(lps[0])

@@ -239,7 +239,7 @@ def test_a_refused_introduction_falls_back_and_only_an_incompatible_one_sticks(
     and counted (ANCHORS #5), never left waiting for a pair that cannot form. A refusal that
     may pass (a failed warm-up read) is retried after PEER_RETRY_S and the pair then serves;
     an incompatible pair is never introduced again (ANCHORS #8)."""
-    monkeypatch.setattr("pdserve.router.pool.PEER_RETRY_S", 0.5)
+    monkeypatch.setattr("pdserve.router.pool.PEER_RETRY_S", 600.0)  # ends when the test says
     rt, ws, client = cluster
     d = ws["fd0"]
     _new_prefill_incarnations(rt, ws)  # fd0 must be introduced to both again
@@ -268,15 +268,31 @@ def _refused_introduction(rt, ws, client, frontend, retryable: bool) -> None:
     assert r.json()["choices"][0]["text"] == expected(frontend, "introduce me", 4)
     assert metric(rt, "pdserve:router_prefill_fallbacks_total") == before + 1
     calls = d.add_peer_calls
-    threading.Event().wait(0.6)  # past the backoff
+    backoff = rt.core.pool.workers["fd0"].retry_peer_at
+    pairs = {(n, ws[n].incarnation) for n in ("fp0", "fp1")}
+    assert set(backoff) == (pairs if retryable else set())
+    for key in backoff:  # the backoff has passed
+        backoff[key] = 0.0
     for i in range(3):
         assert complete(client, prompt=f"after the refusal {i}").status_code == 200
-    pairs = {(n, ws[n].incarnation) for n in ("fp0", "fp1")}
     if retryable:
         assert pairs & d.peers, "a pair refused for a passing reason was introduced again"
     else:
         assert not pairs & d.peers and d.add_peer_calls == calls, "incompatible pair retried"
         assert metric(rt, "pdserve:router_prefill_fallbacks_total") == before + 4
+
+
+def test_usage_counts_the_prefill_workers_prefix_cache_hits(cluster):
+    """D pulls the KV and caches nothing itself: the cached prompt tokens a client sees are
+    the ones the prefill worker found in its prefix cache (the router sends a repeated
+    prompt to the worker that prefilled it)."""
+    _, _, client = cluster
+    prompt = "a prompt long enough to fill a few cache blocks " * 4
+    first = complete(client, prompt=prompt).json()["usage"]
+    again = complete(client, prompt=prompt).json()["usage"]
+    n = first["prompt_tokens"]
+    assert n > 32 and first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
 
 
 def test_grpc_generate_matches_http_and_checks_auth_and_input(cluster, frontend):
