@@ -19,7 +19,12 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
@@ -320,8 +325,229 @@ def _gemv_wss_kernel(w_desc, x_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
     ], [1], [40])
 
 
+@gluon.jit
+def _mma_loader(w_desc, ring, ready, empty, N, K: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr):
+    """One warp: the CTA's [BLOCK_N, 128] weight tiles into the ring (as _ws_loader)."""
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    KT: gl.constexpr = K // 128
+    total = ((gl.cdiv(N, BLOCK_N) - pid + G - 1) // G) * KT
+    for t in range(total):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), BLOCK_N * 128)
+        tma.async_copy_global_to_shared(w_desc, [(pid + (t // KT) * G) * BLOCK_N,
+                                                 (t % KT) * 128], ready.index(s),
+                                        ring.index(s))
+
+
+@gluon.jit
+def _a_tile(xq_ptr, kt, rows, cols):
+    """The activation's K tile kt as the wgmma A operand [64, 128] e4m3: row 0 the
+    quantized activation, rows 1..63 zero (only the lanes holding row 0 load)."""
+    return gl.load(xq_ptr + kt * 128 + cols[None, :] + rows[:, None] * 0,
+                   mask=(rows == 0)[:, None], other=0.0)
+
+
+@gluon.jit
+def _mma_consumer(ring, ready, empty, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s,
+                  K: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  USE_PDL: gl.constexpr):
+    """One warpgroup. Per K tile: acc_t [64, BLOCK_N] = A (the quantized activation in row
+    0) @ W_tile^T on the tensor cores, then acc += acc_t * (weight block scale * activation
+    group scale); row 0 of acc is y for the row block."""
+    KT: gl.constexpr = K // 128
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    total = ((gl.cdiv(N, BLOCK_N) - pid + G - 1) // G) * KT
+    rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, AL))
+    cols_a = gl.arange(0, 128, layout=gl.SliceLayout(0, AL))
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch()
+    a_n = _a_tile(xq_ptr, 0, rows_a, cols_a)
+    sc_n = gl.load(s_ptr + (pid * BLOCK_N // 128) * stride_s) * gl.load(sx_ptr)
+    acc = gl.zeros([64, BLOCK_N], gl.float32, MMA)
+    for t in range(total):
+        a = a_n
+        sc = sc_n
+        t1 = gl.minimum(t + 1, total - 1)  # the next tile's operand and scale, in flight now
+        a_n = _a_tile(xq_ptr, t1 % KT, rows_a, cols_a)
+        sc_n = gl.load(s_ptr + ((pid + (t1 // KT) * G) * BLOCK_N // 128) * stride_s
+                       + t1 % KT) * gl.load(sx_ptr + t1 % KT)
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        part = warpgroup_mma(a, ring.index(s).permute((1, 0)),
+                             gl.zeros([64, BLOCK_N], gl.float32, MMA), use_acc=False)
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += part * sc
+        if t % KT == KT - 1:
+            n = (pid + (t // KT) * G) * BLOCK_N + cols
+            gl.store(y_ptr + n[None, :] + rows[:, None] * 0, acc.to(gl.bfloat16),
+                     mask=(rows == 0)[:, None] & (n < N)[None, :])
+            acc = gl.zeros([64, BLOCK_N], gl.float32, MMA)
+
+
+@gluon.jit
+def _gemv_mma_kernel(w_desc, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+    """The FP8 GEMV on the tensor cores: the activation quantized to e4m3 per 128-column
+    group (xq [K], sx [K / 128]), W8 tiles [BLOCK_N, 128] streamed by TMA as wgmma's B."""
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 128], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma_consumer, (ring, ready, empty, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s, K,
+                         BLOCK_N, STAGES, USE_PDL)),
+        (_mma_loader, (w_desc, ring, ready, empty, N, K, BLOCK_N, STAGES)),
+    ], [1], [40])
+
+
+@gluon.jit
+def _mmb_loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
+                STAGES: gl.constexpr):
+    """One warp: the CTA's [64, 128] weight tiles: its K split ks = pid % SPLIT, its row
+    blocks pid // SPLIT + j * (G / SPLIT)."""
+    pid = gl.program_id(0)
+    GS = gl.num_programs(0) // SPLIT
+    first = pid // SPLIT
+    total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
+    for t in range(total):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), 64 * 128)
+        tma.async_copy_global_to_shared(
+            w_desc, [(first + (t // KTS) * GS) * 64, ((pid % SPLIT) * KTS + t % KTS) * 128],
+            ready.index(s), ring.index(s))
+
+
+@gluon.jit
+def _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, t, KTS: gl.constexpr):
+    """The scale of the CTA's tile t: its 128 x 128 weight block's times its activation
+    group's."""
+    rb = first + (t // KTS) * GS
+    return gl.load(s_ptr + (rb * 64 // 128) * stride_s + k0 + t % KTS) * \
+        gl.load(sx_ptr + k0 + t % KTS)
+
+
+@gluon.jit
+def _mmb_consumer(ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s,
+                  KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                  USE_PDL: gl.constexpr):
+    """One warpgroup. The CTA's K range of the quantized activation is staged as wgmma's B,
+    [KTS][8, 128] e4m3 (row 0 the activation, rows 1..7 zero); per tile acc_t [64, 8] =
+    W_tile @ B on the tensor cores, acc += acc_t * (weight block scale * activation group
+    scale); column 0 of acc is the row block's partial y, stored to y[ks, rows]."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8, 32])
+    XB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    pid = gl.program_id(0)
+    GS = gl.num_programs(0) // SPLIT
+    first = pid // SPLIT
+    k0 = (pid % SPLIT) * KTS  # first K tile of this CTA's split
+    total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch()
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, XB))  # 8 K tiles x 8 rows per pass
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, XB))
+    for k8 in gl.static_range(0, KTS, 8):
+        v = gl.load(xq_ptr + (k0 + k8 + r // 8)[:, None] * 128 + c[None, :],
+                    mask=(r % 8 == 0)[:, None], other=0.0)
+        xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
+                             ).slice(k8 * 8, 64).store(v)
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = gl.zeros([64, 8], gl.float32, MMA)
+    # the tile's scale (weight block x activation group) is loaded two tiles ahead: its
+    # latency stays off the loop
+    sc1 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, 0, KTS)
+    sc2 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, gl.minimum(1, total - 1), KTS)
+    for t in range(total):
+        rb = first + (t // KTS) * GS
+        kl = t % KTS
+        sc = sc1
+        sc1 = sc2
+        sc2 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, gl.minimum(t + 2, total - 1),
+                         KTS)
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        part = warpgroup_mma(ring.index(s), xq_smem.index(kl).permute((1, 0)),
+                             gl.zeros([64, 8], gl.float32, MMA), use_acc=False)
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += part * sc
+        if kl == KTS - 1:
+            n = rb * 64 + rows
+            gl.store(y_ptr + (pid % SPLIT) * N + n[:, None] + cols[None, :] * 0, acc,
+                     mask=(n < N)[:, None] & (cols == 0)[None, :])
+            acc = gl.zeros([64, 8], gl.float32, MMA)
+
+
+@gluon.jit
+def _gemv_mmb_kernel(w_desc, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s, KTS: gl.constexpr,
+                     SPLIT: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+    """The FP8 GEMV on the tensor cores with the weights as wgmma's A (M = 64 rows) and the
+    quantized activation as B (N = 8, one real column); CTA pid takes K split pid % SPLIT
+    (KTS tiles of 128) of every (G / SPLIT)-th 64-row block."""
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
+    xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
+                                        gl.NVMMASharedLayout(128, 8, rank=2))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mmb_consumer, (ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N,
+                         stride_s, KTS, SPLIT, STAGES, USE_PDL)),
+        (_mmb_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES)),
+    ], [1], [40])
+
+
+def gemv_mmb(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
+             y: torch.Tensor, grid: int, split: int, stages: int) -> None:
+    """y [split, N] fp32 partials (sum over dim 0 is the GEMV)."""
+    N, K = w.shape
+    layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+    desc = TensorDescriptor(w, [N, K], [K, 1], [64, 128], layout)
+    assert grid % split == 0 and (K // 128) % split == 0
+    _gemv_mmb_kernel[(grid,)](desc, xq, sx, s, y, N, s.stride(0), KTS=K // 128 // split,
+                              SPLIT=split,
+                              STAGES=stages, USE_PDL=True, num_warps=4, launch_pdl=True,
+                              maxnreg=128)
+
+
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] -> (e4m3 [K], fp32 scales [K / 128]): one scale per 128-column group."""
+    g = x.float().view(-1, 128)
+    sx = (g.abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+    return (g / sx[:, None]).to(torch.float8_e4m3fn).view(-1), sx
+
+
+def gemv_mma(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
+             y: torch.Tensor, grid: int, block_n: int, stages: int, maxnreg: int = 128) -> None:
+    N, K = w.shape
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, 128], gl.float8e4nv)
+    desc = TensorDescriptor(w, [N, K], [K, 1], [block_n, 128], layout)
+    _gemv_mma_kernel[(grid,)](desc, xq, sx, s, y, N, s.stride(0), K=K, BLOCK_N=block_n,
+                              STAGES=stages, USE_PDL=True, num_warps=4, launch_pdl=True,
+                              maxnreg=maxnreg)
+
+
 def gemv_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor, grid: int,
-             block_n: int, block_k: int, stages: int, num_warps: int, ws: str = "") -> None:
+             block_n: int, block_k: int, stages: int, num_warps: int, ws: str = "",
+             maxnreg: int = 128) -> None:
     """x [K] bf16, w [N, K] e4m3, s [N / 128, K / 128] fp32, y [N] bf16."""
     N, K = w.shape
     assert K % block_k == 0 and 128 % block_n == 0 and block_k % 128 == 0
@@ -330,7 +556,7 @@ def gemv_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
     kernel = _gemv_wss_kernel if ws.startswith("wss") else _gemv_ws_kernel if ws else \
         _gemv_tma_kernel
     modes = {"ws": 0, "wsnoact": 1, "wsstream": 2, "wscompute": 3, "wss": 0, "wsspair": 5}
-    extra = {"maxnreg": 128, "MODE": modes[ws]} if ws else {}
+    extra = {"maxnreg": maxnreg, "MODE": modes[ws]} if ws else {}
     kernel[(grid,)](desc, x, s, y, N, s.stride(0), K=K, BLOCK_N=block_n, BLOCK_K=block_k,
                     STAGES=stages, NUM_WARPS=num_warps, USE_PDL=True, num_warps=num_warps,
                     launch_pdl=True, **extra)
@@ -357,6 +583,65 @@ def _graph_us(fn) -> float:
     return do_bench_cudagraph(fn, rep=100) * 1e3
 
 
+def _mmb_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> dict:
+    """"mmb-Sq-So-Sg-Sd-STAGES-PER_SM": the tensor-core GEMV, K splits per shape (q/k/v, o,
+    gate_up, down). Activations quantized beforehand (untimed); times the GEMVs alone (their
+    fp32 partials over the K splits are left for the next kernel to add)."""
+    from pdserve.kernels.reference import fp8_dequant_ref
+    *splits, stages, per_sm = (int(t) for t in v.split("-")[1:])
+    grid = sms * per_sm
+    try:
+        calls = []
+        for layer in layers:
+            row = []
+            for (w, s, x, _y), split in zip(layer, splits):
+                xq, sx = quantize_act(x)
+                part = torch.empty(split, w.shape[0], device=w.device, dtype=torch.float32)
+                row.append((xq, sx, w, s, part, split))
+            calls.append(row)
+        errs = {}
+        for (xq, sx, w, s, part, split), (name, _n, _k) in zip(calls[0], SHAPES):
+            gemv_mmb(xq, sx, w, s, part, grid, split, stages)
+            wd = fp8_dequant_ref(w, s, (128, 128)).float()
+            xd = (xq.float().view(-1, 128) * sx[:, None]).view(-1)
+            got = part.sum(0)
+            ref_q = wd @ xd
+            ref = wd @ layers[0][[n for n, _, _ in SHAPES].index(name)][2].float()
+            errs[name] = [round(float((got - ref_q).norm() / ref_q.norm()), 6),
+                          round(float((got - ref).norm() / ref.norm()), 6)]
+
+        def chain(idx=None):
+            for row in calls:
+                for i, (xq, sx, w, s, part, split) in enumerate(row):
+                    if idx is None or i == idx:
+                        gemv_mmb(xq, sx, w, s, part, grid, split, stages)
+        us = _graph_us(chain) / n_layers
+        return {"us_per_layer": round(us, 2), "TBps": round(nbytes / us / 1e6, 3),
+                "rel_err_vs_quantized_act_and_vs_bf16_act": errs,
+                "us_alone": {name: round(_graph_us(lambda i=i: chain(i)) / n_layers, 2)
+                             for i, (name, _n, _k) in enumerate(SHAPES)}}
+    except Exception as exc:  # noqa: BLE001 - a probe records what failed and goes on
+        return {"error": f"{type(exc).__name__}: {exc}"[:800]}
+
+
+def _once(shape: str, variant: str) -> None:
+    """Shape's kernel, a few launches: "triton" or a variant of main's --variants."""
+    from pdserve.kernels.ops import gemv
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    (w, s, x, y), = [lay for n, lay in zip([n for n, _, _ in SHAPES], _layers(1, dev)[0])
+                     if n == shape]
+    for _ in range(3):
+        if variant == "triton":
+            gemv(x[None], w, "none", scales=s, block=(128, 128))
+        else:
+            parts = variant.split("x")
+            bn, bk, stages, per_sm, warps = (int(t) for t in parts[:5])
+            regs = int(parts[6]) if len(parts) > 6 else 128
+            gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps, parts[5], regs)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     from pdserve.kernels.gemv_configs import pick_config
     from pdserve.kernels.ops import gemv
@@ -367,7 +652,12 @@ def main() -> None:
     ap.add_argument("--variants", default="16x256x4x2x4,16x256x6x2x8,32x256x4x2x4,"
                     "32x256x4x2x8,32x256x6x1x8,64x256x3x1x8,16x256x4x3x4,16x256x8x1x8")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--once", default=None, metavar="SHAPE:VARIANT",
+                    help="run one kernel a few times, no graph (a target for ncu), and exit")
     args = ap.parse_args()
+    if args.once:
+        _once(*args.once.split(":"))
+        return
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     layers = _layers(args.layers, dev)
@@ -392,17 +682,23 @@ def main() -> None:
     w, s, x, y = layers[0][2]
     ref = (fp8_dequant_ref(w, s, (128, 128)).float() @ x.float())
     for v in args.variants.split(","):
+        if v.startswith("mmb"):
+            out["variants"][v] = _mmb_variant(v, layers, sms, nbytes, args.layers)
+            print(v, out["variants"][v], file=sys.stderr, flush=True)
+            continue
         parts = v.split("x")
         bn, bk, stages, per_sm, warps = (int(t) for t in parts[:5])
         ws = parts[5] if len(parts) > 5 else ""
+        regs = int(parts[6]) if len(parts) > 6 else 128
         try:
-            gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps, ws)
+            gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps, ws, regs)
             err = float((y.float() - ref).norm() / ref.norm())
 
-            def chain(bn=bn, bk=bk, stages=stages, per_sm=per_sm, warps=warps, ws=ws):
+            def chain(bn=bn, bk=bk, stages=stages, per_sm=per_sm, warps=warps, ws=ws,
+                      regs=regs):
                 for layer in layers:
                     for w, s, x, y in layer:
-                        gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps, ws)
+                        gemv_tma(x, w, s, y, sms * per_sm, bn, bk, stages, warps, ws, regs)
             us = _graph_us(chain) / args.layers
             row = {"us_per_layer": round(us, 2), "TBps": round(nbytes / us / 1e6, 3),
                    "rel_err": err}
@@ -410,7 +706,7 @@ def main() -> None:
             for i, (name, _n, _k) in enumerate(SHAPES):
                 per[name] = round(_graph_us(lambda i=i: [gemv_tma(
                     lay[i][2], lay[i][0], lay[i][1], lay[i][3], sms * per_sm, bn, bk, stages,
-                    warps, ws) for lay in layers]) / args.layers, 2)  # noqa: B023
+                    warps, ws, regs) for lay in layers]) / args.layers, 2)  # noqa: B023
             row["us_alone"] = per
         except Exception as exc:  # noqa: BLE001 - a probe records what failed and goes on
             row = {"error": f"{type(exc).__name__}: {exc}"[:500]}
