@@ -442,7 +442,7 @@ def _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, t, KTS: gl.constexpr):
 @gluon.jit
 def _mmb_consumer(ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s,
                   KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr):
+                  USE_PDL: gl.constexpr, ATOMIC: gl.constexpr):
     """One warpgroup. The CTA's K range of the quantized activation is staged as wgmma's B,
     [KTS][8, 128] e4m3 (row 0 the activation, rows 1..7 zero); per tile acc_t [64, 8] =
     W_tile @ B on the tensor cores, acc += acc_t * (weight block scale * activation group
@@ -460,13 +460,14 @@ def _mmb_consumer(ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N, 
     if USE_PDL:
         _gdc_wait()
         _gdc_launch()
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, XB))  # 8 K tiles x 8 rows per pass
+    KP: gl.constexpr = 8 if KTS >= 8 else KTS  # K tiles staged per pass (8 rows each)
+    r = gl.arange(0, KP * 8, layout=gl.SliceLayout(1, XB))
     c = gl.arange(0, 128, layout=gl.SliceLayout(0, XB))
-    for k8 in gl.static_range(0, KTS, 8):
+    for k8 in gl.static_range(0, KTS, KP):
         v = gl.load(xq_ptr + (k0 + k8 + r // 8)[:, None] * 128 + c[None, :],
                     mask=(r % 8 == 0)[:, None], other=0.0)
         xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
-                             ).slice(k8 * 8, 64).store(v)
+                             ).slice(k8 * 8, KP * 8).store(v)
     fence_async_shared()
     gl.thread_barrier()
     acc = gl.zeros([64, 8], gl.float32, MMA)
@@ -489,14 +490,20 @@ def _mmb_consumer(ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N, 
         acc += part * sc
         if kl == KTS - 1:
             n = rb * 64 + rows
-            gl.store(y_ptr + (pid % SPLIT) * N + n[:, None] + cols[None, :] * 0, acc,
-                     mask=(n < N)[:, None] & (cols == 0)[None, :])
+            keep = (n < N)[:, None] & (cols == 0)[None, :]
+            if ATOMIC:  # fire-and-forget reductions (RED) into a zeroed fp32 y [N]
+                gl.atomic_add(y_ptr + n[:, None] + cols[None, :] * 0, acc, mask=keep,
+                              sem="relaxed")
+            else:
+                gl.store(y_ptr + (pid % SPLIT) * N + n[:, None] + cols[None, :] * 0, acc,
+                         mask=keep)
             acc = gl.zeros([64, 8], gl.float32, MMA)
 
 
 @gluon.jit
 def _gemv_mmb_kernel(w_desc, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s, KTS: gl.constexpr,
-                     SPLIT: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr):
+                     SPLIT: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+                     ATOMIC: gl.constexpr):
     """The FP8 GEMV on the tensor cores with the weights as wgmma's A (M = 64 rows) and the
     quantized activation as B (N = 8, one real column); CTA pid takes K split pid % SPLIT
     (KTS tiles of 128) of every (G / SPLIT)-th 64-row block."""
@@ -510,22 +517,24 @@ def _gemv_mmb_kernel(w_desc, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s, KTS: gl.
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_mmb_consumer, (ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N,
-                         stride_s, KTS, SPLIT, STAGES, USE_PDL)),
+                         stride_s, KTS, SPLIT, STAGES, USE_PDL, ATOMIC)),
         (_mmb_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES)),
     ], [1], [40])
 
 
 def gemv_mmb(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
-             y: torch.Tensor, grid: int, split: int, stages: int) -> None:
-    """y [split, N] fp32 partials (sum over dim 0 is the GEMV)."""
+             y: torch.Tensor, grid: int, split: int, stages: int, atomic: bool = False,
+             maxnreg: int = 128) -> None:
+    """y [split, N] fp32 partials (sum over dim 0 is the GEMV), or with atomic a zeroed
+    [N] fp32 that the K splits add into."""
     N, K = w.shape
     layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
     desc = TensorDescriptor(w, [N, K], [K, 1], [64, 128], layout)
     assert grid % split == 0 and (K // 128) % split == 0
     _gemv_mmb_kernel[(grid,)](desc, xq, sx, s, y, N, s.stride(0), KTS=K // 128 // split,
-                              SPLIT=split,
+                              SPLIT=split, ATOMIC=atomic,
                               STAGES=stages, USE_PDL=True, num_warps=4, launch_pdl=True,
-                              maxnreg=128)
+                              maxnreg=maxnreg)
 
 
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -584,11 +593,14 @@ def _graph_us(fn) -> float:
 
 
 def _mmb_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> dict:
-    """"mmb-Sq-So-Sg-Sd-STAGES-PER_SM": the tensor-core GEMV, K splits per shape (q/k/v, o,
+    """"mmb-Sq-So-Sg-Sd-STAGES-PER_SM[-REGS][-a]": the tensor-core GEMV, K splits per shape (q/k/v, o,
     gate_up, down). Activations quantized beforehand (untimed); times the GEMVs alone (their
     fp32 partials over the K splits are left for the next kernel to add)."""
     from pdserve.kernels.reference import fp8_dequant_ref
-    *splits, stages, per_sm = (int(t) for t in v.split("-")[1:])
+    fields = v.split("-")[1:]
+    atomic = fields[-1] == "a"
+    nums = [int(t) for t in (fields[:-1] if atomic else fields)]
+    splits, (stages, per_sm), regs = nums[:4], nums[4:6], (nums[6:] or [128])[0]
     grid = sms * per_sm
     try:
         calls = []
@@ -596,12 +608,13 @@ def _mmb_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> 
             row = []
             for (w, s, x, _y), split in zip(layer, splits):
                 xq, sx = quantize_act(x)
-                part = torch.empty(split, w.shape[0], device=w.device, dtype=torch.float32)
+                part = torch.zeros(1 if atomic else split, w.shape[0], device=w.device,
+                                   dtype=torch.float32)
                 row.append((xq, sx, w, s, part, split))
             calls.append(row)
         errs = {}
         for (xq, sx, w, s, part, split), (name, _n, _k) in zip(calls[0], SHAPES):
-            gemv_mmb(xq, sx, w, s, part, grid, split, stages)
+            gemv_mmb(xq, sx, w, s, part, grid, split, stages, atomic, regs)
             wd = fp8_dequant_ref(w, s, (128, 128)).float()
             xd = (xq.float().view(-1, 128) * sx[:, None]).view(-1)
             got = part.sum(0)
@@ -614,7 +627,7 @@ def _mmb_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> 
             for row in calls:
                 for i, (xq, sx, w, s, part, split) in enumerate(row):
                     if idx is None or i == idx:
-                        gemv_mmb(xq, sx, w, s, part, grid, split, stages)
+                        gemv_mmb(xq, sx, w, s, part, grid, split, stages, atomic, regs)
         us = _graph_us(chain) / n_layers
         return {"us_per_layer": round(us, 2), "TBps": round(nbytes / us / 1e6, 3),
                 "rel_err_vs_quantized_act_and_vs_bf16_act": errs,
