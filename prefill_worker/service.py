@@ -59,12 +59,17 @@ class PrefillService:
         handed_over = threading.Event()
         context.add_callback(lambda: None if handed_over.is_set() else self._abandon(rid))
         try:
-            try:
+            deadline = arrival + (req.timeout_s or 60.0)
+            try:  # queued behind the loop's current step, which can be long (CPU, big chunks)
                 loop.call(lambda e: self.rt.metrics.track(e, arrival, e.add_request(
-                    list(req.prompt_token_ids), local, request_id=rid, hold_blocks=wants_decode)))
+                    list(req.prompt_token_ids), local, request_id=rid, hold_blocks=wants_decode)),
+                    timeout_s=max(0.001, deadline - time.monotonic()))
             except InvalidRequestError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            deadline = arrival + (req.timeout_s or 60.0)
+            except TimeoutError:
+                self._abandon(rid)  # the command may still run: it aborts right after
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"prefill of {rid}: the engine did not take it before the deadline")
             out = self._wait_finished(q, rid, deadline, context)
         finally:
             loop.unsubscribe(rid)
@@ -86,11 +91,11 @@ class PrefillService:
             remaining = deadline - time.monotonic()
             try:
                 item = q.get(timeout=max(0.0, remaining))
-            except queue.Empty:
-                self.abort(rid)
+            except queue.Empty:  # free it without waiting on the loop (it may be mid-step)
+                self._abandon(rid)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} timed out")
             if isinstance(item, BaseException):
-                self.abort(rid)
+                self._abandon(rid)
                 context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
             if item.finished:
                 return item

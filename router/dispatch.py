@@ -253,7 +253,11 @@ class ChoiceRun:
 
     # -- prefill -----------------------------------------------------------------------------
     async def _prefill(self, p: WorkerState) -> pb.PrefillResult:
-        timeout = min(self.remaining(), self.cfg.prefill_timeout_s)
+        # the attempt's limit exists to retry elsewhere; with no other prefill worker up, a
+        # retry would only start the same work over (long prompts on slow hardware)
+        others = any(w.up for w in self.pool.by_role("prefill") if w is not p)
+        timeout = min(self.remaining(), self.cfg.prefill_timeout_s) if others else \
+            self.remaining()
         req = pb.PrefillRequest(request_id=self.rid, prompt_token_ids=self.prompt_ids,
                                 params=self.proto_params, timeout_s=timeout)
         t0 = time.monotonic()

@@ -287,6 +287,7 @@ async def _serve(args: argparse.Namespace) -> int:
         cfg = RouterConfig(block_size=args.block_size, routing=args.routing,
                            disagg_threshold=args.disagg_threshold, max_inflight=args.max_inflight,
                            retry_budget=args.retry_budget, request_timeout_s=args.request_timeout,
+                           prefill_timeout_s=args.prefill_timeout,
                            router_id=router_id, log_requests=args.log_requests)
         tls = TLSConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
         stack = await start_stack(refs, frontend, cfg, cluster_secret=secret, host=args.host,

@@ -59,6 +59,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
            "ask for at most 256, and requests take turns at the workers (router/admission.py)")
     a("--retry-budget", type=int, default=2, help="re-dispatches per request after worker failures")
     a("--request-timeout", type=float, default=600.0, help="default deadline of a request (s)")
+    a("--prefill-timeout", type=float, default=60.0,
+      help="one prefill attempt's limit (s) before it is retried on another prefill worker "
+           "(with no other one up, an attempt has the request's whole deadline)")
     a("--max-restarts", type=int, default=-1,
       help="restarts of a worker that dies, after a backoff doubling from 0.5 s to 30 s "
            "(-1, the default: no limit)")
@@ -99,6 +102,8 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         return "--retry-budget/--disagg-threshold: must be >= 0"
     if args.colocated and args.prefill_tp != 1:
         return "--prefill-tp: --colocated runs no prefill workers (--decode-tp sets their size)"
+    if not args.prefill_timeout > 0:
+        return f"--prefill-timeout: must be > 0 seconds, got {args.prefill_timeout}"
     if not args.tp_timeout > 0:
         return f"--tp-timeout: must be > 0 seconds, got {args.tp_timeout}"
     if args.max_restarts < -1:

@@ -446,6 +446,28 @@ def test_a_request_queued_for_a_decode_slot_ends_at_its_deadline(frontend):
         w.stop()
 
 
+def test_a_slow_prefill_on_the_only_prefill_worker_is_waited_for_not_restarted(frontend):
+    """prefill_timeout_s is there to retry elsewhere: with one prefill worker a retry would
+    start the same prefill over (and a long prompt on slow hardware never finishes), so the
+    attempt gets the request's deadline instead."""
+    p, d = FakeWorker("solo-p", "prefill").start(), FakeWorker("solo-d", "decode").start()
+    cfg = RouterConfig(block_size=16, prefill_timeout_s=0.3, router_id="router-solo")
+    rt = RouterThread([FakeRef(p), FakeRef(d)], frontend, cfg, api_key=KEY)
+    client = httpx.Client(base_url=rt.url, headers=AUTH, timeout=30)
+    try:
+        wait_until(lambda: all(s.up for s in rt.core.pool.workers.values()), 20, "workers up")
+        p.prefill_delay_s = 1.0
+        r = complete(client, prompt="a long prompt on a slow machine")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected(frontend, "a long prompt on a slow machine", 4)
+        assert len(p.prefills) == 1 and not p.aborted  # one attempt, never restarted
+    finally:
+        client.close()
+        rt.stop()
+        p.stop()
+        d.stop()
+
+
 def test_request_ended_by_its_first_token_frees_the_prefill_side(cluster, frontend):
     rt, ws, client = cluster
     r = client.post("/v1/completions", headers={"X-Request-Id": "one-tok"},

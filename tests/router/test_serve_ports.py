@@ -46,6 +46,7 @@ def test_a_second_grpc_server_cannot_share_a_port() -> None:
     (["--max-restarts", "-2"], "--max-restarts"),
     (["--exit-after-unavailable", "-1"], "--exit-after-unavailable"),
     (["--exit-after-unavailable", "nan"], "--exit-after-unavailable"),
+    (["--prefill-timeout", "0"], "--prefill-timeout"),
     (["--cluster-secret-file", "/nonexistent/secret"], "--cluster-secret-file"),
 ])
 def test_bad_lifecycle_and_secret_flags_are_named(argv, flag) -> None:
