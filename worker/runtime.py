@@ -69,6 +69,7 @@ class WorkerRuntime:
                                on_step=self.metrics.observe_step)
         self.address = ""  # gRPC address, set when the server starts (worker/server.py)
         self.draining = False
+        self.health_timeout_s = 10.0  # Health waits this long for the loop's current step
 
     def close(self) -> None:
         """Stop the loop thread and the transport (the server is stopped before this)."""
@@ -106,7 +107,7 @@ class WorkerRuntime:
                 num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
                 num_pinned_blocks=self.leases.pinned_blocks, kv_cache_usage=bm.usage,
                 num_held_requests=len(s.held_request_ids()))
-        return self.loop.call(snapshot, timeout_s=10)
+        return self.loop.call(snapshot, timeout_s=self.health_timeout_s)
 
     def kv_digests(self, block_ids: list[int], num_tokens: int) -> list[str]:
         """sha256 of each block's first tokens (all layers, K and V): tests compare P and D."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.decode_worker.service import DecodeService
+from pdserve.engine.engine_loop import EngineLoopError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.transport import KVTransport
 from pdserve.prefill_worker.service import PrefillService
@@ -116,4 +117,11 @@ class WorkerServicer(pbg.WorkerServicer):
         return self.w.decode.add_peer(request)
 
     def Health(self, request, context):
-        return self.w.rt.health()
+        try:
+            return self.w.rt.health()
+        except TimeoutError:  # one long step (a big prefill chunk on CPU): busy, not broken
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"engine loop busy: its current step has run for over "
+                          f"{self.w.rt.health_timeout_s:g} s")
+        except EngineLoopError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"engine loop died: {e.__cause__!r}")
