@@ -122,6 +122,13 @@ class RouterCore:
                                     "request finished; retry on another instance"))
         return len(self._outs)
 
+    def count_failure(self, e: RouterError) -> None:
+        """Count a request's error once, wherever it was raised (parsing, admission or
+        dispatch); client errors (4xx) are the caller's, never an outage: label them apart."""
+        if not e.counted:
+            e.counted = True
+            self.metrics.failed(e.code or ("invalid_request" if e.status < 500 else None))
+
     async def wait_idle(self, timeout_s: float) -> bool:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
@@ -163,8 +170,7 @@ class RouterCore:
             async for delta in self._merge(out, len(tasks), job):
                 yield delta
         except RouterError as e:
-            # client errors (4xx) are the caller's, never an outage: label them apart
-            self.metrics.failed(e.code or ("invalid_request" if e.status < 500 else None))
+            self.count_failure(e)
             raise
         finally:
             # synchronous first: a cancelled caller may not get to run the await below

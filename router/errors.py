@@ -25,6 +25,7 @@ class RouterError(Exception):
         if code is not None:
             self.code = code
         self.retry_after_s = retry_after_s
+        self.counted = False  # in request_failures already (RouterCore.count_failure)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -48,6 +48,7 @@ class PdserveServicer(pbg.PdserveServicer):
         try:
             job, n, rid = self._job(request)
         except RouterError as e:
+            self.core.count_failure(e)
             context.abort(e.grpc_code, e.message)
         q: queue.Queue = queue.Queue()
         fut = asyncio.run_coroutine_threadsafe(self._pump(job, n, rid, q), self.loop)

@@ -210,7 +210,8 @@ BAD = [
 
 @pytest.mark.parametrize("path,body,status,param", BAD)
 def test_bad_input_gets_4xx_naming_the_field(cluster, path, body, status, param):
-    _, _, client = cluster
+    rt, _, client = cluster
+    before = _failures(rt)
     if isinstance(body, bytes):
         r = client.post(path, content=body, headers={"Content-Type": "application/json"})
     else:
@@ -219,8 +220,16 @@ def test_bad_input_gets_4xx_naming_the_field(cluster, path, body, status, param)
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+    assert _failures(rt) == before + 1  # refused before dispatch, still counted once
     ok = client.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def _failures(rt) -> float:
+    """pdserve:request_failures_total over all its codes."""
+    text = httpx.get(rt.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:request_failures_total{"))
 
 
 def test_logit_bias_parsed_served_and_errors_name_the_key(cluster, frontend):
