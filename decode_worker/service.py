@@ -44,6 +44,7 @@ from pdserve.proto.convert import (
     logprob_to_proto,
     params_from_proto,
     prompt_logprobs_to_proto,
+    set_stop_reason,
 )
 from pdserve.proto.rpc import make_channel
 from pdserve.worker.runtime import WorkerRuntime, peer_from_proto
@@ -306,6 +307,7 @@ class DecodeService:
             msg.logprobs.append(logprob_to_proto(tok, lp))
         if out.prompt_logprobs:  # a request prefilled here
             msg.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
+        set_stop_reason(msg, out.stop_reason)
         if out.finished:
             msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
                                         completion_tokens=out.num_output_tokens,

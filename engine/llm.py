@@ -56,6 +56,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    stop_reason: str | int | None = None  # the stop string or token that ended it
 
 
 @dataclass
@@ -281,4 +282,4 @@ def _accumulate(c: Completion, out: RequestOutput) -> None:
     c.token_ids += out.new_token_ids
     c.logprobs += out.new_logprobs
     if out.finished:
-        c.finish_reason = out.finish_reason
+        c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason

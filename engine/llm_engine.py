@@ -339,7 +339,7 @@ class LLMEngine:
             [lp] if lp is not None else [], req.num_prompt_tokens, len(req.output_token_ids),
             req.num_cached_tokens, result.hidden.get(rid),
             req.prompt_logprobs if start == 0 and req.sampling_params.prompt_logprobs is not None
-            else None)
+            else None, req.stop_reason if req.is_finished else None)
         if req.is_finished:
             self._forget(rid)
         return output

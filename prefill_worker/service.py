@@ -32,6 +32,7 @@ from pdserve.proto.convert import (
     logprob_to_proto,
     params_from_proto,
     prompt_logprobs_to_proto,
+    set_stop_reason,
 )
 from pdserve.worker.runtime import WorkerRuntime
 
@@ -118,6 +119,7 @@ class PrefillService:
             if wants_decode:
                 self.rt.loop.call(lambda e: e.release_held(rid), timeout_s=10)
             res.finish_reason = out.finish_reason or "length"
+            set_stop_reason(res, out.stop_reason)
             return res
         blocks = self.rt.loop.call(lambda e: _held_blocks(e, rid), timeout_s=10)
         ttl = self.rt.cfg.lease_ttl_s

@@ -93,3 +93,17 @@ def prompt_logprobs_to_proto(lps: list[PromptLogprob]) -> list[pb.TokenLogprob]:
 def prompt_logprobs_from_proto(msgs) -> list[PromptLogprob]:
     """The inverse of prompt_logprobs_to_proto (msgs: a repeated TokenLogprob field)."""
     return [(m.token_id, *logprob_from_proto(m), m.rank) for m in msgs]
+
+
+def set_stop_reason(msg: pb.DecodeOutput | pb.PrefillResult | pb.GenerateResponse,
+                    reason: str | int | None) -> None:
+    """The engine's stop reason (a stop string, a stop token id, or None) into msg's oneof."""
+    if isinstance(reason, str):
+        msg.stop_str = reason
+    elif reason is not None:
+        msg.stop_token_id = int(reason)
+
+
+def stop_reason_from_proto(msg: pb.DecodeOutput | pb.PrefillResult) -> str | int | None:
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else getattr(msg, which)

@@ -254,6 +254,6 @@ async def collect(deltas: AsyncIterator[Delta], n: int) -> list[Delta]:
         if d.prompt_logprobs is not None:
             a.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason:
-            a.finish_reason, a.completion_tokens, a.cached_tokens = \
-                d.finish_reason, d.completion_tokens, d.cached_tokens
+            a.finish_reason, a.completion_tokens, a.cached_tokens, a.stop_reason = \
+                d.finish_reason, d.completion_tokens, d.cached_tokens, d.stop_reason
     return acc

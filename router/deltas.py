@@ -23,6 +23,7 @@ class Delta:
     # first token has logprob None
     logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token that ended it
     completion_tokens: int = 0  # set on the last delta
     cached_tokens: int = 0
     # on the first delta, with prompt_logprobs: prompt token i + 1's given tokens 0..i

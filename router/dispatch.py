@@ -29,7 +29,11 @@ import grpc
 from pdserve.engine.core.block_manager import compute_block_hashes
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
-from pdserve.proto.convert import params_to_proto, prompt_logprobs_from_proto
+from pdserve.proto.convert import (
+    params_to_proto,
+    prompt_logprobs_from_proto,
+    stop_reason_from_proto,
+)
 from pdserve.router.deltas import Delta, Trace, logprobs_of
 from pdserve.router.errors import (
     BadRequest,
@@ -289,12 +293,15 @@ class ChoiceRun:
     def _finish_at_prefill(self, res: pb.PrefillResult) -> None:
         detok = self.core.frontend.detokenizer(self.prompt_ids, self.params.stop,
                                                self.params.min_tokens)
-        text = ""
+        text, stop = "", stop_reason_from_proto(res)
         if detok is not None:
-            text = detok.add([res.first_token_id]).new_text + detok.flush()
+            got = detok.add([res.first_token_id])
+            text = got.new_text + detok.flush()
+            stop = got.stop_string if got.stopped else stop
         lps = logprobs_of([res.first_logprob]) if res.HasField("first_logprob") else []
         self._emit(Delta(self.index, text, [res.first_token_id], lps, res.finish_reason,
-                         completion_tokens=1, cached_tokens=res.num_cached_tokens))
+                         stop_reason=stop, completion_tokens=1,
+                         cached_tokens=res.num_cached_tokens))
 
     # -- decode ------------------------------------------------------------------------------
     async def _decode(self, d: WorkerState, p: WorkerState | None,
@@ -390,6 +397,7 @@ class ChoiceRun:
         delta = Delta(self.index, msg.text, list(msg.token_ids), logprobs_of(msg.logprobs),
                       msg.finish_reason or None)
         if msg.finish_reason:
+            delta.stop_reason = stop_reason_from_proto(msg)
             delta.completion_tokens = msg.usage.completion_tokens or len(self.sent_ids) + len(msg.token_ids)
             # a continuation's prefix-cache hits may cover sent tokens: count prompt ones only
             delta.cached_tokens = min(max(msg.usage.cached_tokens, self.prefill_cached),

@@ -24,7 +24,12 @@ import grpc
 from pdserve.engine.core.sampling_params import InvalidRequestError
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
-from pdserve.proto.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto
+from pdserve.proto.convert import (
+    logprobs_to_proto,
+    params_from_proto,
+    prompt_logprobs_to_proto,
+    set_stop_reason,
+)
 from pdserve.proto.rpc import TLSConfig, api_key_interceptor, make_server
 from pdserve.router.core import Job, RouterCore
 from pdserve.router.deltas import Delta
@@ -149,6 +154,7 @@ def _to_proto(request_id: str, d: Delta) -> pb.GenerateResponse:
                               token_ids=d.token_ids, finish_reason=d.finish_reason or "")
     msg.logprobs.extend(logprobs_to_proto(d.logprobs))
     msg.prompt_logprobs.extend(prompt_logprobs_to_proto(d.prompt_logprobs or []))
+    set_stop_reason(msg, d.stop_reason)
     if d.trace is not None:
         msg.trace.CopyFrom(d.trace.to_proto())
     return msg

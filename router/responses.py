@@ -74,7 +74,7 @@ def chat_logprobs(d: Delta, fe: Frontend) -> dict:
 def completion_choice(d: Delta, fe: Frontend, want_lp: bool, offset: int = 0) -> dict:
     return {"index": d.index, "text": d.text,
             "logprobs": completion_logprobs(d, fe, offset) if want_lp else None,
-            "finish_reason": d.finish_reason}
+            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
 
 def chat_choice(d: Delta, fe: Frontend, want_lp: bool, tools: ToolFormat | None = None) -> dict:
@@ -89,7 +89,8 @@ def chat_choice(d: Delta, fe: Frontend, want_lp: bool, tools: ToolFormat | None 
             message["tool_calls"] = parsed.tool_calls
             finish = "tool_calls" if finish == "stop" else finish
     return {"index": d.index, "message": message,
-            "logprobs": chat_logprobs(d, fe) if want_lp else None, "finish_reason": finish}
+            "logprobs": chat_logprobs(d, fe) if want_lp else None, "finish_reason": finish,
+            "stop_reason": d.stop_reason}
 
 
 def chat_chunk_choice(d: Delta, fe: Frontend, want_lp: bool,
@@ -106,4 +107,4 @@ def chat_chunk_choice(d: Delta, fe: Frontend, want_lp: bool,
             finish = "tool_calls"
     return {"index": d.index, "delta": delta,
             "logprobs": chat_logprobs(d, fe) if want_lp and d.logprobs else None,
-            "finish_reason": finish}
+            "finish_reason": finish, "stop_reason": d.stop_reason}

@@ -28,6 +28,9 @@ class RequestOutput:
     # on a request's first output, with prompt_logprobs: one entry per prompt token after the
     # first
     prompt_logprobs: list[PromptLogprob] | None = None
+    # on the last output: the stop string or stop token that ended it (vLLM's stop_reason;
+    # None for EOS, length or abort)
+    stop_reason: str | int | None = None
 
 
 @dataclass

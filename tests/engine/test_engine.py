@@ -137,7 +137,8 @@ def test_stop_string_ends_output_and_is_not_included(llm: LLM) -> None:
     [stopped] = llm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=20, temperature=0,
                                                            stop=(" 7,",)))
     assert stopped.outputs[0].text == text[: text.index(" 7,")]
-    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == " 7,"
+    assert full.outputs[0].stop_reason is None
 
 
 @pytest.mark.parametrize("kwargs, field", [

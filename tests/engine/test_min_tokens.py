@@ -51,6 +51,7 @@ def test_stop_token_ids_cannot_end_the_output_before_min_tokens(tiny: LLM) -> No
     stop = ref[0]
     [plain] = tiny.generate(PROMPTS[:1], greedy(ignore_eos=True, stop_token_ids=(stop,)))
     assert plain.outputs[0].token_ids == [stop] and plain.outputs[0].finish_reason == "stop"
+    assert plain.outputs[0].stop_reason == stop
     [held] = tiny.generate(PROMPTS[:1], greedy(ignore_eos=True, stop_token_ids=(stop,),
                                                min_tokens=5))
     out = held.outputs[0].token_ids

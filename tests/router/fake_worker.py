@@ -78,7 +78,9 @@ class FakeWorker(pbg.WorkerServicer):
     def _tokens(self, prompt: list[int], params: pb.SamplingParams) -> list[int]:
         start = params.seed if params.HasField("seed") else prompt[-1]
         n = params.max_tokens if params.HasField("max_tokens") else 16
-        return [(start + 1 + i) % self.vocab for i in range(n)]
+        tokens = [(start + 1 + i) % self.vocab for i in range(n)]
+        ends = [i for i, t in enumerate(tokens) if t in params.stop_token_ids]
+        return tokens[:ends[0] + 1] if ends else tokens  # a stop token ends it, included
 
     @staticmethod
     def _lp(tok: int, params: pb.SamplingParams) -> list[pb.TokenLogprob]:
@@ -169,9 +171,12 @@ class FakeWorker(pbg.WorkerServicer):
             if self.fail_after_tokens and i == self.fail_after_tokens:
                 context.abort(grpc.StatusCode.INTERNAL, "injected decode crash")
             last = i == len(tokens) - 1
+            stopped = last and tok in req.params.stop_token_ids
             msg = pb.DecodeOutput(request_id=rid, token_ids=[tok], text=f" t{tok}",
                                   logprobs=self._lp(tok, req.params),
-                                  finish_reason="length" if last else "")
+                                  finish_reason="stop" if stopped else "length" if last else "")
+            if stopped:
+                msg.stop_token_id = tok
             if last:
                 total = len(tokens) + (1 if remote else 0)
                 msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(req.prompt_token_ids),

@@ -233,6 +233,7 @@ def test_openai_n_stop_and_logprobs(client):
     cut = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=16,
                                     temperature=0, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    assert cut.stop_reason == stop  # vLLM's field: the stop string that matched
     lp = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0,
                                    logprobs=2).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 5

@@ -242,6 +242,8 @@ def test_a_refused_introduction_falls_back_and_only_an_incompatible_one_sticks(
     monkeypatch.setattr("pdserve.router.pool.PEER_RETRY_S", 600.0)  # ends when the test says
     rt, ws, client = cluster
     d = ws["fd0"]
+    # armed first: the router's poller may introduce the new incarnations before any request
+    d.refuse_peers, d.refuse_retryable = 2, retryable
     _new_prefill_incarnations(rt, ws)  # fd0 must be introduced to both again
     try:
         _refused_introduction(rt, ws, client, frontend, retryable)
@@ -261,7 +263,6 @@ def _new_prefill_incarnations(rt, ws) -> None:
 
 def _refused_introduction(rt, ws, client, frontend, retryable: bool) -> None:
     d = ws["fd0"]
-    d.refuse_peers, d.refuse_retryable = 2, retryable
     before = metric(rt, "pdserve:router_prefill_fallbacks_total")
     r = complete(client, prompt="introduce me")
     assert r.status_code == 200, r.text

@@ -105,6 +105,36 @@ def test_chat_stream_role_first_then_content(cluster):
     assert content.count(" t") == 3 and events[-1] == "[DONE]"
 
 
+def test_stop_reason_names_the_stop_token_on_every_face(cluster, frontend):
+    """vLLM's stop_reason: the stop token (or string) that ended a choice, null otherwise;
+    in completions, chat, the last chunk of a chat stream, and gRPC's last message. (Stop
+    strings through real workers: tests/router/test_e2e_serve.py.)"""
+    _, _, client = cluster
+    stop = frontend.encode_prompt("Hello there")[-1] + 2  # the second token the fake makes
+    done = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 6,
+                                                "stop_token_ids": [stop]}).json()["choices"][0]
+    assert done["finish_reason"] == "stop" and done["stop_reason"] == stop
+    assert done["text"] == expected_text(frontend, "Hello there", 2)
+    plain = client.post("/v1/completions", json={"prompt": "Hello there",
+                                                 "max_tokens": 3}).json()["choices"][0]
+    assert plain["finish_reason"] == "length" and plain["stop_reason"] is None
+    msgs = [{"role": "user", "content": "hi"}]
+    stop = client.post("/tokenize", json={"messages": msgs}).json()["tokens"][-1] + 2
+    body = {"messages": msgs, "max_tokens": 6, "stop_token_ids": [stop]}
+    chat = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert chat["finish_reason"] == "stop" and chat["stop_reason"] == stop
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = sse_events(r)
+    final = events[-2]["choices"][0]
+    assert final["finish_reason"] == "stop" and final["stop_reason"] == stop
+    stop = frontend.encode_prompt("Hello there")[-1] + 2
+    with make_channel(cluster[0].grpc_address) as ch:
+        req = pb.GenerateRequest(prompt="Hello there", params=pb.SamplingParams(
+            max_tokens=6, stop_token_ids=[stop]))
+        msgs = list(pbg.PdserveStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
+    assert msgs[-1].finish_reason == "stop" and msgs[-1].stop_token_id == stop
+
+
 def test_n2_seeded_choices_differ_and_logprobs(cluster):
     _, _, client = cluster
     r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "n": 2,
