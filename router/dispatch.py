@@ -151,6 +151,7 @@ class ChoiceRun:
             # a fresh attempt: the trace is this attempt's (a failed one's time stays in
             # router_queue, which runs to this dispatch)
             self.stages = StageTimes()
+            self.prefill_cached = 0  # a failed attempt's prefill is not this one's
             self.route = (p.worker_id if p is not None else "", d.worker_id)
         m = self.core.metrics
         m.running.labels(**m.labels).inc()
@@ -229,13 +230,13 @@ class ChoiceRun:
 
     def _try_plan(self, excluded: set[str]) -> tuple[WorkerState | None, WorkerState] | None:
         core = self.core
-        ds = _prefer(self.pool.usable("decode", "colocated"), excluded)
+        now = time.monotonic()
+        ds = _prefer(self._pairable(self.pool.usable("decode", "colocated"), now), excluded)
         d = core.decode_policy.choose(ds, self.need_blocks) if ds else None
         if d is None:
             return None
         if d.role == "colocated" or not self.pool.by_role("prefill"):
             return None, d
-        now = time.monotonic()
         ps = _prefer([p for p in self.pool.usable("prefill") if d.may_pair(p, now)], excluded)
         if not ps:
             if any(p.up and d.may_pair(p, now) for p in self.pool.by_role("prefill")):
@@ -248,6 +249,13 @@ class ChoiceRun:
                               self.cfg.disagg_threshold):
             return None, d
         return p, d
+
+    def _pairable(self, ds: list[WorkerState], now: float) -> list[WorkerState]:
+        """The decode workers that can take KV from an up prefill worker, if any can (so a
+        pair refused on one D goes to another D rather than decode-only), else all."""
+        ps = [p for p in self.pool.by_role("prefill") if p.up]
+        ok = [d for d in ds if d.role == "colocated" or any(d.may_pair(p, now) for p in ps)]
+        return ok or ds
 
     def set_waiting(self, waiting: bool) -> None:
         m = self.core.metrics
@@ -293,13 +301,14 @@ class ChoiceRun:
     def _finish_at_prefill(self, res: pb.PrefillResult) -> None:
         detok = self.core.frontend.detokenizer(self.prompt_ids, self.params.stop,
                                                self.params.min_tokens)
-        text, stop = "", stop_reason_from_proto(res)
+        text, stop, finish = "", stop_reason_from_proto(res), res.finish_reason
         if detok is not None:
             got = detok.add([res.first_token_id])
             text = got.new_text + detok.flush()
-            stop = got.stop_string if got.stopped else stop
+            if got.stopped:  # a stop string in the first token: "stop", as the engine says
+                stop, finish = got.stop_string, "stop"
         lps = logprobs_of([res.first_logprob]) if res.HasField("first_logprob") else []
-        self._emit(Delta(self.index, text, [res.first_token_id], lps, res.finish_reason,
+        self._emit(Delta(self.index, text, [res.first_token_id], lps, finish,
                          stop_reason=stop, completion_tokens=1,
                          cached_tokens=res.num_cached_tokens))
 

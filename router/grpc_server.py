@@ -89,6 +89,8 @@ class PdserveServicer(pbg.PdserveServicer):
             q.put(_END)
             raise
         except BaseException as e:  # noqa: BLE001 - reported to the client as a status
+            if isinstance(e, RouterError):
+                self.core.count_failure(e)  # refused at admission, before the counted part
             q.put(e)
 
     def _job(self, request: pb.GenerateRequest) -> tuple[Job, int, str]:

@@ -100,7 +100,8 @@ def create_app(core: RouterCore, api_key: str | None = None,
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, e: RouterError) -> JSONResponse:
-        core.count_failure(e)  # a request refused before dispatch counts too
+        if request.url.path.startswith("/v1/"):  # a request refused before dispatch counts
+            core.count_failure(e)  # too; /tokenize and /detokenize are not requests
         return error_response(e, core.cfg.retry_after_s)
 
     @app.exception_handler(StarletteHTTPException)

@@ -59,7 +59,10 @@ class Breaker:
 
 
 HARD_CODES = (grpc.StatusCode.UNAVAILABLE,)
-PEER_RETRY_S = 2.0  # a pair refused for a passing reason is introduced again after this
+# a pair refused for a passing reason (or whose introduction failed) is introduced again
+# after PEER_RETRY_S, doubling with each failure in a row up to PEER_RETRY_MAX_S
+PEER_RETRY_S, PEER_RETRY_MAX_S = 2.0, 60.0
+ADD_PEER_TIMEOUT_S = 15.0  # AddPeer includes the decode worker's warm-up read (10 s at most)
 
 
 class WorkerState:
@@ -81,6 +84,7 @@ class WorkerState:
         # decode: peers whose introduction failed for a passing reason, introduced again
         # after this monotonic time (until then requests skip the pair, see may_pair)
         self.retry_peer_at: dict[tuple[str, str], float] = {}
+        self.peer_failures: dict[tuple[str, str], int] = {}  # in a row, for the backoff
         self._pending_blocks = 0  # reserved since the last health poll
 
     @property
@@ -211,6 +215,7 @@ class WorkerPool:
         w.peers.clear()  # a new decode incarnation knows no peers
         w.refused.clear()
         w.retry_peer_at.clear()
+        w.peer_failures.clear()
         if old is not None:
             await old.close()
             log.warning("worker %s rejoined as incarnation %s at %s", w.worker_id,
@@ -236,20 +241,19 @@ class WorkerPool:
                 info = await p.stub.GetPeerInfo(pb.GetPeerInfoRequest(), timeout=self.rpc_timeout_s)
                 if info.incarnation != p.incarnation:  # restarted under us: re-read endpoints
                     return False
-                reply = await d.stub.AddPeer(info, timeout=self.rpc_timeout_s)
-            except grpc.aio.AioRpcError as e:
-                log.warning("introducing %s to %s failed: %s", p.worker_id, d.worker_id, e.details())
+                reply = await d.stub.AddPeer(info, timeout=ADD_PEER_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:  # a slow or failed warm-up too: may pass
+                _back_off(p, d, f"introduction failed: {e.code().name}: {e.details()}")
                 return False
             if not reply.accepted and reply.retryable:  # e.g. a failed warm-up read
-                log.warning("decode %s refused prefill %s for now (again in %.0f s): %s",
-                            d.worker_id, p.worker_id, PEER_RETRY_S, reply.reason)
-                d.retry_peer_at[key] = time.monotonic() + PEER_RETRY_S
+                _back_off(p, d, reply.reason)
                 return False
             if not reply.accepted:  # incompatible pair (ANCHORS #8): never route across it
                 log.error("decode %s refused prefill %s: %s", d.worker_id, p.worker_id, reply.reason)
                 d.refused[key] = reply.reason
                 return False
             d.retry_peer_at.pop(key, None)
+            d.peer_failures.pop(key, None)
             d.peers.add(key)
             return True
 
@@ -308,6 +312,17 @@ class WorkerPool:
             for p in self.by_role("prefill"):
                 if not p.breaker.open:
                     await self.ensure_peer(p, w)
+
+
+def _back_off(p: WorkerState, d: WorkerState, why: str) -> None:
+    """d may not pair with p for a while: PEER_RETRY_S, doubling with each failure in a row
+    up to PEER_RETRY_MAX_S (requests meanwhile pair elsewhere or run decode-only)."""
+    key = (p.worker_id, p.incarnation)
+    n = d.peer_failures[key] = d.peer_failures.get(key, 0) + 1
+    wait = min(PEER_RETRY_MAX_S, PEER_RETRY_S * 2 ** (n - 1))
+    d.retry_peer_at[key] = time.monotonic() + wait
+    log.warning("decode %s cannot pair with prefill %s for now (again in %.0f s): %s",
+                d.worker_id, p.worker_id, wait, why)
 
 
 async def _safe_alive(ref: WorkerRef) -> bool | None:

@@ -447,6 +447,29 @@ def test_a_request_queued_for_a_decode_slot_ends_at_its_deadline(frontend):
         w.stop()
 
 
+def test_a_decode_worker_refusing_every_prefill_worker_is_routed_around(frontend):
+    """With D1 refusing the only prefill worker (incompatible), requests go to D2 with a real
+    prefill rather than decode-only on D1: no fallback is counted, every request served."""
+    p = FakeWorker("two-p", "prefill").start()
+    d1, d2 = FakeWorker("two-d1", "decode").start(), FakeWorker("two-d2", "decode").start()
+    d1.refuse_peers, d1.refuse_retryable = 100, False
+    cfg = RouterConfig(block_size=16, router_id="router-two-d")
+    rt = RouterThread([FakeRef(w) for w in (p, d1, d2)], frontend, cfg, api_key=KEY)
+    client = httpx.Client(base_url=rt.url, headers=AUTH, timeout=30)
+    try:
+        wait_until(lambda: all(s.up for s in rt.core.pool.workers.values()), 20, "workers up")
+        for i in range(6):
+            r = complete(client, prompt=f"route me around {i}")
+            assert r.status_code == 200, r.text
+        assert metric(rt, "pdserve:router_prefill_fallbacks_total") == 0
+        assert len(p.prefills) >= 6 and ("two-p", p.incarnation) in d2.peers
+    finally:
+        client.close()
+        rt.stop()
+        for w in (p, d1, d2):
+            w.stop()
+
+
 def test_a_slow_prefill_on_the_only_prefill_worker_is_waited_for_not_restarted(frontend):
     """prefill_timeout_s is there to retry elsewhere: with one prefill worker a retry would
     start the same prefill over (and a long prompt on slow hardware never finishes), so the

@@ -135,6 +135,21 @@ def test_stop_reason_names_the_stop_token_on_every_face(cluster, frontend):
     assert msgs[-1].finish_reason == "stop" and msgs[-1].stop_token_id == stop
 
 
+def test_grpc_refusals_count_as_failures_once(cluster):
+    """Refused while parsing (no prompt) or at admission (a bad timeout_s): counted once."""
+    rt, _, _ = cluster
+    with make_channel(rt.grpc_address) as ch:
+        stub = pbg.PdserveStub(ch)
+        for req, field in ((pb.GenerateRequest(), "prompt"),
+                           (pb.GenerateRequest(prompt="hi", timeout_s=-1), "timeout_s")):
+            before = _failures(rt)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, metadata=auth_metadata(KEY), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith(field), e.value.details()
+            assert _failures(rt) == before + 1
+
+
 def test_n2_seeded_choices_differ_and_logprobs(cluster):
     _, _, client = cluster
     r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "n": 2,
