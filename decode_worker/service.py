@@ -90,12 +90,14 @@ class DecodeService:
         try:
             info = peer_from_proto(msg)
             self.rt.transport.add_peer(info)
-            # the first read to a peer pays connection setup: pay it now, not in a TTFT
-            self.rt.transport.warm_up(info.worker_id, info.incarnation,
-                                      deadline=time.monotonic() + 10)
         except (IncompatiblePeerError, HandshakeError) as e:
             return pb.AddPeerReply(accepted=False, reason=str(e))
-        except KVTransferError as e:
+        except KVTransferError as e:  # the transport refused the peer's metadata
+            return pb.AddPeerReply(accepted=False, reason=f"peer metadata refused: {e}")
+        try:  # the first read to a peer pays connection setup: pay it now, not in a TTFT
+            self.rt.transport.warm_up(info.worker_id, info.incarnation,
+                                      deadline=time.monotonic() + 10)
+        except KVTransferError as e:  # the link may come back: the router asks again later
             return pb.AddPeerReply(accepted=False, reason=f"warm-up read failed: {e}",
                                    retryable=True)
         with self._lock:

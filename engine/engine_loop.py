@@ -134,5 +134,16 @@ class EngineLoop:
                 subs = list(self._subs.values())
             for q in subs:
                 q.put(EngineLoopError(f"engine loop died: {e!r}"))
+            self._fail_queued(e)
             self.died.set()
             raise
+
+    def _fail_queued(self, e: BaseException) -> None:
+        """Commands queued when the loop died get its error now, not at their timeout."""
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.done():
+                fut.set_exception(EngineLoopError(f"engine loop died: {e!r}"))

@@ -351,8 +351,9 @@ class LLMEngine:
             return
         grammar = self.runner.state_of(req).grammar
         if grammar is not None and grammar.terminated:
+            last = req.output_token_ids[-1]  # stop_reason: None for EOS, as vLLM says it
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
-                                          req.output_token_ids[-1])
+                                          None if last in self.scheduler.eos_token_ids else last)
 
     @staticmethod
     def _detokenize(req: Request, detok: IncrementalDetokenizer, start: int,

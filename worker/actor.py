@@ -9,6 +9,7 @@ re-reads endpoints() and re-introduces peers.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
 DIE_DELAY_S = 0.2  # lets open streams send the loop's error before the process ends
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Endpoints:
@@ -38,18 +41,22 @@ class Endpoints:
     node_ip: str
 
 
-def watch_engine_loop(rt: WorkerRuntime, on_death: Callable[[BaseException], None]) -> None:
-    """Block until rt's engine loop dies; then say so in Health (draining), give open
-    streams DIE_DELAY_S to send the loop's error, and call on_death(the loop's error)."""
+def watch_engine_loop(rt: WorkerRuntime, on_death: Callable[[BaseException], None],
+                      stopping: Callable[[], bool]) -> None:
+    """Block until rt's engine loop dies (Health answers UNAVAILABLE from then on); give open
+    streams DIE_DELAY_S to send the loop's error, then call on_death(the loop's error),
+    unless the worker is being shut down (a step failing as the transport closes)."""
     rt.loop.died.wait()
-    rt.draining = True
     time.sleep(DIE_DELAY_S)
-    on_death(rt.loop.fatal or RuntimeError("engine loop died"))
+    if not stopping():
+        on_death(rt.loop.fatal or RuntimeError("engine loop died"))
 
 
 def _end_process(why: BaseException) -> None:
-    from pdserve.worker.tp_follower import die
-    die("worker", f"its engine loop died: {why!r}")
+    log.error("the engine loop died (%r): ending this worker process; the router "
+              "launches a new one", why)
+    logging.shutdown()
+    os._exit(1)
 
 
 class WorkerActor:
@@ -64,9 +71,11 @@ class WorkerActor:
 
         logging.basicConfig(level=logging.INFO)
         self.w = Worker(cfg).start()
+        self._stopping = False
         # a dead engine loop must not leave a live process that answers Ray's ping (the
         # router would keep routing to it): end the process, and the router relaunches it
-        threading.Thread(target=watch_engine_loop, args=(self.w.rt, _end_process),
+        threading.Thread(target=watch_engine_loop,
+                         args=(self.w.rt, _end_process, lambda: self._stopping),
                          name="engine-watch", daemon=True).start()
 
     def endpoints(self) -> dict:
@@ -100,6 +109,7 @@ class WorkerActor:
         self.w.rt.draining = True
 
     def shutdown(self) -> None:
+        self._stopping = True
         self.w.stop()
 
 

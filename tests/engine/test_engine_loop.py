@@ -82,16 +82,22 @@ def test_a_dying_engine_ends_open_streams_and_refuses_calls(engine) -> None:
 
     loop = EngineLoop(Broken())  # type: ignore[arg-type]
     q = loop.subscribe("open-stream")
-    # a worker process watches its loop: it says draining, then ends (here: records why)
-    rt = types.SimpleNamespace(loop=loop, draining=False)
+    # a worker process watches its loop and ends when it dies (here: records why); one being
+    # shut down does not
+    rt = types.SimpleNamespace(loop=loop)
     deaths: list[BaseException] = []
-    watcher = threading.Thread(target=watch_engine_loop, args=(rt, deaths.append), daemon=True)
+    watcher = threading.Thread(target=watch_engine_loop, args=(rt, deaths.append, lambda: False),
+                               daemon=True)
+    quiet = threading.Thread(target=watch_engine_loop, args=(rt, deaths.append, lambda: True),
+                             daemon=True)
     watcher.start()
+    quiet.start()
     loop.start()
     item = q.get(timeout=30)
     assert isinstance(item, EngineLoopError) and "device lost" in str(item)
     watcher.join(30)
-    assert rt.draining and len(deaths) == 1 and "device lost" in str(deaths[0])
+    quiet.join(30)
+    assert len(deaths) == 1 and "device lost" in str(deaths[0])
     loop.stop(timeout_s=5)
     with pytest.raises(EngineLoopError, match="died"):
         loop.call(lambda e: None, timeout_s=5)
