@@ -201,6 +201,10 @@ def test_lost_release_cannot_hang_a_request() -> None:
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "kv_transfer" in e.value.details()
             assert time.monotonic() - start < 20
+        # the local re-prefill is visible (ANCHORS #5): once, for the "recompute" request
+        wait_until(lambda: metric_value(scrape(d), "pdserve:kv_recompute_fallbacks_total") >= 1,
+                   10, "the recompute fallback counted on the decode worker")
+        assert metric_value(scrape(d), "pdserve:kv_recompute_fallbacks_total") == 1
         wait_until(lambda: idle(p) and idle(d), 10, "leases to expire on both")
     finally:
         for w in (p, d):
