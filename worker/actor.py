@@ -9,7 +9,6 @@ re-reads endpoints() and re-introduces peers.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,8 +26,6 @@ if TYPE_CHECKING:
     from pdserve.worker.runtime import WorkerRuntime
 
 DIE_DELAY_S = 0.2  # lets open streams send the loop's error before the process ends
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,10 +50,9 @@ def watch_engine_loop(rt: WorkerRuntime, on_death: Callable[[BaseException], Non
 
 
 def _end_process(why: BaseException) -> None:
-    log.error("the engine loop died (%r): ending this worker process; the router "
-              "launches a new one", why)
-    logging.shutdown()
-    os._exit(1)
+    from pdserve.worker.tp_follower import end_process  # imports torch: in the worker only
+    end_process(f"the engine loop died ({why!r}): ending this worker process; the router "
+                "launches a new one")
 
 
 class WorkerActor:

@@ -66,12 +66,18 @@ def rank_transport(cfg: WorkerConfig, config: EngineConfig, kv_cache: torch.Tens
                           **kw)
 
 
+def end_process(message: str) -> None:
+    """Log why and end this process at once: Ray marks the actor dead and its owner (the
+    router's pool, or the group's rank 0) launches a new one."""
+    log.error("%s", message)
+    logging.shutdown()
+    os._exit(1)
+
+
 def die(who: str, why: object) -> None:
     """End this rank's process: its peers fail at their next collective, Ray marks the actor
     dead and the owner relaunches the whole group."""
-    log.error("%s leaves its tensor-parallel group: %s", who, why)
-    logging.shutdown()
-    os._exit(1)
+    end_process(f"{who} leaves its tensor-parallel group: {why}")
 
 
 class FollowerRank:

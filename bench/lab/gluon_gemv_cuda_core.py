@@ -28,6 +28,24 @@ def _gdc_launch():
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """(ready, empty): one pair of mbarriers per ring slot, initialized; the loader waits on
+    empty, the consumer on ready."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def _store_rows(y_ptr, acc, n, N):
+    """A finished row block: y[n] = the rows' sums of acc [BLOCK_N, chunks], in bf16."""
+    gl.store(y_ptr + n, gl.sum(acc, axis=1).to(gl.bfloat16), mask=n < N)
+
+
+@gluon.jit
 def _issue(w_desc, ring, bars, t, total, pid, G, KT: gl.constexpr, BLOCK_N: gl.constexpr,
            BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """TMA the t-th tile of this CTA's sequence (row block pid + (t // KT) * G, K tile t % KT)
@@ -99,8 +117,7 @@ def _gemv_tma_kernel(w_desc, x_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
         gl.thread_barrier()
         _issue(w_desc, ring, bars, t + STAGES, total, pid, G, KT, BLOCK_N, BLOCK_K, STAGES)
         if t % KT == KT - 1:
-            n = (pid + (t // KT) * G) * BLOCK_N + rows
-            gl.store(y_ptr + n, gl.sum(acc, axis=1).to(gl.bfloat16), mask=n < N)
+            _store_rows(y_ptr, acc, (pid + (t // KT) * G) * BLOCK_N + rows, N)
             acc = gl.zeros([BLOCK_N, BLOCK_K // 16], gl.float32, AL)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -168,8 +185,7 @@ def _ws_consumer(ring, ready, empty, x_ptr, s_ptr, y_ptr, N, stride_s, KT: gl.co
             xs_n = _act(x_ptr, s_ptr, stride_s, pid + (t1 // KT) * G, t1 % KT, j, e, KT,
                         BLOCK_N, BLOCK_K)
         if t % KT == KT - 1:
-            n = (pid + (t // KT) * G) * BLOCK_N + rows
-            gl.store(y_ptr + n, gl.sum(acc, axis=1).to(gl.bfloat16), mask=n < N)
+            _store_rows(y_ptr, acc, (pid + (t // KT) * G) * BLOCK_N + rows, N)
             acc = gl.zeros([BLOCK_N, BLOCK_K // 16], gl.float32, AL)
 
 
@@ -181,11 +197,7 @@ def _gemv_ws_kernel(w_desc, x_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
     consumer warps never block on a CTA barrier, the loader runs up to STAGES tiles ahead."""
     KT: gl.constexpr = K // BLOCK_K
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_ws_consumer, (ring, ready, empty, x_ptr, s_ptr, y_ptr, N, stride_s, KT, BLOCK_N,
                         BLOCK_K, STAGES, NUM_WARPS, USE_PDL, MODE)),
@@ -279,8 +291,7 @@ def _wss_consumer(ring, ready, empty, x_smem, s_smem, x_ptr, s_ptr, y_ptr, N, st
             acc += _tile_sum(w, x_smem, s_smem, kt, XL)
             mbarrier.arrive(empty.index(t % STAGES), count=1)
         if kt == KT - 1:
-            n = (pid + (t // KT) * G) * BLOCK_N + rows
-            gl.store(y_ptr + n, gl.sum(acc, axis=1).to(gl.bfloat16), mask=n < N)
+            _store_rows(y_ptr, acc, (pid + (t // KT) * G) * BLOCK_N + rows, N)
             acc = gl.zeros([BLOCK_N, BLOCK_K // 16], gl.float32, AL)
 
 
@@ -297,11 +308,7 @@ def _gemv_wss_kernel(w_desc, x_ptr, s_ptr, y_ptr, N, stride_s, K: gl.constexpr,
                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     s_smem = gl.allocate_shared_memory(gl.float32, [KTP, BLOCK_K // 16],
                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_wss_consumer, (ring, ready, empty, x_smem, s_smem, x_ptr, s_ptr, y_ptr, N, stride_s,
                          K, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, USE_PDL, MODE == 5)),

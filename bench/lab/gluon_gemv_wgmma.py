@@ -15,7 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.lab.gluon_gemv_cuda_core import _gdc_launch, _gdc_wait
+from bench.lab.gluon_gemv_cuda_core import _gdc_launch, _gdc_wait, ring_barriers
 
 
 @gluon.jit
@@ -116,11 +116,7 @@ def _gemv_mmb_kernel(w_desc, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s, KTS: gl.
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_mmb_consumer, (ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N,
                          stride_s, KTS, SPLIT, STAGES, USE_PDL, ATOMIC)),
