@@ -50,6 +50,7 @@ class RankActor:
         self._model = None  # load: LeaderModel | Follower; load_engine: LLMEngine | Follower
         self._lock = threading.Lock()  # the leader's control channel: one sender at a time
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None  # the keep-alive (rank 0) or follow loop
 
     def _cfg(self, address: str):
         from pdserve.engine.dist.config import ParallelConfig
@@ -93,7 +94,7 @@ class RankActor:
         else:
             self._model = Follower(self.group, local, kv)
             target = self._follow
-        threading.Thread(target=target, name=f"tp-rank{self.rank}", daemon=True).start()
+        self._start(target)
         return {"rank": self.rank, "num_heads": local.config.num_heads,
                 "num_kv_heads": local.config.num_kv_heads}
 
@@ -115,7 +116,7 @@ class RankActor:
         else:
             self._model = parts.follower()
             target = self._follow
-        threading.Thread(target=target, name=f"tp-rank{self.rank}", daemon=True).start()
+        self._start(target)
         return {"rank": self.rank, "num_heads": parts.net.config.num_heads,
                 "num_kv_heads": parts.net.config.num_kv_heads}
 
@@ -154,6 +155,10 @@ class RankActor:
             self._die(e)
         return [out[rid] for rid in rids]
 
+    def _start(self, target) -> None:
+        self._thread = threading.Thread(target=target, name=f"tp-rank{self.rank}", daemon=True)
+        self._thread.start()
+
     def _follow(self) -> None:
         try:
             self._model.run()
@@ -186,10 +191,15 @@ class RankActor:
         return self.rank
 
     def stop(self) -> None:
+        """Rank 0 broadcasts STOP; a follower waits (at most timeout_s) for its loop to take
+        that STOP before closing its end of the group: closed first, rank 0's broadcast would
+        meet a reset connection (the ranks are stopped concurrently)."""
         self._stop.set()
         if self.leader is not None:
             with self._lock:
                 self.leader.stop()
+        elif self._thread is not None:
+            self._thread.join(timeout=self.timeout_s)
         if self.group is not None:
             self.group.close()
 
