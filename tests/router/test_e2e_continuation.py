@@ -94,6 +94,9 @@ def test_killed_decode_worker_streams_continue_seamlessly(server):
     assert all(s.done and not s.error for s in refs)
     ok_before = metric(router, "stream_continuations_total", result="ok")
 
+    # every gauge back at 0 first: a gauge still showing a reference request (it lags by a
+    # tick) would otherwise pass for the seeded stream's worker below and pick the wrong victim
+    wait_until(lambda: not any(running(server).values()), 60, "the decode workers to be idle")
     seeded = Stream(server, SEEDED, SEEDED_TOKENS)
     greedy = [Stream(server, b) for b in GREEDY]
     with ThreadPoolExecutor(len(GREEDY) + 1) as pool:
