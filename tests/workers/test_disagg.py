@@ -270,3 +270,36 @@ def test_killed_decode_leaves_pins_to_the_lease() -> None:
         wait_until(lambda: idle(p), 10, "the prefill side's lease to expire")
     finally:
         ray.kill(p.actor, no_restart=True)
+
+
+def test_cancel_during_the_pull_frees_both_sides_once_the_read_returns() -> None:
+    """ANCHORS #2: a client that leaves while decode's NIXL read is in flight. Decode's
+    blocks are being written, so they stay held until the read returns (freed earlier, they
+    could already belong to another request); then both sides free at once, long before P's
+    lease would have expired."""
+    start_ray()
+    from pdserve.kv_transfer.faults import FaultConfig
+
+    p = start_worker("prefill", "pull-cancel-p", model="tiny-llama", block_size=4,
+                     num_blocks=64, lease_ttl_s=120.0)
+    d = start_worker("decode", "pull-cancel-d", model="tiny-llama", block_size=4,
+                     num_blocks=64, faults=FaultConfig(delay_s=5.0))
+    try:
+        assert introduce(p, d).accepted
+        prompt = list(range(5, 30))
+        params = pb.SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+        res = prefill(p, "pull-cancel", prompt, params)
+        stream = decode_stream(d, "pull-cancel", prompt, params, res)
+        next(stream)  # the first token (P's): the read is posted right after it
+        time.sleep(0.5)
+        start = time.monotonic()
+        stream.cancel()
+        h = d.health()  # the read (5 s) is still in flight: its blocks are still held
+        assert time.monotonic() - start < 4 and h.num_free_blocks < h.num_total_blocks
+        assert p.health().num_pinned_blocks > 0
+        wait_until(lambda: idle(p) and idle(d), 20, "both sides to free after the read")
+        assert time.monotonic() - start < 60  # the release, not the 120 s lease
+        assert metric_value(scrape(d), "pdserve:kv_recompute_fallbacks_total") == 0
+    finally:
+        for w in (p, d):
+            ray.kill(w.actor, no_restart=True)
