@@ -34,7 +34,11 @@ import numpy as np
 import torch
 
 from pdserve.engine.core.outputs import RequestOutput
-from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.core.sampling_params import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from pdserve.engine.core.scheduler import NoFreeBlocksError
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.handshake import HandshakeError, IncompatiblePeerError
@@ -128,14 +132,18 @@ class DecodeService:
         if req.resume_output_ids and req.HasField("prefill"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "resume_output_ids: a continued stream runs locally, without prefill")
-        q = loop.subscribe(rid)
+        try:
+            q = loop.subscribe(rid)
+        except DuplicateRequestError as e:  # another stream of this worker serves the id
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         state = _StreamState(remote=req.HasField("prefill"))
         with self._lock:
             self._streams[rid] = state
         context.add_callback(lambda: self._on_close(rid, req, state))
         try:
             if req.HasField("prefill"):
-                first, blocks = self._admit_remote(req, params, context, start)
+                first, blocks = self._admit(state, context, self._admit_remote, req, params,
+                                            context, start)
                 admitted, m = time.monotonic() - start, self.rt.metrics
                 m.decode_queue_stage.labels(**m.labels).observe(admitted)
                 yield self._to_proto(first, pb.StageTimes(decode_queue=admitted))
@@ -152,7 +160,7 @@ class DecodeService:
                     return
                 yield pb.DecodeOutput(request_id=rid, stages=stages)
             else:
-                self._admit_local(req, params, context, start)
+                self._admit(state, context, self._admit_local, req, params, context, start)
             yield from self._stream(q, rid, deadline, context, state)
         finally:
             loop.unsubscribe(rid)
@@ -172,6 +180,18 @@ class DecodeService:
             state.cancelled = True
         return True
 
+    @staticmethod
+    def _admit(state: _StreamState, context, admit, *args):
+        """admit(*args), refusing a request id the engine still has (a stream that ended
+        while its request waits to be aborted): ALREADY_EXISTS, and this stream's close
+        leaves that request alone (it is not this stream's to free)."""
+        try:
+            return admit(*args)
+        except DuplicateRequestError as e:
+            with state.lock:
+                state.done = True
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+
     def _admit_local(self, req: pb.DecodeRequest, params: SamplingParams, context,
                      arrival: float) -> None:
         if params.n > 1:
@@ -182,6 +202,8 @@ class DecodeService:
             self.rt.loop.call(lambda e: self.rt.metrics.track(e, arrival, e.add_request(
                 list(req.prompt_token_ids), params, request_id=req.request_id,
                 resume_output_ids=list(req.resume_output_ids))))
+        except DuplicateRequestError:
+            raise
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -204,6 +226,8 @@ class DecodeService:
 
         try:
             blocks, first = self.rt.loop.call(admit)
+        except DuplicateRequestError:
+            raise
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoFreeBlocksError as e:  # fuller than the router's last health poll said:

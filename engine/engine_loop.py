@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.engine.core.outputs import RequestOutput
+from pdserve.engine.core.sampling_params import DuplicateRequestError
 from pdserve.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
@@ -74,8 +75,12 @@ class EngineLoop:
         return fut
 
     def subscribe(self, request_id: str) -> queue.Queue:
+        """The queue of request_id's outputs. DuplicateRequestError while another stream is
+        subscribed under the id: taking its queue would leave that stream waiting forever."""
         q: queue.Queue = queue.Queue()
         with self._subs_lock:
+            if request_id in self._subs:
+                raise DuplicateRequestError(request_id)
             self._subs[request_id] = q
         return q
 

@@ -25,7 +25,7 @@ import time
 import grpc
 
 from pdserve.engine.core.outputs import RequestOutput
-from pdserve.engine.core.sampling_params import InvalidRequestError
+from pdserve.engine.core.sampling_params import DuplicateRequestError, InvalidRequestError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.convert import (
@@ -55,7 +55,10 @@ class PrefillService:
         # token 0 only; min_tokens >= 1 still bans EOS for it
         local = dataclasses.replace(params, max_tokens=1, n=1,
                                     min_tokens=min(params.min_tokens, 1))
-        q = loop.subscribe(rid)
+        try:
+            q = loop.subscribe(rid)
+        except DuplicateRequestError as e:  # another Prefill of this worker runs the id
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         # the caller gone (cancelled, timed out, died) before the handle reached it: free
         handed_over = threading.Event()
         context.add_callback(lambda: None if handed_over.is_set() else self._abandon(rid))
@@ -65,6 +68,9 @@ class PrefillService:
                 loop.call(lambda e: self.rt.metrics.track(e, arrival, e.add_request(
                     list(req.prompt_token_ids), local, request_id=rid, hold_blocks=wants_decode)),
                     timeout_s=max(0.001, deadline - time.monotonic()))
+            except DuplicateRequestError as e:  # the engine still holds the id (a lease):
+                handed_over.set()  # not this call's to free
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except InvalidRequestError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except TimeoutError:

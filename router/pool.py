@@ -59,6 +59,8 @@ class Breaker:
 
 
 HARD_CODES = (grpc.StatusCode.UNAVAILABLE,)
+# not the worker's fault: an earlier attempt of the same request still holds the id there
+NOT_FAULTS = (grpc.StatusCode.ALREADY_EXISTS,)
 # a pair refused for a passing reason (or whose introduction failed) is introduced again
 # after PEER_RETRY_S, doubling with each failure in a row up to PEER_RETRY_MAX_S
 PEER_RETRY_S, PEER_RETRY_MAX_S = 2.0, 60.0
@@ -290,6 +292,8 @@ class WorkerPool:
 
     def report_failure(self, w: WorkerState, code: grpc.StatusCode) -> None:
         """A worker-side failure (never a client error) seen by a request or a poll."""
+        if code in NOT_FAULTS:
+            return
         was_open = w.breaker.open
         w.breaker.failure(hard=code in HARD_CODES)
         if w.breaker.open and not was_open:

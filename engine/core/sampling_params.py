@@ -17,6 +17,14 @@ class InvalidRequestError(ValueError):
         self.message = message
 
 
+class DuplicateRequestError(InvalidRequestError):
+    """The request id is already in use on this engine or worker: a second request under it
+    would take the first one's outputs or blocks (workers answer ALREADY_EXISTS)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__("request_id", f"{request_id!r} is already in use")
+
+
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -37,7 +37,7 @@ from collections import deque
 from pdserve.engine.core.block_manager import BlockManager, NoFreeBlocksError
 from pdserve.engine.core.config import CacheConfig, SchedulerConfig
 from pdserve.engine.core.request import Request, RequestStatus
-from pdserve.engine.core.sampling_params import InvalidRequestError
+from pdserve.engine.core.sampling_params import DuplicateRequestError, InvalidRequestError
 from pdserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 __all__ = ["NoFreeBlocksError", "ScheduledRequest", "Scheduler", "SchedulerOutput"]
@@ -91,7 +91,7 @@ class Scheduler:
         """Reject what could never finish: over the context length or the whole KV pool."""
         rid = req.request_id
         if rid in self.requests or rid in self.held:
-            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+            raise DuplicateRequestError(rid)
         prompt, max_tokens = req.num_prompt_tokens, req.sampling_params.max_tokens
         for limit, what in ((self.config.max_model_len, "the context length (max_model_len)"),
                             (self.block_manager.num_blocks * self.block_manager.block_size,

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from pdserve.engine.core.outputs import RequestOutput
-from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import DuplicateRequestError, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop, EngineLoopError
 from pdserve.engine.llm import build_engine
 from pdserve.worker.actor import watch_engine_loop
@@ -52,6 +52,9 @@ def test_requests_added_by_command_stream_what_the_engine_generates(engine) -> N
         subs = [loop.subscribe(f"r{i}") for i in range(len(prompts))]
         for i, prompt in enumerate(prompts):  # the idle loop wakes on each command
             loop.call(lambda e, i=i, p=prompt: e.add_request(p, GREEDY, request_id=f"r{i}"))
+        # a second subscriber under a live id would take r0's outputs: refused, r0 unharmed
+        with pytest.raises(DuplicateRequestError, match="request_id: 'r0' is already in use"):
+            loop.subscribe("r0")
         assert [_drain(q) for q in subs] == want
         assert not loop.call(lambda e: e.has_unfinished())
     finally:

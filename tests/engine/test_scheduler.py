@@ -18,7 +18,11 @@ import pytest
 from pdserve.engine.core.block_manager import NoFreeBlocksError
 from pdserve.engine.core.config import CacheConfig, SchedulerConfig
 from pdserve.engine.core.request import Request, RequestStatus
-from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.core.sampling_params import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.scheduler_output import SchedulerOutput
 
@@ -454,6 +458,12 @@ def test_prefill_role_holds_blocks_until_released() -> None:
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in changed) and len(changed) == 2
     assert not sched.has_unfinished()
     assert sched.held_request_ids() == ["p0", "p1"]
+    # a held id is still in use: a new request under it would orphan the held blocks
+    for add, again in ((sched.add_request, make_req("p0", [1, 2])),
+                       (sched.add_remote_request, remote_request("p1", [1, 2], max_tokens=4))):
+        with pytest.raises(DuplicateRequestError) as err:
+            add(again)
+        assert err.value.param == "request_id"
     assert sched.get_request("p0") is reqs[0] and len(reqs[0].block_table) == 3
     assert sched.block_manager.num_used_blocks == 6
     check_state(sched)

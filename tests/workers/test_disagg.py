@@ -176,6 +176,33 @@ def test_decode_cancel_after_pull_frees_both_sides(pair) -> None:
     wait_until(lambda: idle(d), 5, "decode to free the cancelled request")
 
 
+def test_a_request_id_in_use_is_refused_and_its_owner_unharmed(pair) -> None:
+    """A second Decode or Prefill under an id the worker is serving (or holding) gets
+    ALREADY_EXISTS: taken over, the first stream's outputs would go to the second one and
+    its blocks could be freed under it or leaked."""
+    p, d = pair
+    [prompt] = _tokenize(["Only one stream may own this id"])
+    params = pb.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want, _ = tokens_of(decode_stream(d, "dup-ref", prompt, params))
+    first = decode_stream(d, "dup", prompt, params)
+    got = list(next(first).token_ids)  # running on D now
+    with pytest.raises(grpc.RpcError) as e:
+        tokens_of(decode_stream(d, "dup", prompt, params))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in e.value.details()
+    for out in first:
+        got += out.token_ids
+    assert got == want  # the owner streamed every token, none went to the refused call
+    res = prefill(p, "dup-held", prompt, params)  # held on P for its decode worker
+    pinned = p.health().num_pinned_blocks
+    with pytest.raises(grpc.RpcError) as e:
+        prefill(p, "dup-held", prompt, params)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert p.health().num_pinned_blocks == pinned == len(res.kv.block_ids)  # lease kept
+    toks, _ = tokens_of(decode_stream(d, "dup-held", prompt, params, res))
+    assert toks == want  # the held blocks were still the owner's to read
+    wait_until(lambda: idle(p) and idle(d), 10, "both workers idle")
+
+
 def test_lost_release_cannot_hang_a_request() -> None:
     start_ray()
     from pdserve.kv_transfer.faults import FaultConfig
