@@ -74,6 +74,14 @@ class _StreamState:
         self.cancelled = False
 
 
+def _abort_and_wake(engine, rid: str, q: queue.Queue) -> None:
+    """On the loop thread: abort, then wake the stream's handler (waiting on `q`) so it lets
+    go of the id. In this order the request's last outputs land on `q`, never on the queue
+    of a next stream under the same id."""
+    engine.abort_request(rid)
+    q.put(RequestOutput(rid, [], "", True, "abort"))
+
+
 class DecodeService:
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
@@ -139,7 +147,7 @@ class DecodeService:
         state = _StreamState(remote=req.HasField("prefill"))
         with self._lock:
             self._streams[rid] = state
-        context.add_callback(lambda: self._on_close(rid, req, state))
+        context.add_callback(lambda: self._on_close(rid, req, state, q))
         try:
             if req.HasField("prefill"):
                 first, blocks = self._admit(state, context, self._admit_remote, req, params,
@@ -163,9 +171,10 @@ class DecodeService:
                 self._admit(state, context, self._admit_local, req, params, context, start)
             yield from self._stream(q, rid, deadline, context, state)
         finally:
-            loop.unsubscribe(rid)
+            loop.unsubscribe(rid, q)
             with self._lock:
-                self._streams.pop(rid, None)
+                if self._streams.get(rid) is state:
+                    self._streams.pop(rid, None)
 
     def defer_abort(self, rid: str) -> bool:
         """Abort RPC for a stream whose KV read is in flight: mark it; the stream's handler
@@ -311,8 +320,10 @@ class DecodeService:
             if item.finished:
                 return
 
-    def _on_close(self, rid: str, req: pb.DecodeRequest, state: _StreamState) -> None:
-        """RPC ended (finished, cancelled or failed): make sure nothing stays allocated."""
+    def _on_close(self, rid: str, req: pb.DecodeRequest, state: _StreamState,
+                  q: queue.Queue) -> None:
+        """RPC ended (finished, cancelled or failed): make sure nothing stays allocated, and
+        wake the handler (it may wait on `q` until its deadline) so it lets go of the id."""
         with state.lock:
             if state.done:
                 return
@@ -320,7 +331,7 @@ class DecodeService:
             if state.pulling:
                 return  # the handler frees once the read returns
             pulled = state.pulled
-        self.rt.loop.submit(lambda e: e.abort_request(rid))
+        self.rt.loop.submit(lambda e: _abort_and_wake(e, rid, q))
         if not pulled:  # the prefill worker still pins the prompt: release it now
             threading.Thread(target=self._release_remote,
                              args=(req.prefill.kv, rid, time.monotonic() + 5), daemon=True).start()

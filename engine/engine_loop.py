@@ -84,9 +84,11 @@ class EngineLoop:
             self._subs[request_id] = q
         return q
 
-    def unsubscribe(self, request_id: str) -> None:
+    def unsubscribe(self, request_id: str, q: queue.Queue | None = None) -> None:
+        """Drop request_id's subscription (only if it is still `q`, when given)."""
         with self._subs_lock:
-            self._subs.pop(request_id, None)
+            if q is None or self._subs.get(request_id) is q:
+                self._subs.pop(request_id, None)
 
     def publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._subs_lock:

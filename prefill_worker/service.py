@@ -61,7 +61,7 @@ class PrefillService:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         # the caller gone (cancelled, timed out, died) before the handle reached it: free
         handed_over = threading.Event()
-        context.add_callback(lambda: None if handed_over.is_set() else self._abandon(rid))
+        context.add_callback(lambda: None if handed_over.is_set() else self._abandon(rid, q))
         try:
             deadline = arrival + (req.timeout_s or 60.0)
             try:  # queued behind the loop's current step, which can be long (CPU, big chunks)
@@ -79,7 +79,7 @@ class PrefillService:
                               f"prefill of {rid}: the engine did not take it before the deadline")
             out = self._wait_finished(q, rid, deadline, context)
         finally:
-            loop.unsubscribe(rid)
+            loop.unsubscribe(rid, q)
         if not context.is_active():  # nobody will read these blocks
             self._abandon(rid)
             context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} cancelled")
@@ -87,10 +87,11 @@ class PrefillService:
         handed_over.set()  # from here the lease (or the reader's Release) owns the blocks
         return result
 
-    def _abandon(self, rid: str) -> None:
-        """Free whatever the request holds, whether it is running, held or leased."""
+    def _abandon(self, rid: str, q: queue.Queue | None = None) -> None:
+        """Free whatever the request holds, whether it is running, held or leased; from the
+        close callback, wake the handler waiting on `q` too, so it lets go of the id now."""
         self.rt.leases.release(rid)
-        self.rt.loop.submit(lambda e: e.abort_request(rid))
+        self.rt.loop.submit(lambda e: _abort_and_wake(e, rid, q))
 
     def _wait_finished(self, q: queue.Queue, rid: str, deadline: float,
                        context: grpc.ServicerContext) -> RequestOutput:
@@ -162,3 +163,11 @@ def _held_blocks(engine: LLMEngine, rid: str) -> list[int]:
         raise KeyError(f"request {rid} is not held")
     bs = engine.config.cache.block_size
     return list(req.block_table[: (req.num_prompt_tokens + bs - 1) // bs])
+
+
+def _abort_and_wake(engine: LLMEngine, rid: str, q: queue.Queue | None) -> None:
+    """On the loop thread: abort, then wake the handler waiting on `q` (when given). In this
+    order the request's last outputs land on `q`, never on a next call's under the same id."""
+    engine.abort_request(rid)
+    if q is not None:
+        q.put(RequestOutput(rid, [], "", True, "abort"))

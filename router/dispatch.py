@@ -103,15 +103,15 @@ class ChoiceRun:
         and D); after, a continuation on another D. Both spend the one retry budget."""
         budget, excluded = self.cfg.retry_budget, set()
         dead: set[tuple[str, str]] = set()  # decode workers (id, incarnation) that failed it
-        full = 0  # decode_full answers in a row
+        full = 0  # decode_full or in_use answers in a row
         while True:
             try:
                 await self._attempt(excluded, dead)
                 return
             except Retry as e:
-                if e.reason == "decode_full":
+                if e.reason in ("decode_full", "in_use"):  # no fault: no retry spent
                     full += 1
-                    await self._wait_for_room(e.worker_id, full)
+                    await self._wait_for_room(e, full)
                     excluded.add(e.worker_id)
                     continue
                 if e.reason == "decode" and self.sent_ids:  # never continue on it again
@@ -129,12 +129,13 @@ class ChoiceRun:
                 log.warning("%s %s after %d tokens: %s", "continuing" if self.sent_ids
                             else "retrying", self.rid, len(self.sent_ids), e)
 
-    async def _wait_for_room(self, worker_id: str, times: int) -> None:
-        """After a decode_full answer: re-read that worker's health (its free blocks), back
-        off (50 ms doubling to 1 s), then plan again; the deadline bounds the whole wait."""
-        self.core.metrics.retry("decode_full")
-        w = self.pool.workers.get(worker_id)
-        if w is not None:
+    async def _wait_for_room(self, e: Retry, times: int) -> None:
+        """After a decode_full answer (re-read that worker's health: its free blocks) or an
+        in_use one (the worker still let go of an earlier attempt's id): back off (50 ms
+        doubling to 1 s), then plan again; the deadline bounds the whole wait."""
+        self.core.metrics.retry(e.reason)
+        w = self.pool.workers.get(e.worker_id)
+        if w is not None and e.reason == "decode_full":
             await self.pool.poll(w)
         pause = min(0.05 * 2 ** (times - 1), 1.0, self.remaining())
         if pause <= 0:
@@ -286,6 +287,8 @@ class ChoiceRun:
             await self._abort(p)  # it may still run (timeout): free it before going elsewhere
             if self.remaining() <= 0:
                 raise RequestTimeout(f"request {self.rid} timed out in prefill") from e
+            if e.code() == grpc.StatusCode.ALREADY_EXISTS:  # an earlier attempt's, now aborted
+                raise Retry("in_use", p.worker_id, e.details() or "") from e
             self.pool.report_failure(p, e.code())
             raise Retry("prefill", p.worker_id, f"{e.code().name}: {e.details()}") from e
         wall = time.monotonic() - t0
@@ -384,6 +387,9 @@ class ChoiceRun:
         if code == grpc.StatusCode.FAILED_PRECONDITION and p is not None:
             d.peers.discard((p.worker_id, p.incarnation))  # re-introduce before the next try
             raise Retry("peer", p.worker_id, details) from e
+        if code == grpc.StatusCode.ALREADY_EXISTS:  # an earlier attempt of this request
+            await self._abort(d)  # still had the id there (its stream was ending): free it
+            raise Retry("in_use", d.worker_id, details) from e
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("decode_full:"):
             # D's KV pool was fuller than its last health report said: not a fault (ANCHORS
             # #4), and no retry spent; plan again once its health is re-read

@@ -18,7 +18,7 @@ LABELS = ("role", "worker")
 STAGES = ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")
 # label values exported at zero from startup, so dashboards and alerts see every series before
 # the first event (dispatch.Retry reasons; errors.RouterError codes, "internal" for code=None)
-RETRY_REASONS = ("prefill", "peer", "kv_transfer", "decode", "decode_full")
+RETRY_REASONS = ("prefill", "peer", "kv_transfer", "decode", "decode_full", "in_use")
 FAILURE_CODES = ("internal", "overloaded", "draining", "worker_unavailable", "kv_transfer_failed",
                  "request_timeout", "invalid_request")
 FINISH_REASONS = ("stop", "length")

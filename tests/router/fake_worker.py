@@ -43,6 +43,7 @@ class FakeWorker(pbg.WorkerServicer):
         self.prefill_delay_s = 0.0
         self.fail_transfers = 0  # the next N remote Decode calls fail the KV read
         self.full_decodes = 0  # the next N remote Decode calls find the KV pool full
+        self.in_use_decodes = 0  # the next N Decode calls find their id still in use
         self.token_delay_s = 0.0
         self.fail_after_tokens = 0  # decode crashes (INTERNAL) after streaming N tokens
         self.invalid_detail: str | None = None  # Prefill/Decode answer INVALID_ARGUMENT
@@ -136,8 +137,12 @@ class FakeWorker(pbg.WorkerServicer):
         with self.lock:
             full = remote and self.full_decodes > 0
             self.full_decodes -= full
+            in_use = self.in_use_decodes > 0
+            self.in_use_decodes -= in_use
         if full:  # as decode_worker/service.py answers a NoFreeBlocksError at admission
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode_full: injected full pool")
+        if in_use:  # as it answers an id an earlier attempt's stream still holds
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in use")
         state = {"done": False, "pulled": not remote}
 
         def on_close() -> None:

@@ -46,6 +46,7 @@ def healthy(cluster):
     yield
     for w in ws.values():
         w.fail_prefills = w.fail_transfers = w.fail_after_tokens = w.full_decodes = 0
+        w.in_use_decodes = 0
         w.refuse_peers, w.refuse_retryable = 0, True
         w.prefill_delay_s = w.token_delay_s = 0.0
         w.invalid_detail = None
@@ -167,18 +168,24 @@ def test_worker_client_error_is_400_and_not_held_against_the_worker(cluster):
     assert all(w.up for w in rt.core.pool.workers.values())
 
 
-def test_a_full_decode_pool_is_retried_and_not_held_against_the_worker(cluster, frontend):
+@pytest.mark.parametrize("reason", ["decode_full", "in_use"])
+def test_a_full_decode_pool_is_retried_and_not_held_against_the_worker(cluster, frontend,
+                                                                       reason):
     """ANCHORS #4: D's pool was fuller than its last health poll said (RESOURCE_EXHAUSTED at
-    admission): the request waits for room and is served, spending none of its retry budget
-    (5 full answers > the budget of 2); the breaker counts no failure."""
+    admission), or D still held the id for an earlier attempt's ending stream
+    (ALREADY_EXISTS): the request waits and is served, spending none of its retry budget
+    (5 such answers > the budget of 2); the breaker counts no failure."""
     rt, ws, client = cluster
-    before = metric(rt, "pdserve:router_retries_total", reason="decode_full")
+    before = metric(rt, "pdserve:router_retries_total", reason=reason)
     breaker = rt.core.pool.workers["fd0"].breaker
     breaker.success()  # earlier tests' injected crashes may have left soft failures
-    ws["fd0"].full_decodes = 5
+    if reason == "decode_full":
+        ws["fd0"].full_decodes = 5
+    else:
+        ws["fd0"].in_use_decodes = 5
     r = complete(client)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(frontend, "Hello there", 4)
-    assert metric(rt, "pdserve:router_retries_total", reason="decode_full") == before + 5
+    assert metric(rt, "pdserve:router_retries_total", reason=reason) == before + 5
     assert not breaker.open and breaker.soft_failures == 0
 
 

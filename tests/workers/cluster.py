@@ -87,11 +87,13 @@ def tokens_of(stream: Iterator[pb.DecodeOutput]) -> tuple[list[int], str]:
     return toks, reason
 
 
-def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+def wait_until(cond: Callable[[], object], timeout_s: float, what: str) -> object:
+    """Poll cond() until truthy and return its value (AssertionError at the deadline)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        if cond():
-            return
+        value = cond()
+        if value:
+            return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 

@@ -176,6 +176,16 @@ def test_decode_cancel_after_pull_frees_both_sides(pair) -> None:
     wait_until(lambda: idle(d), 5, "decode to free the cancelled request")
 
 
+def _taken(d, rid: str, prompt: list[int], params: pb.SamplingParams) -> list[int] | None:
+    """The tokens of a Decode under `rid`, or None while the worker still has the id."""
+    try:
+        return tokens_of(decode_stream(d, rid, prompt, params))[0]
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise
+        return None
+
+
 def test_a_request_id_in_use_is_refused_and_its_owner_unharmed(pair) -> None:
     """A second Decode or Prefill under an id the worker is serving (or holding) gets
     ALREADY_EXISTS: taken over, the first stream's outputs would go to the second one and
@@ -192,6 +202,14 @@ def test_a_request_id_in_use_is_refused_and_its_owner_unharmed(pair) -> None:
     for out in first:
         got += out.token_ids
     assert got == want  # the owner streamed every token, none went to the refused call
+    # a cancelled stream lets go of its id at once (its handler is woken, not left waiting
+    # to its deadline): the router's next attempt under the id is taken
+    cancelled = decode_stream(d, "dup-again", prompt, params, timeout_s=120)
+    next(cancelled)
+    cancelled.cancel()
+    again = wait_until(lambda: _taken(d, "dup-again", prompt, params), 10,
+                       "the cancelled stream's id to be free again")
+    assert again == want
     res = prefill(p, "dup-held", prompt, params)  # held on P for its decode worker
     pinned = p.health().num_pinned_blocks
     with pytest.raises(grpc.RpcError) as e:
