@@ -124,10 +124,12 @@ class RouterCore:
 
     def count_failure(self, e: RouterError) -> None:
         """Count a request's error once, wherever it was raised (parsing, admission or
-        dispatch); client errors (4xx) are the caller's, never an outage: label them apart."""
+        dispatch); client errors (4xx but 429: 404, 413, ...) are the caller's, never an
+        outage: all labelled code="invalid_request", which error-rate alerts leave out."""
         if not e.counted:
             e.counted = True
-            self.metrics.failed(e.code or ("invalid_request" if e.status < 500 else None))
+            client = e.status < 500 and e.status != 429
+            self.metrics.failed("invalid_request" if client else e.code)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         try:

@@ -158,7 +158,9 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
             # restarts are the pool's (RayWorkerRef), with backoff and no limit by default; a
             # TP worker's launch returns its rank 0 and relaunches the whole group
             launch = functools.partial(launch_worker if tp == 1 else launch_tp_worker, cfg,
-                                       num_gpus=num_gpus, num_cpus=num_cpus)
+                                       num_gpus=num_gpus, num_cpus=num_cpus,
+                                       node_labels={args.node_label: role}
+                                       if args.node_label else None)
             refs.append(RayWorkerRef(launch(generation=0), cfg.worker_id, role, launch=launch,
                                      max_restarts=args.max_restarts))
     spec = "" if not args.speculative else \

@@ -19,8 +19,8 @@ STAGES = ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_que
 # label values exported at zero from startup, so dashboards and alerts see every series before
 # the first event (dispatch.Retry reasons; errors.RouterError codes, "internal" for code=None)
 RETRY_REASONS = ("prefill", "peer", "kv_transfer", "decode", "decode_full", "in_use")
-FAILURE_CODES = ("internal", "overloaded", "draining", "worker_unavailable", "kv_transfer_failed",
-                 "request_timeout", "invalid_request")
+FAILURE_CODES = ("internal", "overloaded", "draining", "worker_unavailable", "no_healthy_worker",
+                 "kv_transfer_failed", "request_timeout", "invalid_request")
 FINISH_REASONS = ("stop", "length")
 CONTINUATION_RESULTS = ("ok", "failed")  # of streams continued after their decode worker failed
 

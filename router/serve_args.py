@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from pdserve.router.policies import ROUTING_POLICIES
+
+LABEL_KEY = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +42,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--tls-key", default=None, help="gRPC TLS private key (PEM)")
     a("--address", default=None, help="join this Ray cluster instead of starting one")
     a("--worker-host", default="127.0.0.1",
-      help="address workers bind their gRPC/metrics on (multi-node clusters need a reachable one)")
+      help="address workers bind their gRPC/metrics/KV transfer on; 'node': each worker its "
+           "own Ray node's address (multi-node clusters; default 127.0.0.1, one node)")
+    a("--node-label", default=None, metavar="KEY",
+      help="place each pool's workers only on Ray nodes whose label KEY names the pool "
+           "(prefill / decode / colocated): the deploy configs label their node groups "
+           "pdserve-role. Default: any node with a free GPU")
     a("--device", default=None, help="cpu | cuda (default: cuda when the cluster has GPUs)")
     a("--block-size", type=int, default=16)
     a("--num-blocks", type=int, default=None, help="KV blocks per worker (default: sized by the engine)")
@@ -106,6 +114,9 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         return f"--prefill-timeout: must be > 0 seconds, got {args.prefill_timeout}"
     if not args.tp_timeout > 0:
         return f"--tp-timeout: must be > 0 seconds, got {args.tp_timeout}"
+    if args.node_label is not None and not LABEL_KEY.fullmatch(args.node_label):
+        return (f"--node-label: a Ray node label key (letters, digits, '-', '_', '.', at "
+                f"most 63), got {args.node_label!r}")
     if args.max_restarts < -1:
         return f"--max-restarts: must be >= -1 (-1 = no limit), got {args.max_restarts}"
     if not args.exit_after_unavailable >= 0:

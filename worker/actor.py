@@ -60,6 +60,7 @@ class WorkerActor:
         # the actor process is an entry point: compiled or interpreted Triton is chosen here,
         # before the engine imports triton
         select_triton_mode()
+        cfg = cfg.on_node()
         # UCX (under NIXL) listens only on the interface of the worker's host: set before
         # the transport creates its NIXL agent
         bind_ucx(cfg.host)
@@ -110,11 +111,14 @@ class WorkerActor:
 
 
 def launch_worker(cfg: WorkerConfig, num_gpus: float = 0, num_cpus: float = 1,
-                  max_restarts: int = 0, generation: int = 0) -> ray.actor.ActorHandle:
+                  max_restarts: int = 0, generation: int = 0,
+                  node_labels: dict[str, str] | None = None) -> ray.actor.ActorHandle:
     """Start a named worker actor: worker_id, then worker_id.rN for the pool's Nth relaunch
-    (Ray keeps a dead actor's name for a while)."""
+    (Ray keeps a dead actor's name for a while). node_labels: only on a Ray node that has
+    these labels (a pool's own node group; Ray waits until one has room)."""
     actor_cls = ray.remote(WorkerActor)
     name = cfg.worker_id if generation == 0 else f"{cfg.worker_id}.r{generation}"
+    placed = {"label_selector": dict(node_labels)} if node_labels else {}
     return actor_cls.options(name=name, num_gpus=num_gpus, num_cpus=num_cpus,
                              max_restarts=max_restarts, max_task_retries=0,
-                             max_concurrency=4).remote(cfg)
+                             max_concurrency=4, **placed).remote(cfg)

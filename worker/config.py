@@ -16,6 +16,9 @@ from pdserve.kv_transfer.transport import TRANSPORTS
 from pdserve.proto.rpc import check_cluster_secret
 
 ROLES = ("prefill", "decode", "colocated")
+# host "node": each worker binds and advertises its own Ray node's address (multi-node
+# clusters: one flag for workers that land on different machines)
+NODE_HOST = "node"
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class WorkerConfig:
     # the credential every worker RPC must carry (proto/rpc.py); never printed
     cluster_secret: str = field(repr=False)
     engine: EngineArgs = field(default_factory=EngineArgs)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # or NODE_HOST: resolved by the worker process (on_node)
     grpc_port: int = 0  # 0 = pick a free port
     metrics_port: int = 0  # 0 = pick a free port; -1 = no metrics server
     lease_ttl_s: float = 30.0
@@ -58,6 +61,15 @@ class WorkerConfig:
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport: must be one of {sorted(TRANSPORTS)}, "
                              f"got {self.kv_transport!r}")
+
+    def on_node(self) -> WorkerConfig:
+        """This config with host "node" replaced by the address Ray knows this process's
+        node by (called in the worker process, where Ray placed it)."""
+        if self.host != NODE_HOST:
+            return self
+        import ray
+
+        return dataclasses.replace(self, host=ray.util.get_node_ip_address())
 
     @classmethod
     def of(cls, role: str, worker_id: str, cluster_secret: str, **fields: object) -> WorkerConfig:

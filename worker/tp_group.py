@@ -127,6 +127,7 @@ class RankActor:
         from pdserve.kv_transfer.ucx_binding import bind_ucx
         from pdserve.worker.tp_follower import FollowerRank
 
+        cfg = cfg.on_node()
         bind_ucx(cfg.host)  # before the transport creates its NIXL agent
         logging.basicConfig(level=logging.INFO)
         self._model = FollowerRank.start(cfg, self._cfg(address))

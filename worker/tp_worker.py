@@ -56,6 +56,7 @@ class TPWorkerActor(WorkerActor):
         from pdserve.kv_transfer.ucx_binding import bind_ucx
 
         select_triton_mode()
+        cfg = cfg.on_node()
         bind_ucx(cfg.host)
         logging.basicConfig(level=logging.INFO)
         self.cfg, self.followers, self.pg_name = cfg, followers, pg_name
@@ -170,10 +171,12 @@ class TPWorkerActor(WorkerActor):
 
 
 def launch_tp_worker(cfg: WorkerConfig, generation: int = 0, num_gpus: float = 0,
-                     num_cpus: float = 1) -> ray.actor.ActorHandle:
+                     num_cpus: float = 1,
+                     node_labels: dict[str, str] | None = None) -> ray.actor.ActorHandle:
     """Rank 0's actor of generation `generation` of the TP worker `cfg` (returned at once:
     its constructor starts and joins the group). An earlier generation's placement group is
-    removed first, which kills every rank still in it."""
+    removed first, which kills every rank still in it. node_labels: every rank's bundle
+    only on a node with these labels (launch_worker)."""
     from pdserve.engine.dist.rank import check_tp_serving_args
 
     check_tp_serving_args(cfg.engine)  # what a TP worker does not run yet, refused by field
@@ -181,7 +184,9 @@ def launch_tp_worker(cfg: WorkerConfig, generation: int = 0, num_gpus: float = 0
     remove_previous(cfg.worker_id, generation)
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
     name = group_name(cfg.worker_id, generation)
-    pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", name=name)
+    selector = {"bundle_label_selector": [dict(node_labels)] * tp} if node_labels else {}
+    pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", name=name,
+                         **selector)
 
     def place(r: int) -> dict:
         return dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0,

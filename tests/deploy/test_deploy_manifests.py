@@ -242,6 +242,9 @@ def test_helm_tensor_parallel_pools():
     [rc] = by_kind(docs)["RayCluster"]
     cmd = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][0]
     assert "--prefill 12 --decode 2 --prefill-tp 2 --decode-tp 4" in cmd
+    assert "--worker-host node --node-label pdserve-role" in cmd  # multi-node wiring
+    assert {g["groupName"]: g["rayStartParams"]["labels"] for g in rc["spec"]["workerGroupSpecs"]} \
+        == {"prefill": "pdserve-role=prefill", "decode": "pdserve-role=decode"}
     helm = pytest.importorskip("helm_python", reason="helm-python-sdk missing")
     with pytest.raises(helm.HelmError, match="decode.tensorParallelSize: 3 does not divide"):
         _render({"decode": {"replicas": 1, "gpusPerWorker": 8, "tensorParallelSize": 3}})
@@ -261,14 +264,17 @@ def test_documented_serve_commands_parse_and_fit_the_nodes():
              (DEPLOY / "kuberay" / "raycluster.yaml").read_text()]
     lines = []
     for text in texts:
-        flat = re.sub(r"\n\s*#?\s*", " ", text)
+        flat = re.sub(r"\s*\\?\n\s*#?\s*", " ", text)  # comment lines, continuations
         lines += re.findall(r"pdserve serve (--address auto(?: --(?!api-key)[\w-]+"
-                            r"(?: [\w./]+)?)*)", flat)
+                            r"(?: (?!--)[\w./-]+)?)*)", flat)
     assert len(lines) == 2, lines
     for line in lines:
         args = build_parser().parse_args(["serve", *line.split()])
         assert _check(args) is None, line
         assert 8 % args.prefill_tp == 0 and 8 % args.decode_tp == 0, line
+        # workers on other nodes than the router: each advertises its node's address, and
+        # each pool stays on the node group labelled for it
+        assert args.worker_host == "node" and args.node_label == "pdserve-role", line
     assert any("--decode-tp 4" in line for line in lines)
 
 

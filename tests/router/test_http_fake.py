@@ -256,7 +256,7 @@ BAD = [
 @pytest.mark.parametrize("path,body,status,param", BAD)
 def test_bad_input_gets_4xx_naming_the_field(cluster, path, body, status, param):
     rt, _, client = cluster
-    before = _failures(rt)
+    before, client_errors = _failures(rt), _failures(rt, "invalid_request")
     if isinstance(body, bytes):
         r = client.post(path, content=body, headers={"Content-Type": "application/json"})
     else:
@@ -266,15 +266,18 @@ def test_bad_input_gets_4xx_naming_the_field(cluster, path, body, status, param)
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
     assert _failures(rt) == before + 1  # refused before dispatch, still counted once
+    # as the client's (a 404 too), which the error-rate alert leaves out
+    assert _failures(rt, "invalid_request") == client_errors + 1
     ok = client.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
     assert ok.status_code == 200
 
 
-def _failures(rt) -> float:
-    """pdserve:request_failures_total over all its codes."""
+def _failures(rt, code: str | None = None) -> float:
+    """pdserve:request_failures_total over all its codes (or one)."""
     text = httpx.get(rt.url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve:request_failures_total{"))
+               if line.startswith("pdserve:request_failures_total{")
+               and (code is None or f'code="{code}"' in line))
 
 
 def test_logit_bias_parsed_served_and_errors_name_the_key(cluster, frontend):

@@ -47,6 +47,8 @@ def test_a_second_grpc_server_cannot_share_a_port() -> None:
     (["--exit-after-unavailable", "-1"], "--exit-after-unavailable"),
     (["--exit-after-unavailable", "nan"], "--exit-after-unavailable"),
     (["--prefill-timeout", "0"], "--prefill-timeout"),
+    (["--node-label", "pdserve role"], "--node-label"),
+    (["--node-label", ""], "--node-label"),
     (["--cluster-secret-file", "/nonexistent/secret"], "--cluster-secret-file"),
 ])
 def test_bad_lifecycle_and_secret_flags_are_named(argv, flag) -> None:

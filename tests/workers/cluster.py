@@ -48,9 +48,10 @@ def start_ray() -> None:
                         configure_logging=False)
 
 
-def start_worker(role: str, worker_id: str, timeout_s: float = 300, **kw: object) -> Worker:
+def start_worker(role: str, worker_id: str, timeout_s: float = 300,
+                 node_labels: dict[str, str] | None = None, **kw: object) -> Worker:
     cfg = WorkerConfig.of(role, worker_id, SECRET, metrics_port=0, **kw)
-    actor = launch_worker(cfg, num_cpus=0)
+    actor = launch_worker(cfg, num_cpus=0, node_labels=node_labels)
     ep = ray.get(actor.endpoints.remote(), timeout=timeout_s)
     ch = make_channel(ep["grpc_address"], cluster_secret=SECRET)
     return Worker(actor, cfg, ep["grpc_address"], pbg.WorkerStub(ch), ch)

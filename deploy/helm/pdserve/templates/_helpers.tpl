@@ -51,7 +51,7 @@ ray.io/node-type: head
 {{- end -}}
 {{- $prefill := div (mul .Values.prefill.replicas .Values.prefill.gpusPerWorker) $ptp -}}
 {{- $decode := div (mul .Values.decode.replicas .Values.decode.gpusPerWorker) $dtp -}}
-ulimit -n 65536; ${KUBERAY_GEN_RAY_START_CMD//--block/} && exec pdserve serve --address auto --host 0.0.0.0 --port {{ .Values.router.httpPort }} --grpc-port {{ .Values.router.grpcPort }} --prefill {{ $prefill }} --decode {{ $decode }} --prefill-tp {{ $ptp }} --decode-tp {{ $dtp }}
+ulimit -n 65536; ${KUBERAY_GEN_RAY_START_CMD//--block/} && exec pdserve serve --address auto --host 0.0.0.0 --worker-host node --node-label pdserve-role --port {{ .Values.router.httpPort }} --grpc-port {{ .Values.router.grpcPort }} --prefill {{ $prefill }} --decode {{ $decode }} --prefill-tp {{ $ptp }} --decode-tp {{ $dtp }}
 {{- with .Values.model }} --model {{ . | quote }}{{ end }}
 {{- if .Values.apiKey.enabled }} --api-key "$PDSERVE_API_KEY"{{ end }} --cluster-secret-file /etc/pdserve/cluster/secret
 {{- range .Values.extraServeArgs }} {{ . | quote }}{{ end }}
@@ -66,6 +66,7 @@ ulimit -n 65536; ${KUBERAY_GEN_RAY_START_CMD//--block/} && exec pdserve serve --
   maxReplicas: {{ .pool.replicas }}
   rayStartParams:
     num-gpus: {{ .pool.gpusPerWorker | quote }}
+    labels: {{ printf "pdserve-role=%s" .role | quote }}
   template:
     metadata:
       labels:
