@@ -44,7 +44,7 @@ from pdserve.router.responses import (
 from pdserve.router.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/metrics/targets")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 T = TypeVar("T")
 
@@ -141,6 +141,15 @@ def create_app(core: RouterCore, api_key: str | None = None,
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/targets")
+    async def metrics_targets() -> list[dict]:
+        """Every worker's own /metrics, in Prometheus's HTTP service discovery format
+        (http_sd_configs): a relaunched worker's new port is found at the next refresh."""
+        return [{"targets": [addr], "labels": {"__meta_pdserve_role": w.role,
+                                               "__meta_pdserve_worker": w.worker_id}}
+                for w in core.pool.workers.values()
+                if (addr := w.endpoints.get("metrics_address", ""))]
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -6,7 +6,8 @@ with strict field validation would), while the embedded Pod templates are checke
 separately against the real Kubernetes PodTemplateSpec schema (kubernetes-validate).
 
 RayCluster: KubeRay API reference, ray.io/v1 (RayClusterSpec, HeadGroupSpec,
-WorkerGroupSpec). ServiceMonitor: Prometheus Operator API, monitoring.coreos.com/v1.
+WorkerGroupSpec). ServiceMonitor and ScrapeConfig: Prometheus Operator API,
+monitoring.coreos.com/v1 and v1alpha1.
 """
 from __future__ import annotations
 
@@ -121,5 +122,39 @@ SERVICEMONITOR = {
     },
 }
 
+_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)(ms|s|m|h))+)$"}
+
+SCRAPECONFIG = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1alpha1"},
+        "kind": {"const": "ScrapeConfig"},
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "jobName": {"type": "string"},
+                "httpSDConfigs": {
+                    "type": "array",
+                    "items": {"type": "object", "required": ["url"],
+                              "additionalProperties": False,
+                              "properties": {"url": {"type": "string",
+                                                     "pattern": "^https?://"},
+                                             "refreshInterval": _DURATION}}},
+                "staticConfigs": {"type": "array"},
+                "metricsPath": {"type": "string", "pattern": "^/"},
+                "scrapeInterval": _DURATION,
+                "scrapeTimeout": _DURATION,
+                "honorLabels": {"type": "boolean"},
+                "relabelings": {"type": "array"},
+                "metricRelabelings": {"type": "array"},
+            },
+        },
+    },
+}
+
 CRD_SCHEMAS = {("ray.io/v1", "RayCluster"): RAYCLUSTER,
-               ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR}
+               ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR,
+               ("monitoring.coreos.com/v1alpha1", "ScrapeConfig"): SCRAPECONFIG}

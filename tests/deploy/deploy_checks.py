@@ -162,10 +162,3 @@ def design_metric_names(path: Path = DESIGN) -> set[str]:
     forms = ("", "_total", "_bucket", "_sum", "_count")
     return {f"pdserve:{n}{s}" for n in names for s in forms}
 
-
-# --- Prometheus file_sd targets from the router's /health ---------------------------------
-
-def file_sd_from_health(health: dict) -> list[dict]:
-    """file_sd entries for every worker metrics address the router's /health lists."""
-    addrs = [w["metrics_address"] for w in health.get("workers", []) if w.get("metrics_address")]
-    return [{"targets": sorted(addrs), "labels": {}}] if addrs else []

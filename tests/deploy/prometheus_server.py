@@ -2,12 +2,11 @@
 
 It runs deploy/prometheus/prometheus.yml as shipped, with only what a test must change:
 a 1 s scrape/evaluation interval, the router's real address, and the alert rules file by
-absolute path. Worker targets come through the file_sd file the config names
-(targets/*.json beside the config), written from the router's /health as the README says.
+absolute path. Worker targets come from the router's /metrics/targets (HTTP service
+discovery), as shipped.
 """
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import subprocess
@@ -40,17 +39,16 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float
                          + (f" (last error: {last_error!r})" if last_error else ""))
 
 
-def write_config(folder: Path, router_address: str, worker_targets: list[dict]) -> Path:
+def write_config(folder: Path, router_address: str) -> Path:
     """The shipped config, adapted for a test; returns the config file's path."""
     cfg = yaml.safe_load(SHIPPED_CONFIG.read_text())
     cfg["global"]["scrape_interval"] = cfg["global"]["evaluation_interval"] = "1s"
     cfg["rule_files"] = [str(SHIPPED_CONFIG.parent / f) for f in cfg["rule_files"]]
     jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
     jobs["pdserve-router"]["static_configs"] = [{"targets": [router_address]}]
-    for sd in jobs["pdserve-workers"]["file_sd_configs"]:
+    for sd in jobs["pdserve-workers"]["http_sd_configs"]:
+        sd["url"] = f"http://{router_address}/metrics/targets"
         sd["refresh_interval"] = "1s"
-    (folder / "targets").mkdir(parents=True, exist_ok=True)
-    (folder / "targets" / "workers.json").write_text(json.dumps(worker_targets))
     path = folder / "prometheus.yml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

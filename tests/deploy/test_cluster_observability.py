@@ -52,7 +52,7 @@ class BenchRun:
 
 def metrics_urls(cluster: ServeProcess) -> list[str]:
     """The router's /metrics and every worker's, as /health lists them."""
-    targets = dc.file_sd_from_health(cluster.health())
+    targets = httpx.get(cluster.url + "/metrics/targets", timeout=10).json()
     return [cluster.url + "/metrics"] + [f"http://{a}/metrics" for t in targets
                                          for a in t["targets"]]
 
@@ -91,9 +91,11 @@ def prometheus(cluster, tmp_path_factory):
     if PROMETHEUS is None:
         pytest.skip(NO_PROMETHEUS)
     folder = tmp_path_factory.mktemp("prometheus")
-    workers = dc.file_sd_from_health(cluster.health())
-    assert workers and len(workers[0]["targets"]) == 2, f"/health lists no workers: {workers}"
-    config = write_config(folder, f"127.0.0.1:{cluster.port}", workers)
+    workers = httpx.get(cluster.url + "/metrics/targets", timeout=10).json()
+    health = {w["worker_id"]: w["metrics_address"] for w in cluster.health()["workers"]}
+    assert {t["labels"]["__meta_pdserve_worker"]: t["targets"] for t in workers} == \
+        {wid: [addr] for wid, addr in health.items()} and len(health) == 2, workers
+    config = write_config(folder, f"127.0.0.1:{cluster.port}")
     prom = PrometheusServer(config, folder, free_port())
     try:
         wait_for(lambda: (t := prom.targets_up()) and len(t) == 3

@@ -1,7 +1,7 @@
 """Kubernetes manifests, the Helm chart and the Ray cluster config, checked with real validators.
 
 - Core Kubernetes kinds: kubernetes-validate (the Kubernetes OpenAPI schemas, offline, strict).
-- RayCluster / ServiceMonitor: crd_schemas.py (their own fields) + every embedded Pod
+- RayCluster / ServiceMonitor / ScrapeConfig: crd_schemas.py (their own fields) + every embedded Pod
   template against Kubernetes' PodTemplateSpec schema.
 - Helm: rendered by Helm's Go SDK through helm-python-sdk (no `helm` binary exists as a
   Debian or PyPI package here); skipped when that package is missing.
@@ -179,8 +179,8 @@ def _render(values: dict) -> list[dict]:
 def test_helm_chart_renders_and_validates_with_defaults():
     docs = _render({})
     kinds = by_kind(docs)
-    assert sorted(kinds) == ["PodDisruptionBudget", "RayCluster", "Secret", "Service",
-                             "ServiceMonitor"]
+    assert sorted(kinds) == ["PodDisruptionBudget", "RayCluster", "ScrapeConfig", "Secret",
+                             "Service", "ServiceMonitor"]
     # the API key and the cluster secret; the router reads the latter as a mounted file
     assert sorted(len(next(iter(s["data"].values()))) > 40 for s in kinds["Secret"]) == [True] * 2
     [rc] = kinds["RayCluster"]
@@ -197,6 +197,11 @@ def test_helm_chart_renders_and_validates_with_defaults():
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    # the workers' own /metrics, found through the router Service's /metrics/targets
+    [sc] = kinds["ScrapeConfig"]
+    [sd] = sc["spec"]["httpSDConfigs"]
+    http = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
+    assert sd["url"] == f"http://{svc['metadata']['name']}.serving.svc:{http}/metrics/targets"
     # one PDB per GPU pool, selecting that worker group's pods
     groups = {g["groupName"] for g in rc["spec"]["workerGroupSpecs"]}
     pdb_groups = {p["spec"]["selector"]["matchLabels"]["ray.io/group"]
@@ -215,7 +220,7 @@ def test_helm_values_drive_the_cluster():
                     "metrics": {"serviceMonitor": {"enabled": False}},
                     "extraServeArgs": ["--speculative", "mtp"]})
     kinds = by_kind(docs)
-    assert "Secret" not in kinds and "ServiceMonitor" not in kinds
+    assert "Secret" not in kinds and "ServiceMonitor" not in kinds and "ScrapeConfig" not in kinds
     for doc in docs:
         validate_manifest(doc)
     check_wiring(docs)

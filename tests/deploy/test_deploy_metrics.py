@@ -161,12 +161,3 @@ def test_alert_rules_fire_on_synthetic_series(tmp_path):
     proc = _promtool("test", "rules", test_file.name, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
-
-def test_file_sd_from_health():
-    health = {"status": "ok", "workers": [
-        {"worker_id": "p0", "role": "prefill", "metrics_address": "127.0.0.1:9101"},
-        {"worker_id": "d0", "role": "decode", "metrics_address": "127.0.0.1:9100"},
-        {"worker_id": "d1", "role": "decode", "metrics_address": ""}]}
-    assert dc.file_sd_from_health(health) == [
-        {"targets": ["127.0.0.1:9100", "127.0.0.1:9101"], "labels": {}}]
-    assert dc.file_sd_from_health({"workers": []}) == []

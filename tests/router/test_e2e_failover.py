@@ -110,6 +110,12 @@ def test_killed_prefill_worker_retry_no_leak_and_rejoin(server):
         health_workers(server)["prefill-1"]), 300, "prefill-1 to rejoin as a new incarnation")
     assert server.health()["status"] == "ok"
     new = health_workers(server)["prefill-1"]
+    # Prometheus's service discovery (/metrics/targets, open like /metrics) follows the
+    # relaunch: the new process's metrics address, not the dead one's
+    sd = httpx.get(server.url + "/metrics/targets", timeout=10).json()
+    found = {t["labels"]["__meta_pdserve_worker"]: t["targets"] for t in sd}
+    assert found["prefill-1"] == [new["metrics_address"]] != [victim["metrics_address"]]
+    assert set(found) == set(health_workers(server))
     served_before = metric_sum(new["metrics_address"], "prompt_tokens_total")
     for i in range(8):  # prompts spread over both prefill workers again
         assert one_request(server, 900_000 + i) == "ok"
