@@ -74,14 +74,6 @@ class _StreamState:
         self.cancelled = False
 
 
-def _abort_and_wake(engine, rid: str, q: queue.Queue) -> None:
-    """On the loop thread: abort, then wake the stream's handler (waiting on `q`) so it lets
-    go of the id. In this order the request's last outputs land on `q`, never on the queue
-    of a next stream under the same id."""
-    engine.abort_request(rid)
-    q.put(RequestOutput(rid, [], "", True, "abort"))
-
-
 class DecodeService:
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
@@ -331,7 +323,7 @@ class DecodeService:
             if state.pulling:
                 return  # the handler frees once the read returns
             pulled = state.pulled
-        self.rt.loop.submit(lambda e: _abort_and_wake(e, rid, q))
+        self.rt.loop.abort_and_wake(rid, q)
         if not pulled:  # the prefill worker still pins the prompt: release it now
             threading.Thread(target=self._release_remote,
                              args=(req.prefill.kv, rid, time.monotonic() + 5), daemon=True).start()

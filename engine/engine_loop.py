@@ -90,6 +90,17 @@ class EngineLoop:
             if q is None or self._subs.get(request_id) is q:
                 self._subs.pop(request_id, None)
 
+    def abort_and_wake(self, request_id: str, q: queue.Queue | None) -> Future:
+        """Queue: abort request_id, then put a finished "abort" output on `q` (the queue of
+        the stream whose RPC ended early, when given) so its handler returns and lets go of
+        the id. In this order the request's last outputs land on `q`, never on the queue of
+        a next stream under the same id."""
+        def run(engine: LLMEngine) -> None:
+            engine.abort_request(request_id)
+            if q is not None:
+                q.put(RequestOutput(request_id, [], "", True, "abort"))
+        return self.submit(run)
+
     def publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._subs_lock:
             q = self._subs.get(request_id)

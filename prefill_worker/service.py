@@ -91,7 +91,7 @@ class PrefillService:
         """Free whatever the request holds, whether it is running, held or leased; from the
         close callback, wake the handler waiting on `q` too, so it lets go of the id now."""
         self.rt.leases.release(rid)
-        self.rt.loop.submit(lambda e: _abort_and_wake(e, rid, q))
+        self.rt.loop.abort_and_wake(rid, q)
 
     def _wait_finished(self, q: queue.Queue, rid: str, deadline: float,
                        context: grpc.ServicerContext) -> RequestOutput:
@@ -163,11 +163,3 @@ def _held_blocks(engine: LLMEngine, rid: str) -> list[int]:
         raise KeyError(f"request {rid} is not held")
     bs = engine.config.cache.block_size
     return list(req.block_table[: (req.num_prompt_tokens + bs - 1) // bs])
-
-
-def _abort_and_wake(engine: LLMEngine, rid: str, q: queue.Queue | None) -> None:
-    """On the loop thread: abort, then wake the handler waiting on `q` (when given). In this
-    order the request's last outputs land on `q`, never on a next call's under the same id."""
-    engine.abort_request(rid)
-    if q is not None:
-        q.put(RequestOutput(rid, [], "", True, "abort"))

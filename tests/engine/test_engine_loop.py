@@ -57,6 +57,18 @@ def test_requests_added_by_command_stream_what_the_engine_generates(engine) -> N
             loop.subscribe("r0")
         assert [_drain(q) for q in subs] == want
         assert not loop.call(lambda e: e.has_unfinished())
+        # a stream whose RPC ended early: aborted on the loop, then its handler woken
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        q = loop.subscribe("gone")
+        loop.call(lambda e: e.add_request(prompts[0], long, request_id="gone"))
+        loop.abort_and_wake("gone", q).result(timeout=60)
+        assert len(_drain(q)) < long.max_tokens  # ended by the abort, not by max_tokens
+        assert not loop.call(lambda e: e.has_unfinished())
+        loop.unsubscribe("gone", queue.Queue())  # not its queue: the subscription stays
+        with pytest.raises(DuplicateRequestError):
+            loop.subscribe("gone")
+        loop.unsubscribe("gone", q)
+        loop.subscribe("gone")  # the id is free again
     finally:
         loop.stop()
 
