@@ -23,7 +23,11 @@ from pdserve.engine.core.config import EngineConfig, SpecConfig, compat_payload
 from pdserve.engine.core.detokenizer import DetokResult, IncrementalDetokenizer
 from pdserve.engine.core.outputs import EngineStats, RequestOutput
 from pdserve.engine.core.request import Request, RequestStatus
-from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.core.sampling_params import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.dist.lockstep import Leader
 from pdserve.engine.exec.runner import ModelRunner, StepResult
@@ -158,6 +162,7 @@ class LLMEngine:
         compiled = self._compiled(params)  # cached when a worker service compiled it first
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        self._check_unused(rids)
         reqs = [Request(r, ids, _sibling_params(params, i), parent_id=None if i == 0 else rids[0],
                         hold_blocks_on_finish=hold_blocks) for i, r in enumerate(rids)]
         for req in reqs:
@@ -182,6 +187,14 @@ class LLMEngine:
                 self._reported[req.request_id] = len(resume)
         self.stats.prompt_tokens += len(ids)
         return rids
+
+    def _check_unused(self, rids: list[str]) -> None:
+        """DuplicateRequestError before any state is built: the grammar and sampler state are
+        keyed by id, so a second request would overwrite the first one's (and its cleanup
+        free them)."""
+        for rid in rids:
+            if self.scheduler.get_request(rid) is not None:
+                raise DuplicateRequestError(rid)
 
     def _check_resume(self, resume: list[int], params: SamplingParams) -> list[int]:
         """Validate the already-generated tokens of a continued stream (names the field)."""
@@ -209,6 +222,7 @@ class LLMEngine:
         first drafts come from it once the KV has arrived."""
         ids = self.tokenize(prompt_ids)
         params.check_vocab(self.config.model.vocab_size)
+        self._check_unused([request_id])
         req = Request(request_id, ids, params)
         req.append_token(first_token)
         # the grammar replays the prefill worker's first token (it was drawn under it there)

@@ -9,7 +9,11 @@ import sys
 import pytest
 import torch
 
-from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.core.sampling_params import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from pdserve.engine.llm import LLM
 from pdserve.engine.model.loader import resolve_model
 
@@ -128,6 +132,27 @@ def test_seeded_sampling_reproduces(llm: LLM) -> None:
     a = llm.generate(PROMPTS[:3], p)
     b = llm.generate(PROMPTS[:3][::-1], p)[::-1]
     assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+
+
+def test_a_live_request_id_is_refused_and_the_first_request_unharmed(llm: LLM) -> None:
+    """A second request under a live id is refused before it builds any state: its grammar
+    (keyed by the id) would otherwise replace the first one's mid-generation."""
+    from pdserve.engine.core.sampling_params import StructuredOutput
+
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                       structured=StructuredOutput(regex="[a-z ]+"))
+    [want] = [r.outputs[0].token_ids for r in llm.generate(PROMPTS[:1], p)]
+    e = llm.engine
+    e.add_request(PROMPTS[0], p, request_id="dup")
+    first = [t for o in e.step() + e.step() if o.request_id == "dup" for t in o.new_token_ids]
+    other = SamplingParams(max_tokens=12, structured=StructuredOutput(regex="[0-9]+"))
+    for add in (lambda: e.add_request(PROMPTS[1], other, request_id="dup"),
+                lambda: e.add_remote_request("dup", [1, 2, 3], 5, other)):
+        with pytest.raises(DuplicateRequestError, match="request_id: 'dup' is already in use"):
+            add()
+    rest = [t for o in e.generate_until_done(deadline_s=120) if o.request_id == "dup"
+            for t in o.new_token_ids]
+    assert first and first + rest == want  # still under its own grammar
 
 
 def test_stop_string_ends_output_and_is_not_included(llm: LLM) -> None:
