@@ -43,7 +43,8 @@ from pdserve.router.errors import (
     param_of,
 )
 from pdserve.router.metrics import StageTimes
-from pdserve.router.policies import blocks_needed, straight_to_decode
+from pdserve.router.planning import any_decode_up, plan_attempt
+from pdserve.router.policies import blocks_needed
 from pdserve.router.pool import WorkerState
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,8 @@ class ChoiceRun:
         try:
             while True:
                 changed = self.pool.changed_event()
-                plan = self._try_plan(excluded)
+                plan = plan_attempt(self.core, self.need_blocks, self.hashes,
+                                    len(self.prompt_ids), excluded)
                 if plan is not None:
                     p, d = plan
                     d.reserve(self.need_blocks)
@@ -193,7 +195,7 @@ class ChoiceRun:
                 if self.remaining() <= 0:
                     raise RequestTimeout(f"request {self.rid}: no worker had room before the deadline")
                 if time.monotonic() - self.arrival > self.cfg.queue_timeout_s and not \
-                        self.pool.usable("decode", "colocated") and not self._any_busy():
+                        self.pool.usable("decode", "colocated") and not any_decode_up(self.pool):
                     raise WorkerUnavailable("no healthy decode worker", code="no_healthy_worker")
                 try:
                     await asyncio.wait_for(changed.wait(), min(0.5, max(0.01, self.remaining())))
@@ -224,39 +226,6 @@ class ChoiceRun:
                 await asyncio.wait_for(changed.wait(), min(0.5, max(0.01, self.remaining())))
             except TimeoutError:
                 pass
-
-    def _any_busy(self) -> bool:
-        """Some decode worker is healthy but full: waiting will help."""
-        return any(w.up for w in self.pool.by_role("decode", "colocated"))
-
-    def _try_plan(self, excluded: set[str]) -> tuple[WorkerState | None, WorkerState] | None:
-        core = self.core
-        now = time.monotonic()
-        ds = _prefer(self._pairable(self.pool.usable("decode", "colocated"), now), excluded)
-        d = core.decode_policy.choose(ds, self.need_blocks) if ds else None
-        if d is None:
-            return None
-        if d.role == "colocated" or not self.pool.by_role("prefill"):
-            return None, d
-        ps = _prefer([p for p in self.pool.usable("prefill") if d.may_pair(p, now)], excluded)
-        if not ps:
-            if any(p.up and d.may_pair(p, now) for p in self.pool.by_role("prefill")):
-                return None  # prefill workers d can pair with are up but full: wait for one
-            # none d may pair with (refused, or backing off a passing refusal): decode-only
-            core.metrics.fallbacks.labels(**core.metrics.labels).inc()  # visible (ANCHORS #5)
-            return None, d
-        p, cached = core.prefill_policy.choose(ps, self.hashes)
-        if straight_to_decode(len(self.prompt_ids), cached, self.cfg.block_size,
-                              self.cfg.disagg_threshold):
-            return None, d
-        return p, d
-
-    def _pairable(self, ds: list[WorkerState], now: float) -> list[WorkerState]:
-        """The decode workers that can take KV from an up prefill worker, if any can (so a
-        pair refused on one D goes to another D rather than decode-only), else all."""
-        ps = [p for p in self.pool.by_role("prefill") if p.up]
-        ok = [d for d in ds if d.role == "colocated" or any(d.may_pair(p, now) for p in ps)]
-        return ok or ds
 
     def set_waiting(self, waiting: bool) -> None:
         m = self.core.metrics
@@ -457,10 +426,4 @@ class ChoiceRun:
         if self.cfg.log_requests:
             TRACE_LOG.info("%s", json.dumps(trace.to_json()))
         return trace
-
-
-def _prefer(workers: list[WorkerState], excluded: set[str]) -> list[WorkerState]:
-    """Workers not yet tried for this request, or all of them when every one was tried."""
-    fresh = [w for w in workers if w.worker_id not in excluded]
-    return fresh or workers
 
