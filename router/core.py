@@ -138,6 +138,17 @@ class RouterCore:
         except TimeoutError:
             return False
 
+    def status(self) -> str:
+        """What both faces' health says: "draining"; "ok" with every worker up; "degraded"
+        while some decode worker serves; else "unavailable" (nothing can finish a request)."""
+        ws = list(self.pool.workers.values())
+        if self.draining:
+            return "draining"
+        if ws and all(w.up for w in ws):
+            return "ok"
+        serving = any(w.up for w in ws if w.role in ("decode", "colocated"))
+        return "degraded" if serving else "unavailable"
+
     def pool_tokens(self) -> int | None:
         """Tokens the largest decode-capable worker's KV pool holds (None before any poll)."""
         totals = [w.total_blocks for w in self.pool.by_role("decode", "colocated")]

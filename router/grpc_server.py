@@ -35,7 +35,7 @@ from pdserve.router.core import Job, RouterCore
 from pdserve.router.deltas import Delta
 from pdserve.router.errors import BadRequest, RouterError
 from pdserve.router.frontend import CHAT_ROLES
-from pdserve.router.protocol import content_text
+from pdserve.router.protocol import MAX_N, REQUEST_ID, content_text
 
 _END = object()
 # StructuredOutput kinds -> their proto field (errors name the field the client set)
@@ -54,19 +54,32 @@ class PdserveServicer(pbg.PdserveServicer):
             job, n, rid = self._job(request)
         except RouterError as e:
             self.core.count_failure(e)
-            context.abort(e.grpc_code, e.message)
+            self._abort(context, e)
         q: queue.Queue = queue.Queue()
         fut = asyncio.run_coroutine_threadsafe(self._pump(job, n, rid, q), self.loop)
-        context.add_callback(fut.cancel)  # client cancelled or went away
+        # client cancelled or went away; if it already has (while the prompt was checked),
+        # add_callback refuses the callback: cancel now, or the request would run unread
+        if not context.add_callback(fut.cancel):
+            fut.cancel()
         while True:
             item = q.get()
             if item is _END:
                 return
             if isinstance(item, RouterError):
-                context.abort(item.grpc_code, item.message)
+                self._abort(context, item)
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"internal error: {item!r}")
             yield item
+
+    def _abort(self, context: grpc.ServicerContext, e: RouterError) -> None:
+        """e as a status; a refusal that says when to come back (429, 503) carries it as
+        `retry-after` trailing metadata (seconds), as HTTP's Retry-After header."""
+        after = e.retry_after_s
+        if after is None and e.status in (429, 503):
+            after = self.core.cfg.retry_after_s
+        if after is not None:
+            context.set_trailing_metadata((("retry-after", str(max(1, int(after)))),))
+        context.abort(e.grpc_code, e.message)
 
     async def _pump(self, job: Job, n: int, rid: str, q: queue.Queue) -> None:
         finished, completion, cached = 0, 0, 0
@@ -115,9 +128,12 @@ class PdserveServicer(pbg.PdserveServicer):
             if not request.params.HasField("max_tokens") and kind == "messages":
                 params = dataclasses.replace(params, max_tokens=core.max_tokens_default(len(ids)))
         except InvalidRequestError as e:
-            raise BadRequest.from_invalid(e) from e
-        if len(request.request_id) > 128:
-            raise BadRequest("request_id: must be at most 128 characters", param="request_id")
+            raise _named_as_in_proto(e) from e
+        if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
+            raise BadRequest("request_id: 1-128 characters of A-Z a-z 0-9 . _ : - (as HTTP's "
+                             "X-Request-Id)", param="request_id")
+        if request.params.n > MAX_N:  # as HTTP: more completions per request are refused
+            raise BadRequest(f"n: must be <= {MAX_N}, got {request.params.n}", param="n")
         rid = request.request_id or uuid.uuid4().hex
         job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", [ids], params,
                   # 0 = the server's default; anything else is checked at admission
@@ -133,10 +149,21 @@ class PdserveServicer(pbg.PdserveServicer):
     def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         core = self.core
         ws = list(core.pool.workers.values())
-        status = "draining" if core.draining else "ok" if all(w.up for w in ws) else "degraded"
+        status = core.status()  # as HTTP /health says it
         return pb.HealthResponse(status=status, role="router", worker_id=core.cfg.router_id,
                                  num_running=sum(w.inflight for w in ws),
                                  num_waiting=max(0, core.inflight - sum(w.inflight for w in ws)))
+
+
+def _named_as_in_proto(e: InvalidRequestError) -> BadRequest:
+    """A BadRequest naming the proto field the client set: SamplingParams' checks name the
+    HTTP field (structured_outputs.regex), here it is params.structured_output.regex."""
+    prefix = "structured_outputs."
+    if not e.param.startswith(prefix):
+        return BadRequest.from_invalid(e)
+    kind = e.param.removeprefix(prefix).split(".")[0]
+    param = f"params.structured_output.{_STRUCTURED_FIELD.get(kind, kind)}"
+    return BadRequest(f"{param}: {e.message}", param=param)
 
 
 def _messages(msgs: pb.ChatMessages) -> list[dict[str, str]]:
@@ -162,12 +189,20 @@ def _to_proto(request_id: str, d: Delta) -> pb.GenerateResponse:
     return msg
 
 
+# threads beyond one per admitted completion: Health, ListModels and the Generate calls that
+# admission refuses (429) still get one while every admitted stream holds its own
+SPARE_THREADS = 64
+
+
 def start_grpc(core: RouterCore, loop: asyncio.AbstractEventLoop, host: str, port: int,
-               api_key: str | None = None, tls: TLSConfig | None = None,
-               max_workers: int = 256) -> tuple[grpc.Server, int]:
-    """Start the Pdserve service; returns (server, bound port)."""
+               api_key: str | None = None, tls: TLSConfig | None = None
+               ) -> tuple[grpc.Server, int]:
+    """Start the Pdserve service; returns (server, bound port). A Generate stream holds one
+    thread of the pool while it runs, and the router admits max_inflight completions (each
+    stream at least one): the pool has that many threads plus SPARE_THREADS."""
     auth = api_key_interceptor(api_key, open_methods=("/Health",)) if api_key else None
-    server, bound = make_server(host, port, max_workers=max_workers, auth=auth, tls=tls)
+    server, bound = make_server(host, port, max_workers=core.cfg.max_inflight + SPARE_THREADS,
+                                auth=auth, tls=tls)
     pbg.add_PdserveServicer_to_server(PdserveServicer(core, loop), server)
     server.start()
     return server, bound

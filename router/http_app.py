@@ -18,7 +18,6 @@ import contextlib
 import hmac
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -32,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.router.core import Job, RouterCore, collect
 from pdserve.router.deltas import Delta
 from pdserve.router.errors import BadRequest, PayloadTooLarge, RouterError, Unauthorized
-from pdserve.router.protocol import ParsedRequest, parse_chat, parse_completion
+from pdserve.router.protocol import REQUEST_ID, ParsedRequest, parse_chat, parse_completion
 from pdserve.router.responses import (
     chat_choice,
     chat_chunk_choice,
@@ -45,7 +44,6 @@ from pdserve.router.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics", "/metrics/targets")
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 T = TypeVar("T")
 
 
@@ -76,7 +74,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
-        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        rid = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
 
         async def send_with_id(message: dict) -> None:
@@ -130,9 +128,7 @@ def create_app(core: RouterCore, api_key: str | None = None,
                     "metrics_address": w.endpoints.get("metrics_address", ""),
                     **w.ref.lifecycle()}
                    for w in core.pool.workers.values()]
-        serving = any(w["up"] for w in workers if w["role"] in ("decode", "colocated"))
-        status = "draining" if core.draining else "ok" if all(w["up"] for w in workers) \
-            else "degraded" if serving else "unavailable"
+        status = core.status()
         code = 200 if status in ("ok", "degraded") else 503
         headers = {"Retry-After": str(core.cfg.retry_after_s)} if code == 503 else None
         return JSONResponse({"status": status, "workers": workers}, status_code=code,

@@ -33,6 +33,9 @@ from pdserve.router.structured import (
 from pdserve.router.tools import ToolFormat
 
 MAX_N = 64
+# a client's request id (HTTP X-Request-Id, gRPC request_id): logged, echoed, and part of the
+# workers' request ids
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_LOGPROBS = 20
 _INT, _NUM, _STR, _BOOL = "an integer", "a number", "a string", "a boolean"
 # a logit_bias key: a decimal token id, ASCII digits only ("-1", "1.5", " 1", "١" are not);

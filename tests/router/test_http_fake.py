@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import threading
+import time
 
 import grpc
 import httpx
@@ -309,6 +310,37 @@ def test_logit_bias_parsed_served_and_errors_name_the_key(cluster, frontend):
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
 
 
+def test_grpc_refuses_what_http_refuses_and_reports_health_alike(cluster):
+    """n over HTTP's limit and request ids HTTP would not take are refused naming the field;
+    Health's status is /health's: "unavailable" once no decode worker is up."""
+    rt, ws, _ = cluster
+    with make_channel(rt.grpc_address) as ch:
+        stub = pbg.PdserveStub(ch)
+        for req, param in ((pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(n=65)),
+                            "n"),
+                           (pb.GenerateRequest(prompt="hi", request_id="a b\nc"), "request_id"),
+                           (pb.GenerateRequest(prompt="hi", request_id="x" * 129), "request_id")):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, metadata=auth_metadata(KEY), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith(f"{param}: "), e.value.details()
+        ok = pb.GenerateRequest(prompt="hi", request_id="client-7.a:b",
+                                params=pb.SamplingParams(max_tokens=2))
+        assert list(stub.Generate(ok, metadata=auth_metadata(KEY), timeout=30))[0].request_id \
+            == "client-7.a:b"
+        assert stub.Health(pb.HealthRequest(), timeout=10).status == "ok"
+        decode = rt.core.pool.workers["hd0"]
+        # as the pool marks a dead decode worker (no probe for a minute: its health polls
+        # would close the breaker again)
+        decode.breaker.open, decode.breaker.retry_at = True, time.monotonic() + 60
+        try:
+            assert not decode.up
+            assert stub.Health(pb.HealthRequest(), timeout=10).status == "unavailable"
+            assert httpx.get(rt.url + "/health").json()["status"] == "unavailable"
+        finally:
+            decode.breaker.open = False
+
+
 def test_grpc_face_validates_logit_bias_like_http(cluster, frontend):
     """INVALID_ARGUMENT naming logit_bias, decided by the router: the fake workers check no
     vocabulary, and no prefill is even sent."""
@@ -402,6 +434,12 @@ def test_overload_429_and_drain_503_with_retry_after(cluster):
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "rate_limit_error"
+        with make_channel(rt.grpc_address) as ch:  # gRPC: the same, as trailing metadata
+            with pytest.raises(grpc.RpcError) as e:
+                list(pbg.PdserveStub(ch).Generate(pb.GenerateRequest(prompt="hi"),
+                                                  metadata=auth_metadata(KEY), timeout=10))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert dict(e.value.trailing_metadata())["retry-after"] == "1"
         t.join(30)
     finally:
         core.cfg = dataclasses.replace(core.cfg, max_inflight=1024)
