@@ -158,7 +158,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
     now = dt.datetime.now(dt.UTC)
-    server_models = loadgen.fetch_models(args.base_url, args.api_key)
+    try:
+        server_models = loadgen.fetch_models(args.base_url, args.api_key)
+    except OSError as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 2
     model = args.model or (server_models[0] if server_models else None)
     if model is None:
         print(f"pdserve bench: --model: {args.base_url}/v1/models lists no model; name one",

@@ -228,10 +228,14 @@ def run_load(specs: list[RequestSpec], cfg: LoadConfig,
 
 def fetch_models(base_url: str, api_key: str | None = None,
                  timeout_s: float = 30.0) -> list[str]:
-    """Model ids the server lists at /v1/models ([] when it lists none or has no such route)."""
+    """Model ids the server lists at /v1/models ([] when it lists none or has no such route).
+    OSError naming the URL when nothing answers there (no server, a bad address)."""
+    url = base_url.rstrip("/") + "/v1/models"
     try:
-        resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key),
-                         timeout=timeout_s)
+        resp = httpx.get(url, headers=auth_headers(api_key), timeout=timeout_s)
+    except (httpx.TransportError, httpx.UnsupportedProtocol) as e:
+        raise OSError(f"--base-url: cannot reach {url}: {e}") from e
+    try:
         resp.raise_for_status()
         return [str(m["id"]) for m in resp.json().get("data", [])]
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):

@@ -169,6 +169,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
     from pdserve.engine.dist.group import GroupError
     from pdserve.engine.llm import LLM
+    from pdserve.engine.model.weights import WeightsError
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -176,10 +177,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except InvalidRequestError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
+    if args.device is not None and not (args.device == "cpu" or args.device.startswith("cuda")):
+        print(f"pdserve generate: --device: must be cpu or cuda, got {args.device!r}",
+              file=sys.stderr)
+        return 2
+    if args.device is not None and args.device.startswith("cuda") and not torch_has_cuda():
+        print(f"pdserve generate: --device: {args.device!r}, but this torch sees no CUDA "
+              "device (use --device cpu)", file=sys.stderr)
+        return 2
     try:
         llm = LLM(engine_args(args, device=args.device,
                               tensor_parallel_size=args.tensor_parallel_size))
-    except ConfigError as e:  # e.g. a head trained for another model, a model without one
+    except (ConfigError, WeightsError) as e:  # a missing model or weights, a head trained
+        # for another model, a model without one
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
     except GroupError as e:  # tensor parallel ranks that did not join in time
@@ -235,3 +245,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -28,8 +29,10 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.router.serve_args import add_serve_arguments, check_serve_args, gpu_shortfall
+from pdserve.router.worker_refs import WorkerStartFailed
 
 log = logging.getLogger("pdserve.serve")
 # Streams the router keeps open on one worker at most: a worker serves gRPC from a pool of
@@ -118,6 +121,36 @@ def _cluster_secret(args: argparse.Namespace) -> str:
         else new_cluster_secret()
 
 
+class ModelRefused(Exception):
+    """A model (or MTP head) that no worker could load, named with its flag (exit 2)."""
+
+
+def _check_model(args: argparse.Namespace):
+    """The router's frontend (config, tokenizer) for --model; ModelRefused when the model,
+    its weight files (on this machine; a joined cluster may keep them on the worker nodes
+    only) or the MTP head for --speculative cannot load."""
+    from pdserve.engine.core.config import ConfigError
+    from pdserve.engine.model.loader import resolve_model
+    from pdserve.engine.model.weights import WeightsError, safetensors_files
+    from pdserve.engine.spec.mtp_head import check_mtp_head
+    from pdserve.router.frontend import load_frontend
+
+    try:
+        frontend = load_frontend(args.model, args.max_model_len, args.served_model_name,
+                                 args.tool_call_parser)
+        source = resolve_model(args.model)
+        if source.kind == "hf" and not args.address:
+            safetensors_files(Path(source.path))
+    except (ConfigError, WeightsError) as e:
+        raise ModelRefused(f"--model: {str(e).removeprefix('model: ')}") from e
+    if args.speculative and not (args.address and args.mtp_head):
+        try:  # a head that cannot load fails here, not in every worker
+            check_mtp_head(source, frontend.config, args.mtp_head)
+        except ConfigError as e:
+            raise ModelRefused(f"--speculative: {str(e).removeprefix('speculative: ')}") from e
+    return frontend
+
+
 class LaunchRefused(Exception):
     """What the cluster cannot run, said before any worker starts (exit status 2)."""
 
@@ -182,6 +215,8 @@ class Stack:
     grpc_server: object
     http_port: int
     grpc_port: int
+    # set by a second SIGINT/SIGTERM: the drain stops waiting for requests in flight
+    hurry: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 async def start_stack(refs: list, frontend, cfg, *, cluster_secret: str, host: str = "127.0.0.1",
@@ -222,11 +257,18 @@ async def start_stack(refs: list, frontend, cfg, *, cluster_secret: str, host: s
 async def stop_stack(stack: Stack, drain_timeout_s: float, shutdown_workers: bool) -> None:
     """Drain (new requests get 503; in-flight ones finish up to the timeout), then stop."""
     core = stack.core
-    _say(f"pdserve: draining ({core.inflight} requests in flight, up to {drain_timeout_s:.0f} s)")
+    _say(f"pdserve: draining ({core.inflight} requests in flight, up to {drain_timeout_s:.0f} s;"
+         " Ctrl-C again to stop now)")
     core.start_drain()
-    if not await core.wait_idle(drain_timeout_s):
+    hurry = asyncio.create_task(stack.hurry.wait())
+    idle = asyncio.create_task(core.wait_idle(drain_timeout_s))
+    await asyncio.wait({hurry, idle}, return_when=asyncio.FIRST_COMPLETED)
+    hurry.cancel()
+    if not (idle.done() and idle.result()):
+        idle.cancel()
         cut = core.cut_all()
-        _say(f"pdserve: drain timeout: {cut} requests still in flight end with an error")
+        why = "stopping now" if stack.hurry.is_set() else "drain timeout"
+        _say(f"pdserve: {why}: {cut} requests still in flight end with an error")
         await core.wait_idle(5.0)  # each stream sends its error chunk and [DONE]
     stack.http.should_exit = True
     await asyncio.gather(stack.http_task, return_exceptions=True)
@@ -255,21 +297,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from pdserve.proto.rpc import TLSConfig
     from pdserve.router.core import RouterConfig
-    from pdserve.router.frontend import load_frontend
 
-    frontend = load_frontend(args.model, args.max_model_len, args.served_model_name,
-                             args.tool_call_parser)
-    if args.speculative and not (args.address and args.mtp_head):
-        # a head that cannot load fails here, not in every worker
-        from pdserve.engine.core.config import ConfigError
-        from pdserve.engine.model.loader import resolve_model
-        from pdserve.engine.spec.mtp_head import check_mtp_head
-
-        try:
-            check_mtp_head(resolve_model(args.model), frontend.config, args.mtp_head)
-        except ConfigError as e:
-            print(f"pdserve serve: --speculative: {e}", file=sys.stderr)
-            return 2
+    try:  # what every worker would fail on, said once, before Ray and the workers start
+        frontend = _check_model(args)
+    except ModelRefused as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
     from pdserve.router.cli import check_tp
 
     problem = check_tp(args, frontend.config)
@@ -292,21 +325,29 @@ async def _serve(args: argparse.Namespace) -> int:
                            prefill_timeout_s=args.prefill_timeout,
                            router_id=router_id, log_requests=args.log_requests)
         tls = TLSConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
-        stack = await start_stack(refs, frontend, cfg, cluster_secret=secret, host=args.host,
-                                  port=args.port,
-                                  grpc_port=args.grpc_port, api_key=args.api_key, tls=tls,
-                                  capacity=max(1, min(args.max_num_seqs, WORKER_STREAMS)),
-                                  startup_timeout_s=args.startup_timeout,
-                                  progress=_progress(), log_level=args.log_level)
+        try:
+            stack = await start_stack(refs, frontend, cfg, cluster_secret=secret,
+                                      host=args.host, port=args.port,
+                                      grpc_port=args.grpc_port, api_key=args.api_key, tls=tls,
+                                      capacity=max(1, min(args.max_num_seqs, WORKER_STREAMS)),
+                                      startup_timeout_s=args.startup_timeout,
+                                      progress=_progress(), log_level=args.log_level)
+        except WorkerStartFailed as e:
+            print(f"pdserve serve: {e}", file=sys.stderr)
+            return 1
+        except TimeoutError as e:
+            print(f"pdserve serve: {e} (--startup-timeout)", file=sys.stderr)
+            return 1
         refs = []  # the stack owns them now
         _print_ready(args, frontend.model_id, stack, tls is not None)
         lost = await _until_signal(stack, args.exit_after_unavailable)
         await stop_stack(stack, args.drain_timeout, shutdown_workers=True)
         return 3 if lost else 0
     finally:
-        for ref in refs:  # startup failed: do not leave actors behind
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(ref.shutdown(), 10)
+        # startup failed or was interrupted: no actor left behind, all at once (one still
+        # loading gets a few seconds to stop, then is killed)
+        await asyncio.gather(*(asyncio.wait_for(ref.shutdown(), 3) for ref in refs),
+                             return_exceptions=True)
         ray.shutdown()
         if head is not None:
             _say("pdserve: stopping Ray")
@@ -347,6 +388,8 @@ async def _until_signal(stack: Stack, exit_after_unavailable_s: float) -> bool:
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for t in waiters - {stack.http_task}:
         t.cancel()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a second one: stop draining now
+        loop.add_signal_handler(sig, stack.hurry.set)
     return watchdog is not None and watchdog.done() and not watchdog.cancelled()
 
 

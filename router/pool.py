@@ -25,7 +25,7 @@ import grpc
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_aio_channel
-from pdserve.router.worker_refs import WorkerRef
+from pdserve.router.worker_refs import WorkerRef, WorkerStartFailed
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,8 @@ class WorkerPool:
         """Re-read endpoints; reconnect on a new incarnation; close the breaker on good health."""
         try:
             ep = await asyncio.wait_for(w.ref.endpoints(), timeout_s)
+        except WorkerStartFailed:
+            raise  # it would fail again: startup ends (start's caller says why)
         except Exception as e:  # noqa: BLE001 - actor restarting or dead: stay down, probe later
             log.info("worker %s: endpoints unavailable: %r", w.worker_id, e)
             return False

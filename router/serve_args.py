@@ -100,6 +100,14 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
     for flag, v in (("--port", args.port), ("--grpc-port", args.grpc_port)):
         if not 0 <= v <= 65535:
             return f"{flag}: must be a port number, got {v}"
+    if args.port == args.grpc_port != 0:
+        return f"--grpc-port: {args.grpc_port} is --port's too (HTTP and gRPC need one each)"
+    if args.device is not None and args.device not in ("cpu", "cuda"):
+        return f"--device: must be cpu or cuda, got {args.device!r}"
+    for flag, v in (("--max-model-len", args.max_model_len), ("--num-blocks", args.num_blocks),
+                    ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if v is not None and v < 1:
+            return f"{flag}: must be >= 1, got {v}"
     if bool(args.tls_cert) != bool(args.tls_key):
         return "--tls-cert/--tls-key: give both or neither"
     for flag, v in (("--max-inflight", args.max_inflight), ("--max-num-seqs", args.max_num_seqs),

@@ -13,6 +13,11 @@ from typing import Protocol
 log = logging.getLogger(__name__)
 
 
+class WorkerStartFailed(RuntimeError):
+    """A worker that never came up failed in its constructor (a model its process cannot
+    load, a bad device): launching it again would fail the same way, so startup ends here."""
+
+
 class WorkerRef(Protocol):
     worker_id: str
     role: str
@@ -56,7 +61,8 @@ class RayWorkerRef:
     relaunch, after a backoff that
     doubles from `backoff_s` up to `max_backoff_s` with each restart in a row (it starts over
     once a worker has served for `stable_s`). So a pool that lost every worker keeps coming
-    back, however often it dies; `max_restarts` (-1 = no limit) can end that.
+    back, however often it dies; `max_restarts` (-1 = no limit) can end that. A worker whose
+    very first launch fails in its constructor is not relaunched: WorkerStartFailed.
     """
 
     def __init__(self, actor, worker_id: str, role: str,
@@ -70,16 +76,21 @@ class RayWorkerRef:
         self._in_a_row = 0
         self._next_at = 0.0  # monotonic time of the next allowed launch
         self._up_since: float | None = None
+        self._ever_up = False
 
     async def endpoints(self) -> dict:
         import ray
 
         try:
             ep = await self.actor.endpoints.remote()
-        except ray.exceptions.ActorDiedError:
+        except ray.exceptions.ActorDiedError as e:
             self._up_since = None
+            if not self._ever_up and getattr(e, "actor_init_failed", False):
+                raise WorkerStartFailed(f"worker {self.worker_id} failed to start: "
+                                        f"{_last_line(str(e))}") from e
             self._maybe_relaunch()
             raise
+        self._ever_up = True
         now = time.monotonic()
         self._up_since = self._up_since or now
         if now - self._up_since >= self._backoff[2]:
@@ -121,3 +132,9 @@ class RayWorkerRef:
             await self.actor.shutdown.remote()
         finally:
             ray.kill(self.actor, no_restart=True)
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a Ray error's text (its traceback comes first)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else text

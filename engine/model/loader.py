@@ -102,10 +102,14 @@ def resolve_model(name_or_path: str | None) -> ModelSource:
         raise ConfigError(f"model: {str(path)!r} is neither a .gguf file nor a model folder")
     if is_preset(name_or_path):
         return ModelSource("preset", name_or_path.lower(), preset=name_or_path.lower())
+    hub = ("; pdserve does not download: fetch it first (huggingface-cli download "
+           f"{name_or_path} --local-dir DIR) and pass DIR"
+           if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
+           else "")
     raise ConfigError(
         f"model: {name_or_path!r} is not an existing .gguf file or Hugging Face folder, nor a "
         f"known preset; known presets: {', '.join(preset_names())}; "
-        f"default (no --model): {EMBEDDED_MODEL}")
+        f"default (no --model): {EMBEDDED_MODEL}{hub}")
 
 
 def load_model(source: ModelSource | str | None, dtype: torch.dtype | str = torch.float32,

@@ -343,7 +343,7 @@ def resolve_mtp_head(source: object, cfg: ModelConfig, dtype: torch.dtype,
         head = load_mtp_head(shipped, cfg, dtype, device, backend)
         return head, head.config, f"file:{file_digest(shipped)}"
     raise ConfigError(f"speculative: model {name!r} has no MTP layers and no trained head in "
-                      f"{HEADS_DIR}; train one with `pdserve train-mtp` and pass mtp_head=PATH")
+                      f"{HEADS_DIR}; train one with `pdserve train-mtp` and pass it (mtp_head, --mtp-head)")
 
 
 def check_mtp_head(source: object, cfg: ModelConfig, path: str | Path | None = None) -> str:
@@ -363,4 +363,4 @@ def check_mtp_head(source: object, cfg: ModelConfig, path: str | Path | None = N
         check_head_file(shipped, cfg)
         return f"shipped head {shipped.name}"
     raise ConfigError(f"speculative: model {name!r} has no MTP layers and no trained head in "
-                      f"{HEADS_DIR}; train one with `pdserve train-mtp` and pass mtp_head=PATH")
+                      f"{HEADS_DIR}; train one with `pdserve train-mtp` and pass it (mtp_head, --mtp-head)")

@@ -98,6 +98,9 @@ def test_bad_arguments_name_the_field(args, field, capsys):
     assert field in capsys.readouterr().err
 
 
-def test_server_without_models_needs_model_flag(capsys):
+def test_an_unreachable_server_is_named_before_any_request(capsys):
     rc = pdserve_main(["bench", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"])
-    assert rc == 2 and "--model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "--base-url: cannot reach http://127.0.0.1:9/v1/models" in err, err
+    rc = pdserve_main(["bench", "--base-url", "localhost:9", "--num-prompts", "1"])  # no scheme
+    assert rc == 2 and "--base-url" in capsys.readouterr().err

@@ -162,7 +162,8 @@ def test_unreachable_server_is_an_error_not_a_crash():
                              timeout_s=5.0)
     [res] = loadgen.run_load([RequestSpec("a", 1, 1)], cfg).results
     assert not res.success and "ConnectError" in res.error
-    assert loadgen.fetch_models("http://127.0.0.1:9", timeout_s=5.0) == []
+    with pytest.raises(OSError, match="--base-url: cannot reach http://127.0.0.1:9/v1/models"):
+        loadgen.fetch_models("http://127.0.0.1:9", timeout_s=5.0)
 
 
 def test_fetch_models_lists_server_model(server):

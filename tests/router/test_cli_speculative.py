@@ -40,6 +40,7 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["--draft-vocab", "4096"], "--draft-vocab"),
     (["--speculative", "mtp", "--draft-vocab", "-1"], "--draft-vocab"),
     (["--speculative", "mtp", "--draft-vocab", "many"], "--draft-vocab"),
+    (["--device", "gpu"], "--device"),
 ])
 def test_bad_speculative_flags_name_the_flag(command, args, flag, capsys) -> None:
     argv = [command, *(["hello"] if command == "generate" else []), *args]

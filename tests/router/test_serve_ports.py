@@ -48,6 +48,11 @@ def test_a_second_grpc_server_cannot_share_a_port() -> None:
     (["--exit-after-unavailable", "nan"], "--exit-after-unavailable"),
     (["--prefill-timeout", "0"], "--prefill-timeout"),
     (["--node-label", "pdserve role"], "--node-label"),
+    (["--port", "18123", "--grpc-port", "18123"], "--grpc-port"),
+    (["--device", "gpu"], "--device"),
+    (["--max-model-len", "-5"], "--max-model-len"),
+    (["--num-blocks", "0"], "--num-blocks"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
     (["--node-label", ""], "--node-label"),
     (["--cluster-secret-file", "/nonexistent/secret"], "--cluster-secret-file"),
 ])
@@ -88,3 +93,30 @@ def test_exit_after_unavailable_waits_out_the_grace_period() -> None:
         return while_up, watch.done()
 
     assert asyncio.run(main()) == (False, True)
+
+
+def test_a_model_no_worker_could_load_is_refused_before_ray_starts(tmp_path) -> None:
+    """Said once by `pdserve serve`, exit 2, naming --model: a folder whose config.json is
+    fine but whose weights are missing (every worker would fail on it), a Hub id (pdserve
+    does not download), a path that does not exist."""
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 128,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}))
+    for model, says in ((str(folder), "no model.safetensors"),
+                        ("Qwen/Qwen3-0.6B", "huggingface-cli download Qwen/Qwen3-0.6B"),
+                        (str(tmp_path / "nothing"), "is not an existing")):
+        proc = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "serve", "--model",
+                               model, "--port", "0", "--grpc-port", "0"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (model, proc.stdout, proc.stderr)
+        assert proc.stderr.startswith("pdserve serve: --model: ") and says in proc.stderr, \
+            proc.stderr
+        assert "Traceback" not in proc.stderr and "starting Ray" not in proc.stdout

@@ -37,3 +37,26 @@ def test_a_worker_is_not_placed_on_a_node_without_its_pools_label() -> None:
             ray.get(actor.ping.remote(), timeout=5)
     finally:
         ray.kill(actor, no_restart=True)
+
+
+def test_a_worker_that_fails_in_its_constructor_is_not_relaunched() -> None:
+    """Its first launch failed in __init__ (a model its process cannot load): launching it
+    again would fail the same way, so the pool's start ends with the worker's own error
+    instead of relaunching it until --startup-timeout."""
+    import asyncio
+
+    from pdserve.router.worker_refs import RayWorkerRef, WorkerStartFailed
+
+    start_ray()
+    cfg = WorkerConfig.of("decode", "broken-d", SECRET, model="/nonexistent/model",
+                          metrics_port=0)
+    launches = []
+
+    def launch(generation: int = 0):
+        launches.append(generation)
+        return launch_worker(cfg, num_cpus=0, generation=generation)
+    ref = RayWorkerRef(launch(), "broken-d", "decode", launch=launch)
+    with pytest.raises(WorkerStartFailed, match="broken-d failed to start: .*/nonexistent/model"):
+        asyncio.run(asyncio.wait_for(ref.endpoints(), 120))
+    assert launches == [0]  # not relaunched
+    ray.kill(ref.actor, no_restart=True)
