@@ -44,6 +44,10 @@ class RouterThread:
     def call(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def call_soon(self, coro):
+        """coro on the router's loop, without waiting: its concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def stop(self) -> None:
         from pdserve.router.launch import stop_stack
 
