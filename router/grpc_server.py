@@ -150,9 +150,20 @@ class PdserveServicer(pbg.PdserveServicer):
         core = self.core
         ws = list(core.pool.workers.values())
         status = core.status()  # as HTTP /health says it
-        return pb.HealthResponse(status=status, role="router", worker_id=core.cfg.router_id,
-                                 num_running=sum(w.inflight for w in ws),
-                                 num_waiting=max(0, core.inflight - sum(w.inflight for w in ws)))
+        # the pool's KV, summed over the workers that are up, as their last health polls saw
+        # it; kv_cache_usage is the fullest decode worker's (what admission runs into)
+        seen = [w.health for w in ws if w.up and w.health is not None]
+        decode = [w.health.kv_cache_usage for w in ws if w.up and w.health is not None
+                  and w.role in ("decode", "colocated")]
+        return pb.HealthResponse(
+            status=status, role="router", worker_id=core.cfg.router_id,
+            num_running=sum(w.inflight for w in ws),
+            num_waiting=max(0, core.inflight - sum(w.inflight for w in ws)),
+            num_free_blocks=sum(h.num_free_blocks for h in seen),
+            num_total_blocks=sum(h.num_total_blocks for h in seen),
+            num_pinned_blocks=sum(h.num_pinned_blocks for h in seen),
+            num_held_requests=sum(h.num_held_requests for h in seen),
+            kv_cache_usage=max(decode, default=0.0))
 
 
 def _named_as_in_proto(e: InvalidRequestError) -> BadRequest:

@@ -328,7 +328,12 @@ def test_grpc_refuses_what_http_refuses_and_reports_health_alike(cluster):
                                 params=pb.SamplingParams(max_tokens=2))
         assert list(stub.Generate(ok, metadata=auth_metadata(KEY), timeout=30))[0].request_id \
             == "client-7.a:b"
-        assert stub.Health(pb.HealthRequest(), timeout=10).status == "ok"
+        health = stub.Health(pb.HealthRequest(), timeout=10)
+        assert health.status == "ok"
+        # the pool's KV as the workers' last health polls say it (3 fake workers)
+        polled = [w.health for w in rt.core.pool.workers.values()]
+        assert health.num_total_blocks == sum(h.num_total_blocks for h in polled) > 0
+        assert health.num_free_blocks == sum(h.num_free_blocks for h in polled)
         decode = rt.core.pool.workers["hd0"]
         # as the pool marks a dead decode worker (no probe for a minute: its health polls
         # would close the breaker again)
