@@ -187,7 +187,8 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
         for i in range(count):
             cfg = WorkerConfig(role=role, worker_id=f"{role}-{i}", cluster_secret=cluster_secret,
                                engine=role_engine, host=args.worker_host,
-                               lease_ttl_s=args.lease_ttl, tp_timeout_s=args.tp_timeout)
+                               lease_ttl_s=args.lease_ttl, tp_timeout_s=args.tp_timeout,
+                               log_level=args.log_level)
             # restarts are the pool's (RayWorkerRef), with backoff and no limit by default; a
             # TP worker's launch returns its rank 0 and relaunches the whole group
             launch = functools.partial(launch_worker if tp == 1 else launch_tp_worker, cfg,

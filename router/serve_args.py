@@ -78,7 +78,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
            "supervisor restarts the whole server (default 0: never; the pool keeps restarting)")
     a("--startup-timeout", type=float, default=900.0, help="wait this long for workers (s)")
     a("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for requests (s)")
-    a("--log-level", default="warning")
+    a("--log-level", default="warning", choices=("debug", "info", "warning", "error", "critical"),
+      help="the router's and the workers' logging (default warning)")
     a("--log-requests", action="store_true",
       help="log one JSON line per finished completion (logger pdserve.trace, at any --log-level): "
            "its prefill and decode workers, retries, and the time of each stage across the split")
@@ -155,6 +156,9 @@ def gpu_shortfall(args: argparse.Namespace, gpus: float) -> str | None:
         asked += f" (TP {' and '.join(str(tps[role]) for role, _ in roles)})"
     if gpus >= need:
         return None
+    if gpus < 1:
+        return (f"--device cuda: this Ray cluster has no GPU ({asked} needs {need}); run on "
+                "CPU (--device cpu) or join a cluster with GPUs (--address)")
     return (f"{asked}: needs {need} GPUs, one per worker rank, and this Ray cluster has "
             f"{gpus:g}. On one GPU serve with --colocated; or join a larger cluster "
             "(--address), or run on CPU (--device cpu)")

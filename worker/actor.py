@@ -66,7 +66,7 @@ class WorkerActor:
         bind_ucx(cfg.host)
         from pdserve.worker.server import Worker  # after the Triton mode is set
 
-        logging.basicConfig(level=logging.INFO)
+        logging.basicConfig(level=cfg.log_level.upper())
         self.w = Worker(cfg).start()
         self._stopping = False
         # a dead engine loop must not leave a live process that answers Ray's ping (the

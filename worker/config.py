@@ -16,6 +16,7 @@ from pdserve.kv_transfer.transport import TRANSPORTS
 from pdserve.proto.rpc import check_cluster_secret
 
 ROLES = ("prefill", "decode", "colocated")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # host "node": each worker binds and advertises its own Ray node's address (multi-node
 # clusters: one flag for workers that land on different machines)
 NODE_HOST = "node"
@@ -38,6 +39,7 @@ class WorkerConfig:
     tp_timeout_s: float = 60.0
     kv_transport: str = "nixl"  # kv_transfer.transport.TRANSPORTS: "nixl" | "inproc"
     faults: FaultConfig = field(default_factory=FaultConfig)  # test switches, off by default
+    log_level: str = "info"  # the worker process's logging (pdserve serve passes --log-level)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -58,6 +60,8 @@ class WorkerConfig:
                              f"(use 'nixl')")
         if not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s: must be > 0, got {self.tp_timeout_s}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport: must be one of {sorted(TRANSPORTS)}, "
                              f"got {self.kv_transport!r}")

@@ -129,7 +129,7 @@ class RankActor:
 
         cfg = cfg.on_node()
         bind_ucx(cfg.host)  # before the transport creates its NIXL agent
-        logging.basicConfig(level=logging.INFO)
+        logging.basicConfig(level=cfg.log_level.upper())
         self._model = FollowerRank.start(cfg, self._cfg(address))
         return self.rank
 

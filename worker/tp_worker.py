@@ -58,7 +58,7 @@ class TPWorkerActor(WorkerActor):
         select_triton_mode()
         cfg = cfg.on_node()
         bind_ucx(cfg.host)
-        logging.basicConfig(level=logging.INFO)
+        logging.basicConfig(level=cfg.log_level.upper())
         self.cfg, self.followers, self.pg_name = cfg, followers, pg_name
         self._stopping = False
         try:

@@ -30,8 +30,12 @@ def test_one_gpu_per_worker_rank(flags: tuple[str, ...], need: int) -> None:
     args = _args(*flags)
     assert gpu_shortfall(args, need) is None
     short = gpu_shortfall(args, need - 1)
-    assert short is not None and f"needs {need} GPUs" in short and f"has {need - 1}" in short
-    assert "--colocated" in short and "--device cpu" in short
+    if need > 1:
+        assert short is not None and f"needs {need} GPUs" in short and f"has {need - 1}" in short
+        assert "--colocated" in short and "--device cpu" in short
+    none = gpu_shortfall(args, 0)  # no GPU at all: --colocated would not help either
+    assert none.startswith("--device cuda: this Ray cluster has no GPU") and f"needs {need})" \
+        in none and "--device cpu" in none and "--colocated" not in none
 
 
 def test_serve_on_cuda_without_the_gpus_exits_2_before_any_worker() -> None:
@@ -40,5 +44,6 @@ def test_serve_on_cuda_without_the_gpus_exits_2_before_any_worker() -> None:
                           "--port", "0", "--grpc-port", "0"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stdout + res.stderr
-    assert "--prefill 1 --decode 1: needs 2 GPUs" in res.stderr
+    assert "--device cuda: this Ray cluster has no GPU (--prefill 1 --decode 1 needs 2)" \
+        in res.stderr
     assert "launched" not in res.stdout

@@ -60,3 +60,12 @@ def test_a_worker_that_fails_in_its_constructor_is_not_relaunched() -> None:
         asyncio.run(asyncio.wait_for(ref.endpoints(), 120))
     assert launches == [0]  # not relaunched
     ray.kill(ref.actor, no_restart=True)
+
+
+@pytest.mark.parametrize("field, value", [("log_level", "loud"), ("lease_ttl_s", 0.0),
+                                          ("kv_transport", "carrier-pigeon"),
+                                          ("role", "router")])
+def test_worker_config_names_a_bad_field(field, value) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        WorkerConfig.of("decode" if field != "role" else value, "w", SECRET,
+                        **({} if field == "role" else {field: value}))
