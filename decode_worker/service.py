@@ -143,7 +143,7 @@ class DecodeService:
         try:
             if req.HasField("prefill"):
                 first, blocks = self._admit(state, context, self._admit_remote, req, params,
-                                            context, start)
+                                            context, start, q)
                 admitted, m = time.monotonic() - start, self.rt.metrics
                 m.decode_queue_stage.labels(**m.labels).observe(admitted)
                 yield self._to_proto(first, pb.StageTimes(decode_queue=admitted))
@@ -160,7 +160,7 @@ class DecodeService:
                     return
                 yield pb.DecodeOutput(request_id=rid, stages=stages)
             else:
-                self._admit(state, context, self._admit_local, req, params, context, start)
+                self._admit(state, context, self._admit_local, req, params, context, start, q)
             yield from self._stream(q, rid, deadline, context, state)
         finally:
             loop.unsubscribe(rid, q)
@@ -194,22 +194,23 @@ class DecodeService:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
 
     def _admit_local(self, req: pb.DecodeRequest, params: SamplingParams, context,
-                     arrival: float) -> None:
+                     arrival: float, q: queue.Queue) -> None:
         if params.n > 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n: the router fans n > 1 out")
         try:
             # resume_output_ids: a stream continued after its decode worker died (the router
             # sends the tokens the client already has; the engine treats them as output)
-            self.rt.loop.call(lambda e: self.rt.metrics.track(e, arrival, e.add_request(
-                list(req.prompt_token_ids), params, request_id=req.request_id,
-                resume_output_ids=list(req.resume_output_ids))))
+            self.rt.loop.admit(req.request_id, q, lambda e: self.rt.metrics.track(
+                e, arrival, e.add_request(list(req.prompt_token_ids), params,
+                                          request_id=req.request_id,
+                                          resume_output_ids=list(req.resume_output_ids))))
         except DuplicateRequestError:
             raise
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _admit_remote(self, req: pb.DecodeRequest, params: SamplingParams, context,
-                      arrival: float) -> tuple[RequestOutput, list[int]]:
+                      arrival: float, q: queue.Queue) -> tuple[RequestOutput, list[int]]:
         kv = req.prefill.kv
         if self._peer_stub(kv.worker_id, kv.incarnation) is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -226,7 +227,7 @@ class DecodeService:
             return admitted
 
         try:
-            blocks, first = self.rt.loop.call(admit)
+            blocks, first = self.rt.loop.admit(req.request_id, q, admit)
         except DuplicateRequestError:
             raise
         except InvalidRequestError as e:

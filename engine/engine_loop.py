@@ -6,7 +6,10 @@ steps, and every request's outputs land on its own queue.Queue. A caller waits o
 queue with a deadline, so no wait is unbounded.
 
     loop.call(fn)          run fn(engine) on the loop thread, return its result (deadline)
-    loop.subscribe(rid)    -> queue that receives RequestOutput / Exception for rid
+    loop.subscribe(rid)    -> queue reserved for rid's outputs (the id is taken)
+    loop.admit(rid, q, fn) fn(engine) on the loop thread (the command that adds rid); rid's
+                           outputs reach q from then on: never an earlier request's under
+                           the same id that was still stepping when q was subscribed
 """
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ class EngineLoop:
                  on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
-        self._subs: dict[str, queue.Queue] = {}
+        self._subs: dict[str, queue.Queue] = {}  # reserved ids (subscribe)
+        self._live: dict[str, queue.Queue] = {}  # of those, the admitted ones (admit)
         self._subs_lock = threading.Lock()
         self._idle_wait_s = idle_wait_s
         self._on_tick = on_tick  # periodic housekeeping on the loop thread (lease expiry)
@@ -89,6 +93,21 @@ class EngineLoop:
         with self._subs_lock:
             if q is None or self._subs.get(request_id) is q:
                 self._subs.pop(request_id, None)
+                self._live.pop(request_id, None)
+
+    def admit(self, request_id: str, q: queue.Queue, fn: Callable[[LLMEngine], T],
+              timeout_s: float = 30.0) -> T:
+        """call(fn) for the command that adds request_id, with its outputs going to `q` (its
+        subscription) from that command on. A stream that ended early lets go of its id
+        before the loop has aborted its request: a step in between still publishes that
+        request's outputs, which must not reach the next stream under the id. They are
+        published before this command runs (one thread), so they never reach `q`."""
+        def run(engine: LLMEngine) -> T:
+            with self._subs_lock:
+                if self._subs.get(request_id) is q:
+                    self._live[request_id] = q
+            return fn(engine)
+        return self.call(run, timeout_s)
 
     def abort_and_wake(self, request_id: str, q: queue.Queue | None) -> Future:
         """Queue: abort request_id, then put a finished "abort" output on `q` (the queue of
@@ -102,8 +121,9 @@ class EngineLoop:
         return self.submit(run)
 
     def publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """item to request_id's stream, once admitted (admit)."""
         with self._subs_lock:
-            q = self._subs.get(request_id)
+            q = self._live.get(request_id)
         if q is not None:
             q.put(item)
 

@@ -65,7 +65,7 @@ class PrefillService:
         try:
             deadline = arrival + (req.timeout_s or 60.0)
             try:  # queued behind the loop's current step, which can be long (CPU, big chunks)
-                loop.call(lambda e: self.rt.metrics.track(e, arrival, e.add_request(
+                loop.admit(rid, q, lambda e: self.rt.metrics.track(e, arrival, e.add_request(
                     list(req.prompt_token_ids), local, request_id=rid, hold_blocks=wants_decode)),
                     timeout_s=max(0.001, deadline - time.monotonic()))
             except DuplicateRequestError as e:  # the engine still holds the id (a lease):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import types
 
 import pytest
@@ -51,7 +52,8 @@ def test_requests_added_by_command_stream_what_the_engine_generates(engine) -> N
     try:
         subs = [loop.subscribe(f"r{i}") for i in range(len(prompts))]
         for i, prompt in enumerate(prompts):  # the idle loop wakes on each command
-            loop.call(lambda e, i=i, p=prompt: e.add_request(p, GREEDY, request_id=f"r{i}"))
+            loop.admit(f"r{i}", subs[i],
+                       lambda e, i=i, p=prompt: e.add_request(p, GREEDY, request_id=f"r{i}"))
         # a second subscriber under a live id would take r0's outputs: refused, r0 unharmed
         with pytest.raises(DuplicateRequestError, match="request_id: 'r0' is already in use"):
             loop.subscribe("r0")
@@ -60,7 +62,7 @@ def test_requests_added_by_command_stream_what_the_engine_generates(engine) -> N
         # a stream whose RPC ended early: aborted on the loop, then its handler woken
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         q = loop.subscribe("gone")
-        loop.call(lambda e: e.add_request(prompts[0], long, request_id="gone"))
+        loop.admit("gone", q, lambda e: e.add_request(prompts[0], long, request_id="gone"))
         loop.abort_and_wake("gone", q).result(timeout=60)
         assert len(_drain(q)) < long.max_tokens  # ended by the abort, not by max_tokens
         assert not loop.call(lambda e: e.has_unfinished())
@@ -69,6 +71,20 @@ def test_requests_added_by_command_stream_what_the_engine_generates(engine) -> N
             loop.subscribe("gone")
         loop.unsubscribe("gone", q)
         loop.subscribe("gone")  # the id is free again
+        loop.unsubscribe("gone")
+        # a stream that let go of its id while its request still steps: the next stream
+        # under the id gets none of that request's outputs, only its own request's
+        old = loop.subscribe("again")
+        loop.admit("again", old, lambda e: e.add_request(prompts[1], long, request_id="again"))
+        loop.unsubscribe("again", old)  # before the loop aborted it
+        new = loop.subscribe("again")
+        deadline = time.monotonic() + 60  # the old request steps on, publishing its outputs
+        while len(loop.call(lambda e: e.scheduler.get_request("again").output_token_ids)) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        loop.abort_and_wake("again", None).result(timeout=60)
+        loop.admit("again", new, lambda e: e.add_request(prompts[0], GREEDY, request_id="again"))
+        assert _drain(new) == want[0]
     finally:
         loop.stop()
 
