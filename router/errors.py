@@ -27,6 +27,14 @@ class RouterError(Exception):
         self.retry_after_s = retry_after_s
         self.counted = False  # in request_failures already (RouterCore.count_failure)
 
+    def retry_after(self, default_s: float | None) -> str | None:
+        """Seconds to come back after, as Retry-After says them: e's own, else default_s for
+        a 429 or 503 (the router's configured one); None for errors that say no such thing."""
+        after = self.retry_after_s
+        if after is None and self.status in (429, 503):
+            after = default_s
+        return None if after is None else str(max(1, int(after)))
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}

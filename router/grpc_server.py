@@ -74,11 +74,9 @@ class PdserveServicer(pbg.PdserveServicer):
     def _abort(self, context: grpc.ServicerContext, e: RouterError) -> None:
         """e as a status; a refusal that says when to come back (429, 503) carries it as
         `retry-after` trailing metadata (seconds), as HTTP's Retry-After header."""
-        after = e.retry_after_s
-        if after is None and e.status in (429, 503):
-            after = self.core.cfg.retry_after_s
+        after = e.retry_after(self.core.cfg.retry_after_s)
         if after is not None:
-            context.set_trailing_metadata((("retry-after", str(max(1, int(after)))),))
+            context.set_trailing_metadata((("retry-after", after),))
         context.abort(e.grpc_code, e.message)
 
     async def _pump(self, job: Job, n: int, rid: str, q: queue.Queue) -> None:

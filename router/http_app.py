@@ -54,10 +54,8 @@ class ClientGone(Exception):
 def error_response(e: RouterError, retry_after_s: float | None = None) -> JSONResponse:
     """e's JSON body and status. A 429 or 503 always says when to come back: e's own
     Retry-After, else retry_after_s (the router's configured one)."""
-    after = e.retry_after_s
-    if after is None and e.status in (429, 503):
-        after = retry_after_s
-    headers = {"Retry-After": str(max(1, int(after)))} if after is not None else None
+    after = e.retry_after(retry_after_s)
+    headers = {"Retry-After": after} if after is not None else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
