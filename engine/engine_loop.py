@@ -54,6 +54,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal: BaseException | None = None
         self.died = threading.Event()  # set once fatal is: a host process may end itself
+        # monotonic time the loop last came round (an idle loop does every idle_wait_s):
+        # read from other threads, so a loop stuck in one step (a hung device) shows
+        self._beat = time.monotonic()
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -65,6 +68,11 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     # -- called from other threads -------------------------------------------------------
+
+    def busy_s(self) -> float:
+        """Seconds since the loop last came round: how long its current step or command
+        has run (about 0 for a loop that steps or idles normally)."""
+        return max(0.0, time.monotonic() - self._beat)
     def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
         if self.fatal is not None:
             raise EngineLoopError("engine loop died") from self.fatal
@@ -151,6 +159,7 @@ class EngineLoop:
         last_tick, idle = 0.0, True
         try:
             while not self._stop.is_set():
+                self._beat = time.monotonic()
                 self._drain_commands(block=idle)
                 now = time.monotonic()
                 if self._on_tick is not None and now - last_tick >= TICK_S:

@@ -9,6 +9,8 @@ frozen; the injector keeps thread-safe counters so tests can assert exactly what
     FaultInjector(FaultConfig(fail_prob=0.1, seed=7))
     FaultInjector(FaultConfig(delay_s=0.5))        # every transfer completes >= 0.5 s late
     FaultInjector(FaultConfig(drop_release_prob=1.0))  # every lease release is swallowed
+    FaultInjector(FaultConfig(stall_loop_s=30))    # the engine loop stops once for 30 s
+                                                   # with requests in it (a hung device)
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class FaultConfig:
     seed: int = 0
     delay_s: float = 0.0  # each transfer completes no earlier than this after it is posted
     drop_release_prob: float = 0.0  # swallow lease releases with this probability
+    stall_loop_s: float = 0.0  # the worker's engine loop stops once this long, with work in it
 
     def __post_init__(self) -> None:
         for name in ("fail_nth", "fail_every"):
@@ -40,9 +43,11 @@ class FaultConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
-        if not isinstance(self.delay_s, (int, float)) or not math.isfinite(self.delay_s) \
-                or self.delay_s < 0:
-            raise ValueError(f"delay_s: must be a finite number >= 0, got {self.delay_s!r}")
+        for name in ("delay_s", "stall_loop_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                    or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> FaultConfig:
@@ -57,7 +62,7 @@ class FaultConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.fail_nth or self.fail_every or self.fail_prob or self.delay_s
-                    or self.drop_release_prob)
+                    or self.drop_release_prob or self.stall_loop_s)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class FaultInjector:
         self.delayed = 0  # transfers delayed
         self.releases = 0  # releases seen
         self.dropped_releases = 0  # releases swallowed
+        self.loop_stalls = 0  # engine-loop stalls taken (stall_loop_s; at most one)
 
     def on_transfer(self) -> TransferFault:
         c = self.config
@@ -102,3 +108,11 @@ class FaultInjector:
                     and self._rng.random() < self.config.drop_release_prob)
             self.dropped_releases += drop
         return drop
+
+    def take_loop_stall(self) -> float:
+        """Seconds the engine loop must stop now: stall_loop_s the first time, then 0."""
+        with self._lock:
+            if not self.config.stall_loop_s or self.loop_stalls:
+                return 0.0
+            self.loop_stalls += 1
+        return float(self.config.stall_loop_s)

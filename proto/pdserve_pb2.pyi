@@ -230,7 +230,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "worker_id", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_pinned_blocks", "kv_cache_usage", "num_held_requests")
+    __slots__ = ("status", "role", "worker_id", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_pinned_blocks", "kv_cache_usage", "num_held_requests", "loop_busy_s")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class HealthResponse(_message.Message):
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     worker_id: str
@@ -253,7 +254,8 @@ class HealthResponse(_message.Message):
     num_pinned_blocks: int
     kv_cache_usage: float
     num_held_requests: int
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_held_requests: _Optional[int] = ...) -> None: ...
+    loop_busy_s: float
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_held_requests: _Optional[int] = ..., loop_busy_s: _Optional[float] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("worker_id", "incarnation", "block_ids", "num_tokens", "compat_hash", "lease_generation", "lease_deadline_unix")

@@ -41,6 +41,8 @@ class RouterConfig:
     retry_budget: int = 2  # re-dispatches per completion after worker failures
     request_timeout_s: float = 600.0  # default deadline of a request
     prefill_timeout_s: float = 60.0  # one prefill attempt, before retrying elsewhere
+    # a worker whose engine loop is this long in one step is down (router/pool.py _stalled)
+    stall_timeout_s: float = 120.0
     queue_timeout_s: float = 30.0  # give up waiting for a healthy decode worker after this
     retry_after_s: int = 1  # Retry-After on 429 / 503
     log_requests: bool = False  # one JSON line per finished completion (router/deltas.py Trace)
@@ -52,6 +54,9 @@ class RouterConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.retry_budget < 0 or self.disagg_threshold < 0:
             raise ValueError("retry_budget, disagg_threshold: must be >= 0")
+        for name in ("prefill_timeout_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
 
 
 @dataclass

@@ -12,6 +12,9 @@
     continue  D fails on its side after output started: another D (never that incarnation)
               runs the request locally from the tokens already sent (resume_output_ids), so
               nothing is lost or repeated; same retry budget; no other D up -> an error.
+    stall     a worker whose engine loop stays in one step past --stall-timeout (a hung GPU)
+              is marked down by the pool's health poll, which cancels the attempts on it:
+              retried on another P (or decode-only), or continued on another D.
 Every exit path frees what the request holds: a cancelled or failed attempt aborts the
 request on P (its held blocks) and cancels the Decode stream (D aborts on stream close).
 """
@@ -45,7 +48,7 @@ from pdserve.router.errors import (
 from pdserve.router.metrics import StageTimes
 from pdserve.router.planning import any_decode_up, plan_attempt
 from pdserve.router.policies import blocks_needed
-from pdserve.router.pool import WorkerState
+from pdserve.router.pool import WorkerState, stalled_cancel
 
 log = logging.getLogger(__name__)
 TRACE_LOG = logging.getLogger("pdserve.trace")  # --log-requests: one JSON line per completion
@@ -115,7 +118,7 @@ class ChoiceRun:
                     await self._wait_for_room(e, full)
                     excluded.add(e.worker_id)
                     continue
-                if e.reason == "decode" and self.sent_ids:  # never continue on it again
+                if e.reason in ("decode", "stalled") and self.sent_ids:  # not continued there
                     dead.add((e.worker_id, e.incarnation))
                 self.continued |= bool(self.sent_ids)
                 self.last_failure = str(e)
@@ -244,9 +247,12 @@ class ChoiceRun:
                                 params=self.proto_params, timeout_s=timeout)
         t0 = time.monotonic()
         call = p.stub.Prefill(req, timeout=timeout)
+        watch = self.pool.cancel_on_stall(p, call)
         try:
             res: pb.PrefillResult = await call
         except asyncio.CancelledError:
+            if stalled_cancel(watch):  # P aborts it on the cancel, once its loop comes round
+                raise Retry("stalled", p.worker_id, "its engine loop stalled") from None
             call.cancel()
             self.core.background(self._abort(p))
             raise
@@ -260,6 +266,8 @@ class ChoiceRun:
                 raise Retry("in_use", p.worker_id, e.details() or "") from e
             self.pool.report_failure(p, e.code())
             raise Retry("prefill", p.worker_id, f"{e.code().name}: {e.details()}") from e
+        finally:
+            watch.cancel()
         wall = time.monotonic() - t0
         st = res.stages  # the worker's own view; the rest of the RPC is queueing and network
         # worker-reported times are clipped to what the router saw, so stages sum to e2e
@@ -298,6 +306,7 @@ class ChoiceRun:
             req.prefill.CopyFrom(prefill)
         t0 = time.monotonic()
         call = d.stub.Decode(req, timeout=max(0.001, self.remaining()))
+        watch = self.pool.cancel_on_stall(d, call)
         held: list[pb.DecodeOutput] = []
         confirmed = prefill is None  # remote KV: hold output until the pull succeeded
         try:
@@ -321,9 +330,14 @@ class ChoiceRun:
             call.cancel()  # D aborts on stream close and releases P if it had not read yet
             if not confirmed and p is not None:
                 self.core.background(self._abort(p))
+            if stalled_cancel(watch):  # retried, or continued on another D
+                raise Retry("stalled", d.worker_id, "its engine loop stalled",
+                            d.incarnation) from None
             raise
         except grpc.aio.AioRpcError as e:
             await self._decode_failed(e, d, p, confirmed)
+        finally:
+            watch.cancel()
         # a worker-side failure too: retried, or continued when output had started
         raise Retry("decode", d.worker_id, f"ended {self.rid} without a finish", d.incarnation)
 

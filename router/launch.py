@@ -236,7 +236,9 @@ async def start_stack(refs: list, frontend, cfg, *, cluster_secret: str, host: s
     pool = WorkerPool(refs, cluster_secret=cluster_secret, capacity=capacity,
                       on_health=lambda w: metrics.worker_seen(
                           w.role, w.worker_id, w.up, w.health.kv_cache_usage if w.health else None,
-                          w.health.num_pinned_blocks if w.health else None))
+                          w.health.num_pinned_blocks if w.health else None,
+                          w.health.loop_busy_s if w.health else None),
+                      stall_timeout_s=cfg.stall_timeout_s)
     core = RouterCore(pool, frontend, cfg, metrics)
     pool.on_change = lambda w: core.prefill_policy.forget(w.worker_id)
     await pool.start(startup_timeout_s, progress=progress)
@@ -324,7 +326,8 @@ async def _serve(args: argparse.Namespace) -> int:
                            disagg_threshold=args.disagg_threshold, max_inflight=args.max_inflight,
                            retry_budget=args.retry_budget, request_timeout_s=args.request_timeout,
                            prefill_timeout_s=args.prefill_timeout,
-                           router_id=router_id, log_requests=args.log_requests)
+                           stall_timeout_s=args.stall_timeout, router_id=router_id,
+                           log_requests=args.log_requests)
         tls = TLSConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
         try:
             stack = await start_stack(refs, frontend, cfg, cluster_secret=secret,

@@ -18,7 +18,7 @@ LABELS = ("role", "worker")
 STAGES = ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")
 # label values exported at zero from startup, so dashboards and alerts see every series before
 # the first event (dispatch.Retry reasons; errors.RouterError codes, "internal" for code=None)
-RETRY_REASONS = ("prefill", "peer", "kv_transfer", "decode", "decode_full", "in_use")
+RETRY_REASONS = ("prefill", "peer", "kv_transfer", "decode", "decode_full", "in_use", "stalled")
 FAILURE_CODES = ("internal", "overloaded", "draining", "worker_unavailable", "no_healthy_worker",
                  "kv_transfer_failed", "request_timeout", "invalid_request")
 FINISH_REASONS = ("stop", "length")
@@ -83,6 +83,10 @@ class RouterMetrics:
                               LABELS, registry=reg)
         self.worker_pinned = Gauge(P + "router_worker_pinned_blocks",
                                    "blocks a prefill worker holds for readers", LABELS, registry=reg)
+        self.loop_busy = Gauge(P + "router_worker_loop_busy_seconds",
+                               "how long the worker's engine loop has been in its current step "
+                               "(0 for one that comes round; past --stall-timeout: down)",
+                               LABELS, registry=reg)
 
     def _precreate(self) -> None:
         """Create every child at zero: a labelled metric exports no sample until it has one."""
@@ -117,9 +121,11 @@ class RouterMetrics:
         self.failures.labels(**self.labels, code=code or "internal").inc()
 
     def worker_seen(self, role: str, worker_id: str, up: bool, kv_usage: float | None,
-                    pinned: int | None) -> None:
+                    pinned: int | None, loop_busy_s: float | None = None) -> None:
         lb = {"role": role, "worker": worker_id}
         self.worker_up.labels(**lb).set(1 if up else 0)
+        if loop_busy_s is not None:
+            self.loop_busy.labels(**lb).set(loop_busy_s)
         if kv_usage is not None:
             self.kv_usage.labels(**lb).set(kv_usage)
         if pinned is not None:

@@ -88,6 +88,10 @@ class WorkerState:
         self.retry_peer_at: dict[tuple[str, str], float] = {}
         self.peer_failures: dict[tuple[str, str], int] = {}  # in a row, for the backoff
         self._pending_blocks = 0  # reserved since the last health poll
+        # monotonic time its engine loop was seen stuck in one step past the pool's
+        # stall_timeout_s (None: not stalled); requests on it then go elsewhere
+        self.stalled_since: float | None = None
+        self.stall_restarted = False  # this stall already asked the worker's ref to restart it
 
     @property
     def up(self) -> bool:
@@ -132,11 +136,15 @@ class WorkerPool:
     def __init__(self, refs: list[WorkerRef], *, cluster_secret: str, capacity: int = 64,
                  poll_interval_s: float = 0.5, rpc_timeout_s: float = 5.0,
                  on_change: Callable[[WorkerState], None] | None = None,
-                 on_health: Callable[[WorkerState], None] | None = None) -> None:
+                 on_health: Callable[[WorkerState], None] | None = None,
+                 stall_timeout_s: float = 120.0) -> None:
         self.workers = {r.worker_id: WorkerState(r, capacity) for r in refs}
         self._cluster_secret = cluster_secret  # every call to a worker carries it
         self.poll_interval_s = poll_interval_s
         self.rpc_timeout_s = rpc_timeout_s
+        # a worker whose engine loop is this long in one step is down (its requests go
+        # elsewhere); twice this long, its ref restarts it (a Ray actor: a new incarnation)
+        self.stall_timeout_s = stall_timeout_s
         self.on_change = on_change  # a worker came back as a new incarnation (forget its cache)
         self.on_health = on_health  # after each poll of a worker (metrics)
         self._changed = asyncio.Event()  # replaced on each notify (see changed_event)
@@ -158,6 +166,17 @@ class WorkerPool:
         """Set at the next change (capacity freed, worker back). Take it before checking the
         pool, then wait on it: a change between the check and the wait is not lost."""
         return self._changed
+
+    def cancel_on_stall(self, w: WorkerState, call: grpc.aio.Call) -> asyncio.Task:
+        """A task that cancels `call`, an RPC on w, once w is marked stalled (its awaiter
+        then gets CancelledError: stalled_cancel tells it apart from its own cancellation).
+        Cancel the task when the call ends."""
+        async def watch() -> bool:
+            while w.stalled_since is None:
+                await self.changed_event().wait()  # no await between check and wait
+            call.cancel()
+            return True
+        return asyncio.create_task(watch(), name=f"stall-watch-{w.worker_id}")
 
     def _notify(self) -> None:
         event, self._changed = self._changed, asyncio.Event()
@@ -270,19 +289,43 @@ class WorkerPool:
         except grpc.aio.AioRpcError as e:
             await self._health_failed(w, e.code())
             return False
-        ok = h.status == "ok"
+        busy = h.status == "busy"  # inside one step: its other fields are its last snapshot
+        ok = h.status == "ok" or busy and h.loop_busy_s < self.stall_timeout_s
         if h.incarnation and h.incarnation != w.incarnation:
             w.breaker.failure(hard=True)  # a different process answers: re-read endpoints
             ok = False
-        w.health, w._pending_blocks = h, 0
+        w.health = h
+        if not busy:
+            w._pending_blocks = 0
         was_open = w.breaker.open
         if ok:
             w.breaker.success()
+            if w.stalled_since is not None:
+                log.warning("worker %s: its engine loop came round again", w.worker_id)
+                w.stalled_since, w.stall_restarted = None, False
             if was_open:
                 self._notify()
+        elif busy and h.incarnation == w.incarnation:
+            await self._stalled(w, h.loop_busy_s)
         if self.on_health:
             self.on_health(w)
         return ok
+
+    async def _stalled(self, w: WorkerState, busy_s: float) -> None:
+        """w's engine loop has been in one step past stall_timeout_s (a hung device or
+        collective): down now, so the requests on it move (router/dispatch.py watches
+        stalled_since); past twice that, restarted by its ref when it can be."""
+        if w.stalled_since is None:
+            log.error("worker %s stalled: its engine loop has been in one step for %.0f s "
+                      "(--stall-timeout %g s); its requests go to other workers", w.worker_id,
+                      busy_s, self.stall_timeout_s)
+            w.stalled_since = time.monotonic()
+        w.breaker.failure(hard=True)
+        self._notify()
+        if busy_s >= 2 * self.stall_timeout_s and not w.stall_restarted:
+            w.stall_restarted = True
+            if await w.ref.restart():
+                log.error("worker %s: still stalled after %.0f s: restarted", w.worker_id, busy_s)
 
     async def _health_failed(self, w: WorkerState, code: grpc.StatusCode) -> None:
         hard = code in HARD_CODES
@@ -318,6 +361,13 @@ class WorkerPool:
             for p in self.by_role("prefill"):
                 if not p.breaker.open:
                     await self.ensure_peer(p, w)
+
+
+def stalled_cancel(watch: asyncio.Task) -> bool:
+    """In an `except CancelledError` around a call watched by cancel_on_stall: True when the
+    watch cancelled the call (its worker stalled), False when this task itself is cancelled."""
+    task = asyncio.current_task()
+    return watch.done() and not watch.cancelled() and not (task and task.cancelling())
 
 
 def _back_off(p: WorkerState, d: WorkerState, why: str) -> None:

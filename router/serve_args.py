@@ -70,6 +70,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--prefill-timeout", type=float, default=60.0,
       help="one prefill attempt's limit (s) before it is retried on another prefill worker "
            "(with no other one up, an attempt has the request's whole deadline)")
+    a("--stall-timeout", type=float, default=120.0,
+      help="a worker whose engine loop has been in one step this long (s; a hung GPU or "
+           "collective) is marked down and its requests go to other workers; twice this "
+           "long, it is restarted")
     a("--max-restarts", type=int, default=-1,
       help="restarts of a worker that dies, after a backoff doubling from 0.5 s to 30 s "
            "(-1, the default: no limit)")
@@ -119,8 +123,10 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         return "--retry-budget/--disagg-threshold: must be >= 0"
     if args.colocated and args.prefill_tp != 1:
         return "--prefill-tp: --colocated runs no prefill workers (--decode-tp sets their size)"
-    if not args.prefill_timeout > 0:
-        return f"--prefill-timeout: must be > 0 seconds, got {args.prefill_timeout}"
+    for flag, v in (("--prefill-timeout", args.prefill_timeout),
+                    ("--stall-timeout", args.stall_timeout)):
+        if not v > 0:
+            return f"{flag}: must be > 0 seconds, got {v}"
     if not args.tp_timeout > 0:
         return f"--tp-timeout: must be > 0 seconds, got {args.tp_timeout}"
     if args.node_label is not None and not LABEL_KEY.fullmatch(args.node_label):

@@ -28,6 +28,8 @@ class WorkerRef(Protocol):
 
     async def shutdown(self) -> None: ...
 
+    async def restart(self) -> bool: ...  # end a stuck process, to be relaunched (False: can't)
+
     def lifecycle(self) -> dict: ...  # restarts so far, next restart in s, gave up (for /health)
 
 
@@ -48,6 +50,9 @@ class StaticWorkerRef:
 
     async def shutdown(self) -> None:
         return None
+
+    async def restart(self) -> bool:
+        return False  # not ours to start: a stalled one stays down until it comes round
 
     def lifecycle(self) -> dict:
         return {}
@@ -132,6 +137,16 @@ class RayWorkerRef:
             await self.actor.shutdown.remote()
         finally:
             ray.kill(self.actor, no_restart=True)
+
+    async def restart(self) -> bool:
+        """Kill the actor (stuck in a step, it would not stop when asked): the next
+        endpoints() call finds it dead and launches a new one, as after a crash."""
+        import ray
+
+        if self._launch is None or self.gave_up:
+            return False
+        ray.kill(self.actor, no_restart=True)
+        return True
 
 
 def _last_line(text: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -69,7 +70,12 @@ class WorkerRuntime:
                                on_step=self.metrics.observe_step)
         self.address = ""  # gRPC address, set when the server starts (worker/server.py)
         self.draining = False
-        self.health_timeout_s = 10.0  # Health waits this long for the loop's current step
+        # Health waits this long for the loop to come round, then answers "busy" from the
+        # last snapshot (a step is milliseconds on a GPU, seconds for a big chunk on a CPU)
+        self.health_timeout_s = 1.0
+        self._last_health = pb.HealthResponse(status="busy", role=cfg.role,
+                                              worker_id=cfg.worker_id,
+                                              incarnation=self.incarnation)
 
     def close(self) -> None:
         """Stop the loop thread and the transport (the server is stopped before this)."""
@@ -77,7 +83,12 @@ class WorkerRuntime:
         self.transport.close()
 
     def _tick(self, engine: LLMEngine) -> None:
-        """Loop-thread housekeeping: expire leases, refresh gauges."""
+        """Loop-thread housekeeping: expire leases, refresh gauges (and the test switch
+        faults.stall_loop_s: the loop stops once, with requests in it, as a hung device
+        would stop it)."""
+        if engine.has_unfinished() and (stall := self.faults.take_loop_stall()):
+            log.warning("faults.stall_loop_s: the engine loop stops for %g s", stall)
+            time.sleep(stall)
         for lease in self.leases.expire():  # counts kv_lease_expired itself
             engine.release_held(lease.request_id)
         self.metrics.refresh(engine)
@@ -107,7 +118,14 @@ class WorkerRuntime:
                 num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
                 num_pinned_blocks=self.leases.pinned_blocks, kv_cache_usage=bm.usage,
                 num_held_requests=len(s.held_request_ids()))
-        return self.loop.call(snapshot, timeout_s=self.health_timeout_s)
+        try:
+            self._last_health = self.loop.call(snapshot, timeout_s=self.health_timeout_s)
+            return self._last_health
+        except TimeoutError:  # inside one long step (or stuck): say how long, from the thread
+            busy = pb.HealthResponse()
+            busy.CopyFrom(self._last_health)
+            busy.status, busy.loop_busy_s = "busy", self.loop.busy_s()
+            return busy
 
     def kv_digests(self, block_ids: list[int], num_tokens: int) -> list[str]:
         """sha256 of each block's first tokens (all layers, K and V): tests compare P and D."""

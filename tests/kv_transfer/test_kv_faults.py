@@ -42,10 +42,18 @@ def test_drop_release():
 @pytest.mark.parametrize("kwargs, field", [
     ({"fail_nth": -1}, "fail_nth"), ({"fail_prob": 1.5}, "fail_prob"),
     ({"delay_s": float("nan")}, "delay_s"), ({"drop_release_prob": -0.1}, "drop_release_prob"),
+    ({"stall_loop_s": -1.0}, "stall_loop_s"), ({"stall_loop_s": True}, "stall_loop_s"),
 ])
 def test_config_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         FaultConfig(**kwargs)
+
+
+def test_the_loop_stall_is_taken_once():
+    inj = FaultInjector(FaultConfig(stall_loop_s=2.5))
+    assert inj.config.enabled and inj.take_loop_stall() == 2.5
+    assert inj.take_loop_stall() == 0.0 and inj.loop_stalls == 1
+    assert FaultInjector().take_loop_stall() == 0.0
 
 
 def test_from_dict_refuses_unknown_switch():

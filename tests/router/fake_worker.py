@@ -235,5 +235,8 @@ class FakeRef:
     async def shutdown(self) -> None:
         self.w.stop()
 
+    async def restart(self) -> bool:
+        return False
+
     def lifecycle(self) -> dict:
         return {}
