@@ -31,6 +31,7 @@ RAY_GROUP = "ray-in-process"
 RAY_FILES = frozenset({
     "tests/dist/test_tp_group_ray.py",
     "tests/workers/test_disagg.py",
+    "tests/workers/test_stall_restart.py",
     "tests/workers/test_stress.py",
     "tests/workers/test_tp_disagg.py",
     "tests/workers/test_tp_spec_serving.py",
