@@ -124,7 +124,8 @@ class WorkerRuntime:
         except TimeoutError:  # inside one long step (or stuck): say how long, from the thread
             busy = pb.HealthResponse()
             busy.CopyFrom(self._last_health)
-            busy.status, busy.loop_busy_s = "busy", self.loop.busy_s()
+            busy.status = "draining" if self.draining else "busy"  # draining: no new work
+            busy.loop_busy_s = self.loop.busy_s()
             return busy
 
     def kv_digests(self, block_ids: list[int], num_tokens: int) -> list[str]:

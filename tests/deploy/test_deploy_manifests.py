@@ -189,6 +189,9 @@ def test_helm_chart_renders_and_validates_with_defaults():
     [vol] = [v for v in head["volumes"] if v["name"] == "cluster-secret"]
     assert vol["secret"]["secretName"] in {s["metadata"]["name"] for s in kinds["Secret"]}
     assert f"--cluster-secret-file {mount['mountPath']}/secret" in head["containers"][0]["args"][0]
+    # readable by the image's non-root user (rayproject/ray's `ray`, group 100) and no other:
+    # a root-only 0400 file failed `pdserve serve` in such an image
+    assert vol["secret"]["defaultMode"] == 0o440 and head["securityContext"]["fsGroup"] == 100
     for doc in docs:
         validate_manifest(doc)
     check_wiring(docs)
