@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 
 import grpc
 import numpy as np
@@ -192,6 +193,8 @@ class DecodeService:
             with state.lock:
                 state.done = True
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except CancelledError:  # the stream closed while the admit waited for the loop
+            context.abort(grpc.StatusCode.CANCELLED, "stream closed before it was admitted")
 
     def _admit_local(self, req: pb.DecodeRequest, params: SamplingParams, context,
                      arrival: float, q: queue.Queue) -> None:

@@ -10,6 +10,9 @@ queue with a deadline, so no wait is unbounded.
     loop.admit(rid, q, fn) fn(engine) on the loop thread (the command that adds rid); rid's
                            outputs reach q from then on: never an earlier request's under
                            the same id that was still stepping when q was subscribed
+    loop.abort_and_wake(rid, q)  a stream ended early: its handler wakes at once (a pending
+                           admit is cancelled), the abort runs when the loop comes round,
+                           so a stuck loop never holds a cancelled RPC's thread
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ class EngineLoop:
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
         self._subs: dict[str, queue.Queue] = {}  # reserved ids (subscribe)
         self._live: dict[str, queue.Queue] = {}  # of those, the admitted ones (admit)
+        # admit commands not yet run, by id: (the stream's queue, the command's future)
+        self._admitting: dict[str, tuple[queue.Queue, Future]] = {}
         self._subs_lock = threading.Lock()
         self._idle_wait_s = idle_wait_s
         self._on_tick = on_tick  # periodic housekeeping on the loop thread (lease expiry)
@@ -73,6 +78,7 @@ class EngineLoop:
         """Seconds since the loop last came round: how long its current step or command
         has run (about 0 for a loop that steps or idles normally)."""
         return max(0.0, time.monotonic() - self._beat)
+
     def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
         if self.fatal is not None:
             raise EngineLoopError("engine loop died") from self.fatal
@@ -109,24 +115,42 @@ class EngineLoop:
         subscription) from that command on. A stream that ended early lets go of its id
         before the loop has aborted its request: a step in between still publishes that
         request's outputs, which must not reach the next stream under the id. They are
-        published before this command runs (one thread), so they never reach `q`."""
+        published before this command runs (one thread), so they never reach `q`.
+        concurrent.futures.CancelledError: abort_and_wake(request_id, q) came first (the
+        RPC ended while the command waited behind a long step); fn never runs."""
         def run(engine: LLMEngine) -> T:
             with self._subs_lock:
+                self._admitting.pop(request_id, None)
                 if self._subs.get(request_id) is q:
                     self._live[request_id] = q
             return fn(engine)
-        return self.call(run, timeout_s)
+        if self.fatal is not None:
+            raise EngineLoopError("engine loop died") from self.fatal
+        fut: Future = Future()
+        with self._subs_lock:
+            self._admitting[request_id] = (q, fut)
+        self._commands.put((run, fut))
+        try:
+            return fut.result(timeout=timeout_s)
+        finally:
+            with self._subs_lock:
+                if self._admitting.get(request_id, (None, None))[1] is fut:
+                    del self._admitting[request_id]
 
     def abort_and_wake(self, request_id: str, q: queue.Queue | None) -> Future:
-        """Queue: abort request_id, then put a finished "abort" output on `q` (the queue of
-        the stream whose RPC ended early, when given) so its handler returns and lets go of
-        the id. In this order the request's last outputs land on `q`, never on the queue of
-        a next stream under the same id."""
-        def run(engine: LLMEngine) -> None:
-            engine.abort_request(request_id)
-            if q is not None:
-                q.put(RequestOutput(request_id, [], "", True, "abort"))
-        return self.submit(run)
+        """The stream whose RPC ended early (its queue `q`, when given) is woken now: a
+        finished "abort" output on `q`, and its admit command cancelled if the loop has not
+        run it yet, so its handler returns and lets go of the id at once, even while the
+        loop is stuck in a long step. The abort itself is queued for the loop. A step
+        before it may still publish the request's outputs: they reach `q` (read by nobody)
+        or nothing, never a next stream under the id, whose admit runs after this abort."""
+        if q is not None:
+            with self._subs_lock:
+                pending = self._admitting.get(request_id)
+            if pending is not None and pending[0] is q:
+                pending[1].cancel()
+            q.put(RequestOutput(request_id, [], "", True, "abort"))
+        return self.submit(lambda engine: engine.abort_request(request_id))
 
     def publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
         """item to request_id's stream, once admitted (admit)."""

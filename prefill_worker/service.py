@@ -21,6 +21,7 @@ import dataclasses
 import queue
 import threading
 import time
+from concurrent.futures import CancelledError
 
 import grpc
 
@@ -73,6 +74,8 @@ class PrefillService:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except InvalidRequestError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except CancelledError:  # the caller left while the admit waited for the loop
+                context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} cancelled")
             except TimeoutError:
                 self._abandon(rid)  # the command may still run: it aborts right after
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,

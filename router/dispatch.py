@@ -48,7 +48,8 @@ from pdserve.router.errors import (
 from pdserve.router.metrics import StageTimes
 from pdserve.router.planning import any_decode_up, plan_attempt
 from pdserve.router.policies import blocks_needed
-from pdserve.router.pool import WorkerState, stalled_cancel
+from pdserve.router.pool import WorkerState
+from pdserve.router.stall import cancel_on_stall, stalled_cancel
 
 log = logging.getLogger(__name__)
 TRACE_LOG = logging.getLogger("pdserve.trace")  # --log-requests: one JSON line per completion
@@ -247,7 +248,7 @@ class ChoiceRun:
                                 params=self.proto_params, timeout_s=timeout)
         t0 = time.monotonic()
         call = p.stub.Prefill(req, timeout=timeout)
-        watch = self.pool.cancel_on_stall(p, call)
+        watch = cancel_on_stall(p.stall, call, p.worker_id)
         try:
             res: pb.PrefillResult = await call
         except asyncio.CancelledError:
@@ -306,7 +307,7 @@ class ChoiceRun:
             req.prefill.CopyFrom(prefill)
         t0 = time.monotonic()
         call = d.stub.Decode(req, timeout=max(0.001, self.remaining()))
-        watch = self.pool.cancel_on_stall(d, call)
+        watch = cancel_on_stall(d.stall, call, d.worker_id)
         held: list[pb.DecodeOutput] = []
         confirmed = prefill is None  # remote KV: hold output until the pull succeeded
         try:

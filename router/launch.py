@@ -237,7 +237,7 @@ async def start_stack(refs: list, frontend, cfg, *, cluster_secret: str, host: s
                       on_health=lambda w: metrics.worker_seen(
                           w.role, w.worker_id, w.up, w.health.kv_cache_usage if w.health else None,
                           w.health.num_pinned_blocks if w.health else None,
-                          w.health.loop_busy_s if w.health else None),
+                          w.stall.stuck_s),
                       stall_timeout_s=cfg.stall_timeout_s)
     core = RouterCore(pool, frontend, cfg, metrics)
     pool.on_change = lambda w: core.prefill_policy.forget(w.worker_id)

@@ -10,7 +10,9 @@ under which incarnation. The pool:
   * introduces every prefill worker to every decode worker (GetPeerInfo -> AddPeer), keyed
     by (worker id, incarnation): a restarted prefill worker is a new peer (ANCHORS #3);
   * caps the requests the router keeps on one worker (`capacity`) so a worker's gRPC thread
-    pool never fills with streams; requests beyond wait in the router queue.
+    pool never fills with streams; requests beyond wait in the router queue;
+  * marks a worker stuck past `stall_timeout_s` as stalled (router/stall.py): down, its calls
+    cancelled and moved, and restarted past twice that.
 Client errors (4xx) are never reported here.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import grpc
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_aio_channel
+from pdserve.router.stall import StallState
 from pdserve.router.worker_refs import WorkerRef, WorkerStartFailed
 
 log = logging.getLogger(__name__)
@@ -88,10 +91,7 @@ class WorkerState:
         self.retry_peer_at: dict[tuple[str, str], float] = {}
         self.peer_failures: dict[tuple[str, str], int] = {}  # in a row, for the backoff
         self._pending_blocks = 0  # reserved since the last health poll
-        # monotonic time its engine loop was seen stuck in one step past the pool's
-        # stall_timeout_s (None: not stalled); requests on it then go elsewhere
-        self.stalled_since: float | None = None
-        self.stall_restarted = False  # this stall already asked the worker's ref to restart it
+        self.stall = StallState()  # stuck in one step, or its Health unanswered (stall.py)
 
     @property
     def up(self) -> bool:
@@ -167,17 +167,6 @@ class WorkerPool:
         pool, then wait on it: a change between the check and the wait is not lost."""
         return self._changed
 
-    def cancel_on_stall(self, w: WorkerState, call: grpc.aio.Call) -> asyncio.Task:
-        """A task that cancels `call`, an RPC on w, once w is marked stalled (its awaiter
-        then gets CancelledError: stalled_cancel tells it apart from its own cancellation).
-        Cancel the task when the call ends."""
-        async def watch() -> bool:
-            while w.stalled_since is None:
-                await self.changed_event().wait()  # no await between check and wait
-            call.cancel()
-            return True
-        return asyncio.create_task(watch(), name=f"stall-watch-{w.worker_id}")
-
     def _notify(self) -> None:
         event, self._changed = self._changed, asyncio.Event()
         event.set()
@@ -224,6 +213,9 @@ class WorkerPool:
             raise  # it would fail again: startup ends (start's caller says why)
         except Exception as e:  # noqa: BLE001 - actor restarting or dead: stay down, probe later
             log.info("worker %s: endpoints unavailable: %r", w.worker_id, e)
+            w.stall.unanswered(process_lives=False)
+            if self.on_health:
+                self.on_health(w)
             return False
         if ep.get("incarnation") != w.incarnation or ep.get("grpc_address") != \
                 w.endpoints.get("grpc_address") or w.channel is None:
@@ -239,6 +231,7 @@ class WorkerPool:
         w.refused.clear()
         w.retry_peer_at.clear()
         w.peer_failures.clear()
+        w.stall.clear()  # a new incarnation is not the one that stalled
         if old is not None:
             await old.close()
             log.warning("worker %s rejoined as incarnation %s at %s", w.worker_id,
@@ -289,49 +282,61 @@ class WorkerPool:
         except grpc.aio.AioRpcError as e:
             await self._health_failed(w, e.code())
             return False
-        busy = h.status == "busy"  # inside one step: its other fields are its last snapshot
-        ok = h.status == "ok" or busy and h.loop_busy_s < self.stall_timeout_s
         if h.incarnation and h.incarnation != w.incarnation:
             w.breaker.failure(hard=True)  # a different process answers: re-read endpoints
-            ok = False
+            return False
+        # "busy" (or "draining" with loop_busy_s): the loop is inside one step and the
+        # other fields are its last snapshot; busy under stall_timeout_s changes nothing
         w.health = h
-        if not busy:
+        w.stall.answered(h.loop_busy_s)
+        if h.loop_busy_s == 0:  # came round: a fresh snapshot, which counts reservations
             w._pending_blocks = 0
-        was_open = w.breaker.open
-        if ok:
-            w.breaker.success()
-            if w.stalled_since is not None:
+            if w.stall.stalled:
                 log.warning("worker %s: its engine loop came round again", w.worker_id)
-                w.stalled_since, w.stall_restarted = None, False
+            w.stall.clear()
+        if h.status == "ok":
+            was_open = w.breaker.open
+            w.breaker.success()
             if was_open:
                 self._notify()
-        elif busy and h.incarnation == w.incarnation:
-            await self._stalled(w, h.loop_busy_s)
+        elif w.stall.stuck_s >= self.stall_timeout_s:
+            await self._stalled(w)
         if self.on_health:
             self.on_health(w)
-        return ok
+        return h.status == "ok"
 
-    async def _stalled(self, w: WorkerState, busy_s: float) -> None:
-        """w's engine loop has been in one step past stall_timeout_s (a hung device or
-        collective): down now, so the requests on it move (router/dispatch.py watches
-        stalled_since); past twice that, restarted by its ref when it can be."""
-        if w.stalled_since is None:
-            log.error("worker %s stalled: its engine loop has been in one step for %.0f s "
-                      "(--stall-timeout %g s); its requests go to other workers", w.worker_id,
-                      busy_s, self.stall_timeout_s)
-            w.stalled_since = time.monotonic()
-        w.breaker.failure(hard=True)
-        self._notify()
-        if busy_s >= 2 * self.stall_timeout_s and not w.stall_restarted:
-            w.stall_restarted = True
-            if await w.ref.restart():
-                log.error("worker %s: still stalled after %.0f s: restarted", w.worker_id, busy_s)
+    async def _stalled(self, w: WorkerState) -> None:
+        """w has been stuck past stall_timeout_s (router/stall.py): down now, its calls
+        cancelled (their watches wait on w.stall.event); past twice that, restarted by its
+        ref where it can be."""
+        if w.stall.mark():
+            log.error("worker %s stalled: stuck in one step (or its Health unanswered) for "
+                      "%.0f s (--stall-timeout %g s); its requests go to other workers",
+                      w.worker_id, w.stall.stuck_s, self.stall_timeout_s)
+        if not w.breaker.open:
+            w.breaker.failure(hard=True)
+            self._notify()
+        if w.stall.stuck_s < 2 * self.stall_timeout_s or w.stall.restarted:
+            return
+        try:
+            restarted = await w.ref.restart()
+        except Exception:  # noqa: BLE001 - logged; the next probe tries again
+            log.exception("worker %s: restarting it failed", w.worker_id)
+            return
+        w.stall.restarted = True
+        log.error("worker %s: still stuck after %.0f s: %s", w.worker_id, w.stall.stuck_s,
+                  "restarted" if restarted else "stays down until it comes round (its ref "
+                  "cannot restart it: not a Ray worker, or its restarts are spent)")
 
     async def _health_failed(self, w: WorkerState, code: grpc.StatusCode) -> None:
         hard = code in HARD_CODES
-        if not hard and await _safe_alive(w.ref) is True:
-            return  # busy, not dead: its process answers Ray; keep routing to it
-        self.report_failure(w, code)
+        lives = not hard and await _safe_alive(w.ref) is True
+        w.stall.unanswered(process_lives=lives)
+        if not lives:
+            self.report_failure(w, code)
+        elif w.stall.stuck_s >= self.stall_timeout_s:  # no thread answers it, for this long
+            await self._stalled(w)
+        # else busy, not dead: its process answers Ray; keep routing to it
         if self.on_health:
             self.on_health(w)
 
@@ -361,13 +366,6 @@ class WorkerPool:
             for p in self.by_role("prefill"):
                 if not p.breaker.open:
                     await self.ensure_peer(p, w)
-
-
-def stalled_cancel(watch: asyncio.Task) -> bool:
-    """In an `except CancelledError` around a call watched by cancel_on_stall: True when the
-    watch cancelled the call (its worker stalled), False when this task itself is cancelled."""
-    task = asyncio.current_task()
-    return watch.done() and not watch.cancelled() and not (task and task.cancelling())
 
 
 def _back_off(p: WorkerState, d: WorkerState, why: str) -> None:

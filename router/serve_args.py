@@ -9,6 +9,9 @@ import re
 
 from pdserve.router.policies import ROUTING_POLICIES
 
+# --stall-timeout's floor: a worker's "busy" Health comes after its own 2 s wait for the
+# loop, and the pool polls every 0.5 s; below this a slow step could pass for a hung one
+MIN_STALL_TIMEOUT_S = 10.0
 LABEL_KEY = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
@@ -70,7 +73,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--prefill-timeout", type=float, default=60.0,
       help="one prefill attempt's limit (s) before it is retried on another prefill worker "
            "(with no other one up, an attempt has the request's whole deadline)")
-    a("--stall-timeout", type=float, default=120.0,
+    a("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
       help="a worker whose engine loop has been in one step this long (s; a hung GPU or "
            "collective) is marked down and its requests go to other workers; twice this "
            "long, it is restarted")
@@ -123,10 +126,11 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         return "--retry-budget/--disagg-threshold: must be >= 0"
     if args.colocated and args.prefill_tp != 1:
         return "--prefill-tp: --colocated runs no prefill workers (--decode-tp sets their size)"
-    for flag, v in (("--prefill-timeout", args.prefill_timeout),
-                    ("--stall-timeout", args.stall_timeout)):
-        if not v > 0:
-            return f"{flag}: must be > 0 seconds, got {v}"
+    if not args.prefill_timeout > 0:
+        return f"--prefill-timeout: must be > 0 seconds, got {args.prefill_timeout}"
+    if not args.stall_timeout >= MIN_STALL_TIMEOUT_S:  # a worker's busy Health takes 2 s
+        return (f"--stall-timeout: must be >= {MIN_STALL_TIMEOUT_S:g} seconds (a slow step "
+                f"must not pass for a hung one), got {args.stall_timeout}")
     if not args.tp_timeout > 0:
         return f"--tp-timeout: must be > 0 seconds, got {args.tp_timeout}"
     if args.node_label is not None and not LABEL_KEY.fullmatch(args.node_label):

@@ -16,7 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.core.outputs import RequestOutput
-from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.engine_loop import EngineLoop, EngineLoopError
 from pdserve.engine.exec.kv_cache import layer_views
 from pdserve.engine.llm import build_engine
 from pdserve.engine.llm_engine import LLMEngine
@@ -71,11 +71,23 @@ class WorkerRuntime:
         self.address = ""  # gRPC address, set when the server starts (worker/server.py)
         self.draining = False
         # Health waits this long for the loop to come round, then answers "busy" from the
-        # last snapshot (a step is milliseconds on a GPU, seconds for a big chunk on a CPU)
-        self.health_timeout_s = 1.0
-        self._last_health = pb.HealthResponse(status="busy", role=cfg.role,
-                                              worker_id=cfg.worker_id,
-                                              incarnation=self.incarnation)
+        # last snapshot (a step is milliseconds on a GPU, seconds for a big chunk on a CPU);
+        # within the router's health RPC deadline (router/pool.py rpc_timeout_s, 5 s)
+        self.health_timeout_s = 2.0
+        self._last_health = self._snapshot(self.engine)  # the loop has not started: safe
+
+    def _snapshot(self, e: LLMEngine) -> pb.HealthResponse:
+        """The worker's state (on the loop thread, or before the loop starts); kept as the
+        last one, which a Health call answers from while the loop is inside a long step."""
+        s, bm = e.scheduler, e.scheduler.block_manager
+        self._last_health = pb.HealthResponse(
+            status="draining" if self.draining else "ok", role=self.cfg.role,
+            worker_id=self.cfg.worker_id, incarnation=self.incarnation,
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_pinned_blocks=self.leases.pinned_blocks, kv_cache_usage=bm.usage,
+            num_held_requests=len(s.held_request_ids()))
+        return self._last_health
 
     def close(self) -> None:
         """Stop the loop thread and the transport (the server is stopped before this)."""
@@ -93,13 +105,21 @@ class WorkerRuntime:
             engine.release_held(lease.request_id)
         self.metrics.refresh(engine)
 
-    def abort_local(self, request_id: str) -> bool:
+    def abort_local(self, request_id: str, wait_s: float = 2.0) -> bool:
         """Abort the request in the engine (running, waiting or held); an open stream for it
-        ends now, not at its deadline. True when the engine knew it."""
-        found = self.loop.call(lambda e: e.abort_request(request_id), timeout_s=10)
-        if found:
-            self.loop.publish(request_id, RequestOutput(request_id, [], "", True, "abort"))
-        return found
+        ends then, not at its deadline. True when the engine knew it; False too when the
+        loop did not come round within wait_s (inside a long step): the abort stays queued
+        and runs when it does, and the RPC thread is not held meanwhile."""
+        def run(e: LLMEngine) -> bool:
+            found = e.abort_request(request_id)
+            if found:
+                self.loop.publish(request_id, RequestOutput(request_id, [], "", True, "abort"))
+            return found
+        try:
+            return self.loop.submit(run).result(timeout=wait_s)
+        except TimeoutError:
+            log.info("abort of %s queued behind a long engine step", request_id)
+            return False
 
     # -- RPCs every role answers ---------------------------------------------------------
     def peer_info(self) -> pb.PeerInfo:
@@ -109,22 +129,19 @@ class WorkerRuntime:
                            compat_hash=info.compat_hash, transport_info=info.to_bytes())
 
     def health(self) -> pb.HealthResponse:
-        def snapshot(e: LLMEngine) -> pb.HealthResponse:
-            s, bm = e.scheduler, e.scheduler.block_manager
-            return pb.HealthResponse(
-                status="draining" if self.draining else "ok", role=self.cfg.role,
-                worker_id=self.cfg.worker_id, incarnation=self.incarnation,
-                num_running=s.num_running, num_waiting=s.num_waiting,
-                num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
-                num_pinned_blocks=self.leases.pinned_blocks, kv_cache_usage=bm.usage,
-                num_held_requests=len(s.held_request_ids()))
+        """The loop's snapshot, or, when the loop does not come round within
+        health_timeout_s (one long step, or stuck): the last one, status "busy" ("draining"
+        while draining) and loop_busy_s, how long the loop has been away."""
+        if self.loop.fatal is not None:
+            raise EngineLoopError("engine loop died") from self.loop.fatal
+        fut = self.loop.submit(self._snapshot)
         try:
-            self._last_health = self.loop.call(snapshot, timeout_s=self.health_timeout_s)
-            return self._last_health
-        except TimeoutError:  # inside one long step (or stuck): say how long, from the thread
+            return fut.result(timeout=self.health_timeout_s)
+        except TimeoutError:
+            fut.cancel()  # not run later: polls do not pile up behind a stuck step
             busy = pb.HealthResponse()
             busy.CopyFrom(self._last_health)
-            busy.status = "draining" if self.draining else "busy"  # draining: no new work
+            busy.status = "draining" if self.draining else "busy"
             busy.loop_busy_s = self.loop.busy_s()
             return busy
 

@@ -50,6 +50,9 @@ class FakeWorker(pbg.WorkerServicer):
         self.refuse_peers = 0  # decode: the next N AddPeer calls refuse the pair
         self.refuse_retryable = True  # ... for a passing reason (else: incompatible)
         self.add_peer_calls = 0
+        # Health: its status and loop_busy_s (a real worker inside a long step answers
+        # "busy"), answered after health_delay_s (a worker with no free server thread)
+        self.health_status, self.loop_busy_s, self.health_delay_s = "ok", 0.0, 0.0
         self.server: grpc.Server | None = None
         self.address = ""
         FakeWorker.registry[worker_id] = self
@@ -210,10 +213,12 @@ class FakeWorker(pbg.WorkerServicer):
         return pb.AddPeerReply(accepted=True)
 
     def Health(self, req, context) -> pb.HealthResponse:
+        time.sleep(self.health_delay_s)
         with self.lock:
             pinned = sum(self.held.values())
             running = len(self.active)
-        return pb.HealthResponse(status="ok", role=self.role, worker_id=self.worker_id,
+        return pb.HealthResponse(status=self.health_status, loop_busy_s=self.loop_busy_s,
+                                 role=self.role, worker_id=self.worker_id,
                                  incarnation=self.incarnation, num_running=running,
                                  num_free_blocks=BLOCKS - pinned, num_total_blocks=BLOCKS,
                                  num_pinned_blocks=pinned, num_held_requests=len(self.held))
@@ -222,20 +227,23 @@ class FakeWorker(pbg.WorkerServicer):
 class FakeRef:
     """WorkerRef over a FakeWorker: endpoints follow its restarts, like a Ray actor's."""
 
-    def __init__(self, w: FakeWorker) -> None:
+    def __init__(self, w: FakeWorker, alive: bool | None = None) -> None:
         self.w, self.worker_id, self.role = w, w.worker_id, w.role
+        self.lives = alive  # what alive() says (None: unknown, as for a fixed address)
+        self.restarts = 0  # restart() calls (it cannot restart a fake: False)
 
     async def endpoints(self) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "grpc_address": self.w.address,
                 "incarnation": self.w.incarnation, "metrics_address": ""}
 
     async def alive(self) -> bool | None:
-        return None
+        return self.lives
 
     async def shutdown(self) -> None:
         self.w.stop()
 
     async def restart(self) -> bool:
+        self.restarts += 1
         return False
 
     def lifecycle(self) -> dict:

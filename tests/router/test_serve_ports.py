@@ -48,6 +48,7 @@ def test_a_second_grpc_server_cannot_share_a_port() -> None:
     (["--exit-after-unavailable", "nan"], "--exit-after-unavailable"),
     (["--prefill-timeout", "0"], "--prefill-timeout"),
     (["--stall-timeout", "-1"], "--stall-timeout"),
+    (["--stall-timeout", "5"], "--stall-timeout"),
     (["--node-label", "pdserve role"], "--node-label"),
     (["--port", "18123", "--grpc-port", "18123"], "--grpc-port"),
     (["--device", "gpu"], "--device"),

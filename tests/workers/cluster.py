@@ -100,9 +100,10 @@ def wait_until(cond: Callable[[], object], timeout_s: float, what: str) -> objec
 
 
 def idle(w: Worker) -> bool:
-    """No running/waiting/held requests, nothing pinned, every block free or cached."""
+    """No running/waiting/held requests, nothing pinned, every block free or cached (by a
+    fresh snapshot: "busy" answers carry the last one)."""
     h = w.health()
-    return (h.num_running == 0 and h.num_waiting == 0 and h.num_pinned_blocks == 0
+    return (h.status == "ok" and h.num_running == 0 and h.num_waiting == 0 and h.num_pinned_blocks == 0
             and h.num_held_requests == 0 and h.num_free_blocks == h.num_total_blocks)
 
 

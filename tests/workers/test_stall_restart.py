@@ -33,7 +33,7 @@ async def _until(cond, timeout_s: float, what: str) -> None:
 
 
 async def _stall_then_restart(ref: RayWorkerRef, launches: list[int]) -> None:
-    pool = WorkerPool([ref], cluster_secret=SECRET, poll_interval_s=0.2, stall_timeout_s=1.0)
+    pool = WorkerPool([ref], cluster_secret=SECRET, poll_interval_s=0.2, stall_timeout_s=2.0)
     await pool.start(deadline_s=120)
     w = pool.workers["stuck-d"]
     first = w.incarnation
@@ -43,7 +43,7 @@ async def _stall_then_restart(ref: RayWorkerRef, launches: list[int]) -> None:
                                timeout_s=100)
         stream = pbg.WorkerStub(ch).Decode(req, timeout=110)  # its loop stops with r1 in it
         try:
-            await _until(lambda: w.stalled_since is not None, 60, "the pool to mark it stalled")
+            await _until(lambda: w.stall.stalled, 60, "the pool to mark it stalled")
             assert not w.up and launches == [0]
             await _until(lambda: len(launches) == 2, 60, "the pool to restart it")
             with pytest.raises(grpc.aio.AioRpcError):  # the killed process's stream ends
@@ -51,7 +51,7 @@ async def _stall_then_restart(ref: RayWorkerRef, launches: list[int]) -> None:
                     pass
             await _until(lambda: w.up and w.incarnation != first, 120,
                          "the relaunched worker to come up")
-            assert w.stalled_since is None and ref.restarts == 1
+            assert not w.stall.stalled and ref.restarts == 1
         finally:
             stream.cancel()
             await pool.close()
