@@ -330,8 +330,11 @@ class LLMEngine:
         start = self._reported.get(rid, 0)
         new_ids = req.output_token_ids[start:]  # what the scheduler accepted this step
         detok = self._detok.get(rid)
-        res = (self._detokenize(req, detok, start, new_ids)
-               if detok is not None and new_ids else None)
+        # a stop token ends the request but is not text, as in vLLM (EOS: special anyway)
+        shown = new_ids[:-1] if new_ids and req.is_finished and \
+            req.stop_reason == new_ids[-1] else new_ids
+        res = (self._detokenize(req, detok, start, shown)
+               if detok is not None and shown else None)
         new_ids = req.output_token_ids[start:]  # a stop string may have cut some
         text = res.new_text if res else ""
         self.runner.observe(req, new_ids)  # penalty counts, the grammar's matcher

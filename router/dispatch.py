@@ -283,7 +283,7 @@ class ChoiceRun:
         detok = self.core.frontend.detokenizer(self.prompt_ids, self.params.stop,
                                                self.params.min_tokens)
         text, stop, finish = "", stop_reason_from_proto(res), res.finish_reason
-        if detok is not None:
+        if detok is not None and stop != res.first_token_id:  # a stop token is not text
             got = detok.add([res.first_token_id])
             text = got.new_text + detok.flush()
             if got.stopped:  # a stop string in the first token: "stop", as the engine says

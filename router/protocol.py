@@ -8,6 +8,7 @@ tool calls are parsed out of the text by router/tools.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -142,6 +143,9 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         raise BadRequest("stream_options: must be an object", param="stream_options")
     if not stream:
         raise BadRequest("stream_options: only allowed when stream is true", param="stream_options")
+    if opts.get("continuous_usage_stats") not in (None, False):
+        raise BadRequest("stream_options.continuous_usage_stats: not supported (usage comes "
+                         "in the last chunk with include_usage)", param="stream_options")
     return stream, _get(opts, "include_usage", _BOOL, False)
 
 
@@ -187,6 +191,15 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "spaces_between_special_tokens": ((None, True), "not supported"),
     "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),
     "priority": ((None, 0), "not supported: requests are served first come, first served"),
+    "cache_salt": ((None,), "not supported: the prefix cache is shared by all requests"),
+    "return_token_ids": ((None, False), "not supported (the gRPC API returns token ids)"),
+    "logits_processors": ((None, []), "not supported"),
+    "vllm_xargs": ((None, {}), "not supported"),
+    "kv_transfer_params": ((None, {}), "not supported: pdserve moves the KV itself"),
+    "mm_processor_kwargs": ((None, {}), "not supported: text models only"),
+    "documents": ((None, []), "not supported"),
+    "reasoning_effort": ((None,), "not supported"),
+    "request_id": ((None,), "not supported in the body: send it as the X-Request-Id header"),
     **{f"guided_{kind}": ((None,), f"not supported: use structured_outputs.{kind}")
        for kind in ("json", "regex", "choice", "grammar")},
 }
@@ -202,6 +215,13 @@ def _check_unsupported(body: dict) -> None:
             raise BadRequest(f"{name}: {why}", param=name)
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise BadRequest("best_of: not supported (use n)", param="best_of")
+
+
+def _check_default(body: dict, name: str, default: bool, what: str) -> None:
+    """A vLLM switch pdserve takes only at its default (`what` it then does)."""
+    if body.get(name) not in (None, default):
+        raise BadRequest(f"{name}: only {str(default).lower()} is supported ({what})",
+                         param=name)
 
 
 def _template_options(body: dict, messages: list[dict]) -> TemplateOptions:
@@ -252,6 +272,10 @@ def _prompts(body: dict, fe: Frontend) -> list[list[int]]:
 def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     model = _model(body, fe)
     _check_unsupported(body)
+    _check_default(body, "add_special_tokens", True, "the tokenizer's special tokens are added")
+    if body.get("top_logprobs") is not None:
+        raise BadRequest("top_logprobs: /v1/completions takes the count as logprobs",
+                         param="top_logprobs")
     prompts = _prompts(body, fe)
     kw = _sampling_kwargs(body, fe.config.vocab_size)
     lp = _logprob_count(body, "logprobs")
@@ -334,6 +358,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     _check_unsupported(body)
     if body.get("echo") not in (None, False):
         raise BadRequest("echo: only /v1/completions echoes the prompt", param="echo")
+    _check_default(body, "add_special_tokens", False, "the chat template writes them")
     tools = parse_tools(body)
     fmt = fe.tool_format()
     ids = chat_prompt_ids(body, fe, tools, fmt)
@@ -358,6 +383,10 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     if max_tokens is None:
         max_tokens = default_max_tokens(len(ids))
     params = _build_params(kw, max_tokens)
-    parsing = fmt if tools is not None and tools.choice != "none" else None
+    # how this request's calls are read: one only without parallel_tool_calls; under a
+    # forced tool_choice, call markup cut by max_tokens is never turned into content
+    parsing = dataclasses.replace(fmt, single=not tools.parallel, forced=tools.forced,
+                                  named=tools.named) \
+        if tools is not None and tools.choice != "none" else None
     return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing,
                          prompt_logprobs=want_prompt)

@@ -38,7 +38,9 @@ def echoed(d: Delta, prompt: list[int], fe: Frontend, top: int | None) -> Delta:
     """A choice's first delta with its prompt in front (echo): the prompt's text, and with
     logprobs (top: their N) its tokens' (the first has none; the others came back from the
     prefill, which may have kept more alternatives for vLLM's prompt_logprobs)."""
-    text = fe.tokenizer.decode(prompt) if fe.tokenizer is not None else ""
+    # special tokens kept: the prompt as sent, and the text logprobs' text_offset count in
+    text = fe.tokenizer.decode(prompt, skip_special_tokens=False) \
+        if fe.tokenizer is not None else ""
     lps = d.logprobs
     if top is not None:
         lps = [(prompt[0], None, []),
@@ -79,7 +81,8 @@ def completion_choice(d: Delta, fe: Frontend, want_lp: bool, offset: int = 0) ->
 
 def chat_choice(d: Delta, fe: Frontend, want_lp: bool, tools: ToolFormat | None = None) -> dict:
     """The whole message; with tools offered, calls parsed out of the text (OpenAI's
-    finish_reason "tool_calls" when the model stopped after making one)."""
+    finish_reason "tool_calls" when the model stopped after making one; "stop" when
+    tool_choice named the function, as OpenAI and vLLM say)."""
     message: dict = {"role": "assistant", "content": d.text}
     finish = d.finish_reason
     if tools is not None:
@@ -87,7 +90,7 @@ def chat_choice(d: Delta, fe: Frontend, want_lp: bool, tools: ToolFormat | None 
         message["content"] = parsed.content
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
-            finish = "tool_calls" if finish == "stop" else finish
+            finish = "tool_calls" if finish == "stop" and not tools.named else finish
     return {"index": d.index, "message": message,
             "logprobs": chat_logprobs(d, fe) if want_lp else None, "finish_reason": finish,
             "stop_reason": d.stop_reason}
@@ -103,7 +106,7 @@ def chat_chunk_choice(d: Delta, fe: Frontend, want_lp: bool,
     else:
         events = stream.feed(d.text) + (stream.finish() if finish else [])
         delta = chunk_delta(events)
-        if finish == "stop" and stream.calls:
+        if finish == "stop" and stream.calls and not stream.fmt.named:
             finish = "tool_calls"
     return {"index": d.index, "delta": delta,
             "logprobs": chat_logprobs(d, fe) if want_lp and d.logprobs else None,

@@ -106,18 +106,26 @@ class ToolStream:
         self.buf += text
         while self.buf and getattr(self, f"_{self.mode}")():
             pass
-        out, self.out = self.out, []
-        return out
+        return self._take()
 
     def finish(self) -> list[str | CallDelta]:
-        """The end of the text: release what was held (an unfinished call header is text)."""
-        if self.mode in ("text", "start", "head"):
+        """The end of the text: release what was held (an unfinished call header is text;
+        under a forced tool_choice it is the call so far: the named function with the
+        arguments written, or nothing)."""
+        if self.mode in ("text", "start", "head") and not self.fmt.forced:
             opener = (self.fmt.opener or "") if self.mode == "head" else ""
             self._content(opener + self.buf)
+        elif self.mode in ("text", "start", "head") and self.fmt.named and not self.calls:
+            self._header(self.fmt.named)
         if not self.calls and self.ws:
             self.out.append(self.ws)
         self.buf, self.ws = "", ""
+        return self._take()
+
+    def _take(self) -> list[str | CallDelta]:
         out, self.out = self.out, []
+        if self.fmt.single:  # one call: the ones after the first are dropped
+            out = [e for e in out if not isinstance(e, CallDelta) or e.index == 0]
         return out
 
     def _content(self, text: str) -> None:
@@ -225,6 +233,13 @@ class ToolFormat:
     end: str
     separator: str
     args_key: str
+    # one request's reading of its calls (router/protocol.py parse_chat): single = no
+    # parallel_tool_calls (calls after the first are dropped, as vLLM does); forced =
+    # tool_choice "required" or named (`named`): a call cut short by max_tokens is the
+    # call so far, never text
+    single: bool = False
+    forced: bool = False
+    named: str | None = None
 
     @property
     def first_mode(self) -> str:

@@ -114,6 +114,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if self.top_k == 0 and not isinstance(self.top_k, bool):  # vLLM's other "off"
+            object.__setattr__(self, "top_k", -1)
         self._validate()
 
     def _validate(self) -> None:
@@ -136,7 +138,7 @@ class SamplingParams:
         need(is_num(self.temperature) and not math.isnan(self.temperature)
              and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
         need(is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX), "top_k",
-             f"must be -1 (off) or in [1, {INT32_MAX}], got {self.top_k!r}")
+             f"must be -1 or 0 (off) or in [1, {INT32_MAX}], got {self.top_k!r}")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
              f"must be in (0, 1], got {self.top_p!r}")
         need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",

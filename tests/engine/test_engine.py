@@ -181,6 +181,12 @@ def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
     assert e.value.param == field and field in str(e.value)
 
 
+def test_top_k_zero_is_off_as_in_vllm() -> None:
+    assert SamplingParams(top_k=0).top_k == SamplingParams().top_k == -1
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(top_k=False)
+
+
 def test_bad_prompts_name_the_field(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="prompt"):
         llm.generate("", SamplingParams())

@@ -107,6 +107,21 @@ def test_stop_strings_are_looked_for_only_from_min_tokens_on(smol: LLM) -> None:
     assert held.outputs[0].text.startswith(plain.outputs[0].text + " capital")
 
 
+def test_a_stop_token_ends_the_output_without_its_text(smol: LLM) -> None:
+    """As in vLLM: the stop token is the last output token and the stop_reason, and its text
+    is not in the output (a stop string's isn't either)."""
+    text = smol.chat_prompt(QUESTION)
+    [plain] = smol.generate([text], greedy(max_tokens=40))
+    ids, full = plain.outputs[0].token_ids, plain.outputs[0].text
+    word = next(i for i, t in enumerate(ids) if "Paris" in smol.engine.tokenizer.decode(ids[:i + 1]))
+    stop = ids[word + 1]  # the token after the one that completes "Paris"
+    [cut] = smol.generate([text], greedy(max_tokens=40, stop_token_ids=(stop,)))
+    out = cut.outputs[0]
+    assert out.token_ids == ids[:word + 2] and out.stop_reason == stop
+    assert out.text == smol.engine.tokenizer.decode(ids[:word + 1]) and full.startswith(out.text)
+    assert out.text != smol.engine.tokenizer.decode(ids[:word + 2])  # its text was cut
+
+
 @pytest.mark.gpu
 def test_gpu_fast_paths_hold_min_tokens_and_speculation_stays_exact() -> None:
     """CUDA graphs, overlapped decode and MTP draft graphs: the banned stop token stays out of

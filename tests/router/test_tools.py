@@ -3,6 +3,7 @@ arbitrary pieces (the pieces assemble to the whole parse), parallel calls, OpenA
 shapes, the forcing grammar accepting what the parser reads, and the chat template inputs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -78,6 +79,36 @@ def test_stream_deltas_have_openai_shape_and_stream_arguments() -> None:
     assert call["index"] == 1 and call["function"] == {"name": "get_time", "arguments": "{}"}
     assert "content" not in last
     assert chunk_delta(HERMES.stream().feed("<tool")) == {}  # held back: maybe a call
+
+
+TWO_CALLS = CASES[0][1]
+
+
+def test_without_parallel_tool_calls_only_the_first_call_is_kept() -> None:
+    one = dataclasses.replace(HERMES, single=True)
+    assert summary(one.parse(TWO_CALLS)) == ("Let me check.",
+                                             [("get_weather", '{"city": "Paris", "days": 2}')])
+    s, events = one.stream(), []
+    for i in range(0, len(TWO_CALLS), 5):  # streamed: no delta of the second call either
+        events += s.feed(TWO_CALLS[i:i + 5])
+    events += s.finish()
+    assert [e.index for e in events if not isinstance(e, str)] == [0] * len(
+        [e for e in events if not isinstance(e, str)])
+    assert summary(assemble(events)) == summary(one.parse(TWO_CALLS))
+
+
+@pytest.mark.parametrize("text", ['<tool_call>\n{"name": "get_wea', "<tool_call>\n", "<tool_c"])
+def test_a_forced_call_cut_by_max_tokens_is_never_content(text: str) -> None:
+    # auto: an unfinished call is text, as the model wrote it
+    assert HERMES.parse(text).content == text
+    # required: the markup is not content, and there is no call to show yet
+    required = dataclasses.replace(HERMES, forced=True)
+    assert summary(required.parse(text)) == (None, []) or required.parse(text).content == ""
+    # a named function: the call so far (vLLM too answers a named tool_choice with a call)
+    named = dataclasses.replace(HERMES, forced=True, named="get_weather")
+    parsed = named.parse(text)
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"]
+    assert not parsed.content
 
 
 def test_format_from_the_template_and_the_flag() -> None:
