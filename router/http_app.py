@@ -102,9 +102,8 @@ def create_app(core: RouterCore, api_key: str | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse({"error": {"message": str(e.detail), "type": kind, "param": None,
-                                       "code": None}}, status_code=e.status_code)
+        return JSONResponse({"error": {"message": str(e.detail), "type": "invalid_request_error",
+                                       "param": None, "code": None}}, status_code=e.status_code)
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone) -> Response:
@@ -124,6 +123,7 @@ def create_app(core: RouterCore, api_key: str | None = None,
                     "incarnation": w.incarnation,
                     "grpc_address": w.endpoints.get("grpc_address", ""),
                     "metrics_address": w.endpoints.get("metrics_address", ""),
+                    "stalled": w.stall.stalled, "stuck_s": round(w.stall.stuck_s, 1),
                     **w.ref.lifecycle()}
                    for w in core.pool.workers.values()]
         status = core.status()
@@ -145,11 +145,17 @@ def create_app(core: RouterCore, api_key: str | None = None,
                 for w in core.pool.workers.values()
                 if (addr := w.endpoints.get("metrics_address", ""))]
 
+    card = {"id": fe.model_id, "object": "model", "created": created, "owned_by": "pdserve",
+            "max_model_len": fe.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": fe.model_id, "object": "model",
-                                            "created": created, "owned_by": "pdserve",
-                                            "max_model_len": fe.max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:  # the openai client's models.retrieve
+        fe.check_model(model)
+        return card
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -319,7 +325,9 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                         yield chunk([{"index": delta.index, "logprobs": None, "finish_reason": None,
                                       "delta": {"role": "assistant", "content": ""}}])
                     stream = parsers[delta.index] if parsers is not None else None
-                    yield chunk([chat_chunk_choice(delta, fe, parsed.logprobs, stream)])
+                    choice = chat_chunk_choice(delta, fe, parsed.logprobs, stream)
+                    if choice["delta"] or choice["finish_reason"] or choice["logprobs"]:
+                        yield chunk([choice])  # not while the tool parser holds markup back
                 else:
                     if parsed.echo and delta.index not in seen:
                         seen.add(delta.index)

@@ -340,7 +340,7 @@ def content_text(c: object, where: str, role: str) -> str:
                 raise BadRequest(f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
                                  "are supported", param=where)
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins them
     raise BadRequest(f"{where}: must be a string or a list of text parts", param=where)
 
 

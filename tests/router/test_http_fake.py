@@ -398,7 +398,14 @@ def test_api_key_guards_all_but_health_and_metrics(cluster):
     assert httpx.get(rt.url + "/health").status_code == 200
     metrics = httpx.get(rt.url + "/metrics").text
     assert "pdserve:time_to_first_token_seconds" in metrics
-    assert httpx.get(rt.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    listed = httpx.get(rt.url + "/v1/models", headers=AUTH).json()["data"][0]
+    # the openai client's models.retrieve; unknown ones and unknown routes as OpenAI says
+    assert httpx.get(rt.url + f"/v1/models/{listed['id']}", headers=AUTH).json() == listed
+    assert httpx.get(rt.url + f"/v1/models/{listed['id']}").status_code == 401
+    gone = httpx.get(rt.url + "/v1/models/no-such-model", headers=AUTH)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    nowhere = httpx.get(rt.url + "/v1/no-such-route", headers=AUTH)
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_tokenize_counts_what_a_completion_reports_and_detokenize_inverts_it(cluster, frontend):
