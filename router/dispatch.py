@@ -46,7 +46,7 @@ from pdserve.router.errors import (
     param_of,
 )
 from pdserve.router.metrics import StageTimes
-from pdserve.router.planning import any_decode_up, plan_attempt
+from pdserve.router.planning import reserve_attempt, reserve_continuation
 from pdserve.router.policies import blocks_needed
 from pdserve.router.pool import WorkerState
 from pdserve.router.stall import cancel_on_stall, stalled_cancel
@@ -185,51 +185,18 @@ class ChoiceRun:
         """Reserve a D (and a P) with room; wait in the router queue while none has any."""
         self.set_waiting(True)
         try:
-            while True:
-                changed = self.pool.changed_event()
-                plan = plan_attempt(self.core, self.need_blocks, self.hashes,
-                                    len(self.prompt_ids), excluded)
-                if plan is not None:
-                    p, d = plan
-                    d.reserve(self.need_blocks)
-                    if p is not None:
-                        p.reserve(0)
-                    self.dispatched = time.monotonic()
-                    return p, d
-                if self.remaining() <= 0:
-                    raise RequestTimeout(f"request {self.rid}: no worker had room before the deadline")
-                if time.monotonic() - self.arrival > self.cfg.queue_timeout_s and not \
-                        self.pool.usable("decode", "colocated") and not any_decode_up(self.pool):
-                    raise WorkerUnavailable("no healthy decode worker", code="no_healthy_worker")
-                try:
-                    await asyncio.wait_for(changed.wait(), min(0.5, max(0.01, self.remaining())))
-                except TimeoutError:
-                    pass
+            p, d = await reserve_attempt(self.core, self.need_blocks, self.hashes,
+                                         len(self.prompt_ids), excluded, self.rid,
+                                         self.arrival, self.deadline)
         finally:
             self.set_waiting(False)
+        self.dispatched = time.monotonic()
+        return p, d
 
     async def _plan_continuation(self, dead: set[tuple[str, str]]) -> WorkerState:
-        """Reserve a decode worker other than those that failed this stream; wait while the
-        others are up but full; fail at once when no other one is up."""
         need = blocks_needed(len(self.prompt_ids) + len(self.sent_ids) + 1, self.cfg.block_size)
-        while True:
-            changed = self.pool.changed_event()
-            alive = [w for w in self.pool.by_role("decode", "colocated")
-                     if w.up and (w.worker_id, w.incarnation) not in dead]
-            if not alive:
-                raise WorkerUnavailable(f"{self.last_failure}; output had started and no other "
-                                        "decode worker is left to continue it")
-            d = self.core.decode_policy.choose([w for w in alive if w.usable], need)
-            if d is not None:
-                d.reserve(need)
-                return d
-            if self.remaining() <= 0:
-                raise RequestTimeout(f"request {self.rid}: no decode worker had room to "
-                                     "continue it before the deadline")
-            try:
-                await asyncio.wait_for(changed.wait(), min(0.5, max(0.01, self.remaining())))
-            except TimeoutError:
-                pass
+        return await reserve_continuation(self.core, dead, need, self.rid, self.deadline,
+                                          self.last_failure)
 
     def set_waiting(self, waiting: bool) -> None:
         m = self.core.metrics

@@ -1,6 +1,8 @@
 """Where one attempt of a completion goes: a decode worker D and, unless it goes straight to
-D, a prefill worker P. A pure choice over the pool as its health polls last saw it (the
-waiting, reserving and retrying around it is router/dispatch.py's).
+D, a prefill worker P. plan_attempt is a pure choice over the pool as its health polls last
+saw it; reserve_attempt and reserve_continuation reserve what it picks, waiting in the router
+queue while every worker it could use is full (the retrying around them is router/
+dispatch.py's).
 
     D   the decode policy's pick among the usable decode (or colocated) workers, those that
         can pair with an up prefill worker first, those this request has not tried first
@@ -11,8 +13,10 @@ waiting, reserving and retrying around it is router/dispatch.py's).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
+from pdserve.router.errors import RequestTimeout, WorkerUnavailable
 from pdserve.router.policies import straight_to_decode
 from pdserve.router.pool import WorkerState
 
@@ -60,3 +64,56 @@ def prefer(workers: list[WorkerState], excluded: set[str]) -> list[WorkerState]:
 def any_decode_up(pool) -> bool:
     """Some decode worker is healthy but full: waiting will help."""
     return any(w.up for w in pool.by_role("decode", "colocated"))
+
+
+async def reserve_attempt(core, need_blocks: int, hashes: list[int], prompt_len: int,
+                          excluded: set[str], rid: str, arrival: float, deadline: float) -> Plan:
+    """plan_attempt's (P, D), reserved; waits while every worker it could use is full, until
+    the deadline, or queue_timeout_s past arrival when no decode worker is up at all."""
+    pool, cfg = core.pool, core.cfg
+    while True:
+        changed = pool.changed_event()  # before the check: a change meanwhile is not lost
+        plan = plan_attempt(core, need_blocks, hashes, prompt_len, excluded)
+        if plan is not None:
+            p, d = plan
+            d.reserve(need_blocks)
+            if p is not None:
+                p.reserve(0)
+            return p, d
+        if deadline - time.monotonic() <= 0:
+            raise RequestTimeout(f"request {rid}: no worker had room before the deadline")
+        if time.monotonic() - arrival > cfg.queue_timeout_s and not \
+                pool.usable("decode", "colocated") and not any_decode_up(pool):
+            raise WorkerUnavailable("no healthy decode worker", code="no_healthy_worker")
+        await _changed_or(changed, deadline)
+
+
+async def reserve_continuation(core, dead: set[tuple[str, str]], need: int, rid: str,
+                               deadline: float, why: str) -> WorkerState:
+    """A decode worker other than those that failed this stream (`dead`: id, incarnation),
+    reserved for `need` blocks; waits while the others are up but full; fails at once when
+    no other one is up (`why`: the failure that ended the stream there)."""
+    pool = core.pool
+    while True:
+        changed = pool.changed_event()
+        alive = [w for w in pool.by_role("decode", "colocated")
+                 if w.up and (w.worker_id, w.incarnation) not in dead]
+        if not alive:
+            raise WorkerUnavailable(f"{why}; output had started and no other decode worker "
+                                    "is left to continue it")
+        d = core.decode_policy.choose([w for w in alive if w.usable], need)
+        if d is not None:
+            d.reserve(need)
+            return d
+        if deadline - time.monotonic() <= 0:
+            raise RequestTimeout(f"request {rid}: no decode worker had room to continue it "
+                                 "before the deadline")
+        await _changed_or(changed, deadline)
+
+
+async def _changed_or(changed: asyncio.Event, deadline: float) -> None:
+    """Until the pool changes, 0.5 s at most (and not past the deadline)."""
+    try:
+        await asyncio.wait_for(changed.wait(), min(0.5, max(0.01, deadline - time.monotonic())))
+    except TimeoutError:
+        pass
