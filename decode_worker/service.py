@@ -149,6 +149,8 @@ class DecodeService:
                 m.decode_queue_stage.labels(**m.labels).observe(admitted)
                 yield self._to_proto(first, pb.StageTimes(decode_queue=admitted))
                 with state.lock:
+                    if state.cancelled:  # closed since: _on_close queued the abort, which
+                        return  # frees these blocks; a read into them now could land late
                     state.pulling = True
                 try:
                     stages = self._pull(req, params, blocks, deadline, context)

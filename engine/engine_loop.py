@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 from pdserve.engine.core.outputs import RequestOutput
@@ -50,6 +50,8 @@ class EngineLoop:
         self._live: dict[str, queue.Queue] = {}  # of those, the admitted ones (admit)
         # admit commands not yet run, by id: (the stream's queue, the command's future)
         self._admitting: dict[str, tuple[queue.Queue, Future]] = {}
+        # streams woken by abort_and_wake, by id: an admit for one of them is refused
+        self._woken: dict[str, queue.Queue] = {}
         self._subs_lock = threading.Lock()
         self._idle_wait_s = idle_wait_s
         self._on_tick = on_tick  # periodic housekeeping on the loop thread (lease expiry)
@@ -108,6 +110,8 @@ class EngineLoop:
             if q is None or self._subs.get(request_id) is q:
                 self._subs.pop(request_id, None)
                 self._live.pop(request_id, None)
+            if q is None or self._woken.get(request_id) is q:
+                self._woken.pop(request_id, None)
 
     def admit(self, request_id: str, q: queue.Queue, fn: Callable[[LLMEngine], T],
               timeout_s: float = 30.0) -> T:
@@ -117,10 +121,11 @@ class EngineLoop:
         request's outputs, which must not reach the next stream under the id. They are
         published before this command runs (one thread), so they never reach `q`.
         concurrent.futures.CancelledError: abort_and_wake(request_id, q) came first (the
-        RPC ended while the command waited behind a long step); fn never runs."""
+        RPC ended before the command ran, e.g. behind a long step); fn never runs."""
         def run(engine: LLMEngine) -> T:
             with self._subs_lock:
-                self._admitting.pop(request_id, None)
+                if self._admitting.get(request_id, (None, None))[1] is fut:
+                    del self._admitting[request_id]
                 if self._subs.get(request_id) is q:
                     self._live[request_id] = q
             return fn(engine)
@@ -128,6 +133,8 @@ class EngineLoop:
             raise EngineLoopError("engine loop died") from self.fatal
         fut: Future = Future()
         with self._subs_lock:
+            if self._woken.get(request_id) is q:  # its RPC already ended
+                raise CancelledError(f"{request_id}: the stream ended before its admission")
             self._admitting[request_id] = (q, fut)
         self._commands.put((run, fut))
         try:
@@ -143,14 +150,19 @@ class EngineLoop:
         run it yet, so its handler returns and lets go of the id at once, even while the
         loop is stuck in a long step. The abort itself is queued for the loop. A step
         before it may still publish the request's outputs: they reach `q` (read by nobody)
-        or nothing, never a next stream under the id, whose admit runs after this abort."""
+        or nothing, never a next stream under the id, whose admit runs after this abort (it
+        is queued before the handler wakes). An admit already running is not cancelled: the
+        abort follows it."""
+        done = self.submit(lambda engine: engine.abort_request(request_id))
         if q is not None:
             with self._subs_lock:
+                if self._subs.get(request_id) is q:  # its handler still holds the id
+                    self._woken[request_id] = q
                 pending = self._admitting.get(request_id)
-            if pending is not None and pending[0] is q:
-                pending[1].cancel()
+                if pending is not None and pending[0] is q:
+                    pending[1].cancel()  # False once the loop runs it
             q.put(RequestOutput(request_id, [], "", True, "abort"))
-        return self.submit(lambda engine: engine.abort_request(request_id))
+        return done
 
     def publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
         """item to request_id's stream, once admitted (admit)."""
@@ -169,7 +181,9 @@ class EngineLoop:
             return
         while True:
             fn, fut = item
-            if not fut.cancelled():
+            # running from here: a cancel() from another thread now fails (it would make
+            # set_result raise on this thread); a command cancelled before is skipped
+            if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:  # the caller gets the error, the loop goes on

@@ -155,9 +155,13 @@ class PrefillService:
         blocks = self.rt.leases.release(request_id, generation or None)
         if blocks is None:  # unknown, expired, or the release was lost (fault injection)
             return False, False
-        freed = bool(blocks) and self.rt.loop.call(lambda e: e.release_held(request_id),
-                                                   timeout_s=10)
-        return freed, True
+        if not blocks:
+            return False, True
+        fut = self.rt.loop.submit(lambda e: e.release_held(request_id))
+        try:  # the RPC thread is not held behind a long step: the release runs after it
+            return bool(fut.result(timeout=2.0)), True
+        except TimeoutError:
+            return True, True  # queued on the loop; the lease no longer pins the blocks
 
 
 def _held_blocks(engine: LLMEngine, rid: str) -> list[int]:

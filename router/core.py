@@ -69,6 +69,7 @@ class Job:
     params: SamplingParams
     timeout_s: float | None = None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
+    prompt_param: str = "prompt"  # what an over-long prompt's error names ("messages": chat)
 
 
 class RouterCore:
@@ -180,7 +181,8 @@ class RouterCore:
         self._outs.add(out)
         try:
             for ids in job.prompts:
-                self.frontend.check_length(len(ids), job.params.max_tokens, self.pool_tokens())
+                self.frontend.check_length(len(ids), job.params.max_tokens, self.pool_tokens(),
+                                           job.prompt_param)
             deadline = job.arrival + (job.timeout_s or self.cfg.request_timeout_s)
             for i, (rid, ids, params) in enumerate(self._fan_out(job)):
                 run = ChoiceRun(self, rid, i, ids, params, job.arrival, deadline, out.put_nowait)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.core.config import ModelConfig
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer
 from pdserve.engine.core.sampling_params import InvalidRequestError, StructuredOutput
-from pdserve.engine.model.loader import ModelSource, resolve_model
+from pdserve.engine.model.loader import EMBEDDED_HF_ID, EMBEDDED_MODEL, ModelSource, resolve_model
 from pdserve.engine.model.tokenizer import Tokenizer, TokenizerError
 from pdserve.engine.structured.compiler import GrammarCompiler
 from pdserve.router.errors import BadRequest, NotFound
@@ -57,13 +57,16 @@ class Frontend:
                            f"{self.model_id!r}", param="model")
 
     # -- text -> token ids ---------------------------------------------------------------
-    def encode_prompt(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[int], param: str = "prompt",
+                      add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completion prompt (text: with the tokenizer's BOS and the like
+        unless add_special_tokens is false, vLLM's switch)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequest(f"{param}: must not be empty", param=param)
             if self.tokenizer is None:
                 raise BadRequest(f"{param}: this model has no tokenizer; send token ids", param=param)
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
             vocab = self.config.vocab_size
@@ -99,14 +102,16 @@ class Frontend:
             raise BadRequest("messages: the rendered prompt is empty", param="messages")
         return ids
 
-    def check_length(self, prompt_len: int, max_tokens: int, pool_tokens: int | None) -> None:
-        """Reject what can never finish: over the context, or over the decode KV pool (ANCHORS #7)."""
+    def check_length(self, prompt_len: int, max_tokens: int, pool_tokens: int | None,
+                     prompt_param: str = "prompt") -> None:
+        """Reject what can never finish: over the context, or over the decode KV pool (ANCHORS
+        #7); an over-long prompt is named prompt_param ("messages" for chat)."""
         limits = [(self.max_model_len, "the model's context length")]
         if pool_tokens:
             limits.append((pool_tokens, "the decode workers' KV cache pool"))
         for limit, what in limits:
             if prompt_len + max_tokens > limit:
-                param = "prompt" if prompt_len >= limit else "max_tokens"
+                param = prompt_param if prompt_len >= limit else "max_tokens"
                 raise BadRequest(
                     f"{param}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
                     f"{prompt_len + max_tokens} exceeds {what} of {limit} tokens", param=param)
@@ -189,6 +194,8 @@ def load_frontend(model: str | None, max_model_len: int | None = None,
     aliases = {source.name}
     if model:
         aliases.add(model)
+    if source.name == EMBEDDED_MODEL:
+        aliases.add(EMBEDDED_HF_ID)
     model_id = served_name or source.name
     return Frontend(model_id, config, tokenizer, max_len, frozenset(aliases - {model_id}),
                     tool_call_parser)

@@ -135,7 +135,8 @@ class PdserveServicer(pbg.PdserveServicer):
         rid = request.request_id or uuid.uuid4().hex
         job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", [ids], params,
                   # 0 = the server's default; anything else is checked at admission
-                  timeout_s=request.timeout_s if request.timeout_s != 0 else None)
+                  timeout_s=request.timeout_s if request.timeout_s != 0 else None,
+                  prompt_param=kind)  # an over-long input is named as the proto names it
         return job, params.n, rid
 
     # -- the rest ------------------------------------------------------------------------

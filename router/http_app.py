@@ -72,12 +72,15 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
-        rid = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id_given"] = bool(REQUEST_ID.fullmatch(given))
+        # a route may still take the body's request_id (vLLM's field) when no header came
+        state["request_id"] = given if state["request_id_given"] else uuid.uuid4().hex
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                rid = state["request_id"].encode()
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
             await send(message)
 
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
@@ -181,8 +184,11 @@ def create_app(core: RouterCore, api_key: str | None = None,
         # its field before any worker sees the request
         if parsed.checks:
             await _unless_gone(fe.check_grammars(parsed.checks), request)
+        if parsed.request_id and not request.state.request_id_given:
+            request.state.request_id = parsed.request_id  # the body's, as vLLM takes it
         rid = request.state.request_id
-        job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", parsed.prompts, parsed.params)
+        job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", parsed.prompts, parsed.params,
+                  prompt_param="messages" if parsed.kind == "chat" else "prompt")
         prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
         head = {"id": prefix + rid, "created": int(time.time()), "model": parsed.model}
         gen = core.generate(job)
@@ -274,7 +280,8 @@ def _echoed(parsed: ParsedRequest, d: Delta, fe) -> Delta:
     """Choice d.index's prompt in front of its first delta (completions fan out n choices
     per prompt, in prompt order)."""
     top = parsed.params.logprobs if parsed.logprobs else None
-    return echoed(d, parsed.prompts[d.index // parsed.params.n], fe, top)
+    i = d.index // parsed.params.n
+    return echoed(d, parsed.prompts[i], fe, top, parsed.prompt_texts[i])
 
 
 def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> dict:

@@ -59,6 +59,9 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
     # vLLM's prompt_logprobs field: the top N per prompt token, rendered in vLLM's shape
     prompt_logprobs: int | None = None
+    # completions: each prompt as the client wrote it (None: sent as token ids), for echo
+    prompt_texts: list[str | None] = field(default_factory=list)
+    request_id: str | None = None  # vLLM's body field (X-Request-Id, when sent, wins)
 
 
 def _get(body: dict, name: str, what: str, default: object = None) -> object:
@@ -198,8 +201,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "kv_transfer_params": ((None, {}), "not supported: pdserve moves the KV itself"),
     "mm_processor_kwargs": ((None, {}), "not supported: text models only"),
     "documents": ((None, []), "not supported"),
-    "reasoning_effort": ((None,), "not supported"),
-    "request_id": ((None,), "not supported in the body: send it as the X-Request-Id header"),
     **{f"guided_{kind}": ((None,), f"not supported: use structured_outputs.{kind}")
        for kind in ("json", "regex", "choice", "grammar")},
 }
@@ -217,6 +218,14 @@ def _check_unsupported(body: dict) -> None:
         raise BadRequest("best_of: not supported (use n)", param="best_of")
 
 
+def _request_id(body: dict) -> str | None:
+    rid = _get(body, "request_id", _STR)
+    if rid is not None and not REQUEST_ID.fullmatch(rid):
+        raise BadRequest("request_id: 1-128 characters of A-Z a-z 0-9 . _ : - (as the "
+                         "X-Request-Id header)", param="request_id")
+    return rid
+
+
 def _check_default(body: dict, name: str, default: bool, what: str) -> None:
     """A vLLM switch pdserve takes only at its default (`what` it then does)."""
     if body.get(name) not in (None, default):
@@ -226,7 +235,8 @@ def _check_default(body: dict, name: str, default: bool, what: str) -> None:
 
 def _template_options(body: dict, messages: list[dict]) -> TemplateOptions:
     """vLLM's chat extensions: add_generation_prompt, continue_final_message (an assistant
-    prefill the model continues) and chat_template_kwargs."""
+    prefill the model continues), chat_template_kwargs and reasoning_effort (passed to the
+    template, as vLLM does)."""
     gen = _get(body, "add_generation_prompt", _BOOL, True)
     cont = _get(body, "continue_final_message", _BOOL, False)
     if cont and gen:
@@ -242,6 +252,9 @@ def _template_options(body: dict, messages: list[dict]) -> TemplateOptions:
         if key in _TEMPLATE_ARGS:
             raise BadRequest(f"chat_template_kwargs: {key!r} is not a template variable (it is "
                              "the request's own)", param="chat_template_kwargs")
+    effort = _get(body, "reasoning_effort", _STR)
+    if effort is not None:  # as vLLM: a template variable (templates that read it use it)
+        variables = {"reasoning_effort": effort, **variables}
     return TemplateOptions(gen, cont, tuple(sorted(variables.items())))
 
 
@@ -253,30 +266,32 @@ def _model(body: dict, fe: Frontend) -> str:
 
 # -- completions ------------------------------------------------------------------------------
 
-def _prompts(body: dict, fe: Frontend) -> list[list[int]]:
+def _prompts(body: dict, fe: Frontend) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's token ids, and its text as sent (None for token ids)."""
     if "prompt" not in body or body["prompt"] is None:
         raise BadRequest("prompt: is required", param="prompt")
+    special = _get(body, "add_special_tokens", _BOOL, True)
     p = body["prompt"]
     if isinstance(p, str):
-        return [fe.encode_prompt(p)]
+        return [fe.encode_prompt(p, add_special_tokens=special)], [p]
     if not isinstance(p, list) or not p:
         raise BadRequest("prompt: must be a non-empty string, a list of strings, a list of token "
                          "ids or a list of lists of token ids", param="prompt")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return [fe.encode_prompt(p)]
+        return [fe.encode_prompt(p)], [None]
     if all(isinstance(x, (str, list)) for x in p):
-        return [fe.encode_prompt(x) for x in p]
+        return ([fe.encode_prompt(x, add_special_tokens=special) for x in p],
+                [x if isinstance(x, str) else None for x in p])
     raise BadRequest("prompt: must be a string, a list of strings or token ids", param="prompt")
 
 
 def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     model = _model(body, fe)
     _check_unsupported(body)
-    _check_default(body, "add_special_tokens", True, "the tokenizer's special tokens are added")
     if body.get("top_logprobs") is not None:
         raise BadRequest("top_logprobs: /v1/completions takes the count as logprobs",
                          param="top_logprobs")
-    prompts = _prompts(body, fe)
+    prompts, texts = _prompts(body, fe)
     kw = _sampling_kwargs(body, fe.config.vocab_size)
     lp = _logprob_count(body, "logprobs")
     if lp is not None:
@@ -294,7 +309,8 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     kw["structured"], checks = output_constraint(body)  # response_format, structured_outputs
     params = _build_params(kw, max_tokens)
     return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
-                         checks, echo=echo, prompt_logprobs=want_prompt)
+                         checks, echo=echo, prompt_logprobs=want_prompt, prompt_texts=texts,
+                         request_id=_request_id(body))
 
 
 # -- chat -------------------------------------------------------------------------------------
@@ -389,4 +405,4 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
                                   named=tools.named) \
         if tools is not None and tools.choice != "none" else None
     return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing,
-                         prompt_logprobs=want_prompt)
+                         prompt_logprobs=want_prompt, request_id=_request_id(body))

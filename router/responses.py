@@ -34,12 +34,15 @@ def completion_logprobs(d: Delta, fe: Frontend, offset: int) -> dict:
             "text_offset": offsets}
 
 
-def echoed(d: Delta, prompt: list[int], fe: Frontend, top: int | None) -> Delta:
+def echoed(d: Delta, prompt: list[int], fe: Frontend, top: int | None,
+           sent: str | None = None) -> Delta:
     """A choice's first delta with its prompt in front (echo): the prompt's text, and with
     logprobs (top: their N) its tokens' (the first has none; the others came back from the
     prefill, which may have kept more alternatives for vLLM's prompt_logprobs)."""
-    # special tokens kept: the prompt as sent, and the text logprobs' text_offset count in
-    text = fe.tokenizer.decode(prompt, skip_special_tokens=False) \
+    # the prompt as sent (`sent`, a text prompt: vLLM echoes it, without the BOS the
+    # tokenizer added); token ids decoded with their special tokens, as logprobs' text_offset
+    # counts them
+    text = sent if sent is not None else fe.tokenizer.decode(prompt, skip_special_tokens=False) \
         if fe.tokenizer is not None else ""
     lps = d.logprobs
     if top is not None:

@@ -112,11 +112,13 @@ class ToolStream:
         """The end of the text: release what was held (an unfinished call header is text;
         under a forced tool_choice it is the call so far: the named function with the
         arguments written, or nothing)."""
-        if self.mode in ("text", "start", "head") and not self.fmt.forced:
+        held = self.mode in ("text", "start", "head")
+        dropped_call = self.fmt.single and self.calls and self.mode == "head"  # a 2nd, cut
+        if held and self.fmt.named and not self.calls:
+            self._header(self.fmt.named)
+        elif held and not self.fmt.forced and not dropped_call:
             opener = (self.fmt.opener or "") if self.mode == "head" else ""
             self._content(opener + self.buf)
-        elif self.mode in ("text", "start", "head") and self.fmt.named and not self.calls:
-            self._header(self.fmt.named)
         if not self.calls and self.ws:
             self.out.append(self.ws)
         self.buf, self.ws = "", ""

@@ -114,7 +114,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
-        if self.top_k == 0 and not isinstance(self.top_k, bool):  # vLLM's other "off"
+        if type(self.top_k) is int and self.top_k == 0:  # vLLM's other "off"
             object.__setattr__(self, "top_k", -1)
         self._validate()
 

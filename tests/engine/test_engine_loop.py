@@ -133,3 +133,45 @@ def test_a_dying_engine_ends_open_streams_and_refuses_calls(engine) -> None:
     with pytest.raises(EngineLoopError, match="died"):
         loop.call(lambda e: None, timeout_s=5)
 
+
+
+def test_a_stream_ended_behind_a_long_step_lets_go_at_once_and_is_never_admitted(engine) -> None:
+    """abort_and_wake while the loop is inside a long step: the handler waiting on its admit
+    gets CancelledError at once (not at the step's end), its request is never added; one
+    whose stream ended before its admit was even queued is refused; and a cancel that
+    comes while the loop already runs the command fails instead of killing the loop."""
+    from concurrent.futures import CancelledError
+
+    loop = EngineLoop(engine).start()
+    release = threading.Event()
+    try:
+        loop.submit(lambda e: release.wait(60))  # "a long step"
+        q = loop.subscribe("late")
+        got: list[BaseException] = []
+        handler = threading.Thread(target=lambda: got.append(pytest.raises(
+            CancelledError, loop.admit, "late", q,
+            lambda e: e.add_request([5, 6, 7], GREEDY, request_id="late")).value))
+        handler.start()
+        deadline = time.monotonic() + 30
+        while "late" not in loop._admitting:  # the admit is queued behind the step
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        loop.abort_and_wake("late", q)
+        handler.join(30)
+        assert got and not release.is_set()  # woken while the loop is still stuck
+        assert q.get(timeout=5).finish_reason == "abort"
+        with pytest.raises(CancelledError):  # the same stream cannot be admitted any more
+            loop.admit("late", q, lambda e: e.add_request([5, 6, 7], GREEDY, request_id="late"))
+        loop.unsubscribe("late", q)
+        release.set()
+        assert not loop.call(lambda e: e.has_unfinished(), timeout_s=30)  # never added
+        # a cancel while the command runs: refused, the command's result still arrives
+        running, hold = threading.Event(), threading.Event()
+        fut = loop.submit(lambda e: (running.set(), hold.wait(30), 7)[2])
+        assert running.wait(30) and not fut.cancel()
+        hold.set()
+        assert fut.result(timeout=30) == 7 and loop.fatal is None
+        assert loop.call(lambda e: 1 + 1) == 2
+    finally:
+        release.set()
+        loop.stop()

@@ -74,6 +74,25 @@ def test_completion_shape_usage_and_request_id(cluster, frontend):
     assert all(not w.held for w in ws.values())  # prefill blocks released
 
 
+def test_body_request_id_names_the_request_unless_the_header_does(cluster, frontend):
+    """vLLM's request_id field: the completion's id and X-Request-Id, when no header came;
+    and the other vLLM switches taken now (add_special_tokens, reasoning_effort)."""
+    _, _, client = cluster
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                             "request_id": "from-body-1"})
+    assert r.headers["x-request-id"] == "from-body-1" and r.json()["id"] == "cmpl-from-body-1"
+    r = client.post("/v1/completions", headers={"X-Request-Id": "from-header"},
+                    json={"prompt": "Hi", "max_tokens": 2, "request_id": "from-body-2"})
+    assert r.headers["x-request-id"] == "from-header" and r.json()["id"] == "cmpl-from-header"
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                             "add_special_tokens": False, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("Hi")
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+        "reasoning_effort": "low"})
+    assert r.status_code == 200, r.text
+
+
 def r2_id(client) -> str:
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     return r.headers["x-request-id"]
@@ -190,6 +209,10 @@ BAD = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000_000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    # a prompt over the context: named as the client sent it
+    ("/v1/completions", {"prompt": "hello " * 9000}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 9000}]}, 400,
+     "messages"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
@@ -236,9 +259,10 @@ BAD = [
         ("allowed_token_ids", [28]), ("bad_words", [" 5"]), ("truncate_prompt_tokens", 2),
         ("return_tokens_as_token_ids", True), ("skip_special_tokens", False),
         ("spaces_between_special_tokens", False), ("length_penalty", 0.5), ("priority", 1),
-        ("cache_salt", "tenant-a"), ("return_token_ids", True), ("request_id", "mine"),
-        ("logits_processors", ["x"]), ("kv_transfer_params", {"do_remote_decode": True}),
-        ("add_special_tokens", False), ("top_logprobs", 2))],
+        ("cache_salt", "tenant-a"), ("return_token_ids", True), ("request_id", "a b"),
+        ("request_id", 7), ("logits_processors", ["x"]),
+        ("kv_transfer_params", {"do_remote_decode": True}), ("add_special_tokens", "no"),
+        ("top_logprobs", 2))],
     ("/v1/completions", {"prompt": "hi", "stream": True,
                          "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options"),
@@ -249,7 +273,7 @@ BAD = [
         ("chat_template_kwargs", ["x"]), ("chat_template_kwargs", {"messages": []}),
         # continue_final_message: with the generation prompt on, or after a user message
         ("continue_final_message", True), ("add_special_tokens", True),
-        ("documents", [{"text": "d"}]), ("reasoning_effort", "low"))],
+        ("documents", [{"text": "d"}]), ("reasoning_effort", 3))],
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "continue_final_message": True, "add_generation_prompt": False},
      400, "continue_final_message"),
@@ -402,6 +426,9 @@ def test_api_key_guards_all_but_health_and_metrics(cluster):
     # the openai client's models.retrieve; unknown ones and unknown routes as OpenAI says
     assert httpx.get(rt.url + f"/v1/models/{listed['id']}", headers=AUTH).json() == listed
     assert httpx.get(rt.url + f"/v1/models/{listed['id']}").status_code == 401
+    # the embedded model also answers to its Hub id, as clients configured for vLLM ask
+    hub = httpx.get(rt.url + "/v1/models/HuggingFaceTB/SmolLM2-135M-Instruct", headers=AUTH)
+    assert hub.status_code == 200 and hub.json()["id"] == listed["id"]
     gone = httpx.get(rt.url + "/v1/models/no-such-model", headers=AUTH)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     nowhere = httpx.get(rt.url + "/v1/no-such-route", headers=AUTH)

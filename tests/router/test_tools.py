@@ -95,6 +95,8 @@ def test_without_parallel_tool_calls_only_the_first_call_is_kept() -> None:
     assert [e.index for e in events if not isinstance(e, str)] == [0] * len(
         [e for e in events if not isinstance(e, str)])
     assert summary(assemble(events)) == summary(one.parse(TWO_CALLS))
+    cut = TWO_CALLS[:TWO_CALLS.rindex('{"name"') + 5]  # the second call cut in its header
+    assert summary(one.parse(cut)) == summary(one.parse(TWO_CALLS))
 
 
 @pytest.mark.parametrize("text", ['<tool_call>\n{"name": "get_wea', "<tool_call>\n", "<tool_c"])
