@@ -124,19 +124,16 @@ class EngineLoop:
         RPC ended before the command ran, e.g. behind a long step); fn never runs."""
         def run(engine: LLMEngine) -> T:
             with self._subs_lock:
-                if self._admitting.get(request_id, (None, None))[1] is fut:
-                    del self._admitting[request_id]
                 if self._subs.get(request_id) is q:
                     self._live[request_id] = q
             return fn(engine)
         if self.fatal is not None:
             raise EngineLoopError("engine loop died") from self.fatal
-        fut: Future = Future()
         with self._subs_lock:
             if self._woken.get(request_id) is q:  # its RPC already ended
                 raise CancelledError(f"{request_id}: the stream ended before its admission")
-            self._admitting[request_id] = (q, fut)
-        self._commands.put((run, fut))
+            fut = self.submit(run)
+            self._admitting[request_id] = (q, fut)  # until it returns: cancel() fails once run
         try:
             return fut.result(timeout=timeout_s)
         finally:

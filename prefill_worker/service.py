@@ -157,9 +157,9 @@ class PrefillService:
             return False, False
         if not blocks:
             return False, True
-        fut = self.rt.loop.submit(lambda e: e.release_held(request_id))
         try:  # the RPC thread is not held behind a long step: the release runs after it
-            return bool(fut.result(timeout=2.0)), True
+            return bool(self.rt.loop.call(lambda e: e.release_held(request_id),
+                                          timeout_s=2.0)), True
         except TimeoutError:
             return True, True  # queued on the loop; the lease no longer pins the blocks
 

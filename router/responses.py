@@ -42,8 +42,10 @@ def echoed(d: Delta, prompt: list[int], fe: Frontend, top: int | None,
     # the prompt as sent (`sent`, a text prompt: vLLM echoes it, without the BOS the
     # tokenizer added); token ids decoded with their special tokens, as logprobs' text_offset
     # counts them
-    text = sent if sent is not None else fe.tokenizer.decode(prompt, skip_special_tokens=False) \
-        if fe.tokenizer is not None else ""
+    text = sent
+    if text is None:
+        text = fe.tokenizer.decode(prompt, skip_special_tokens=False) \
+            if fe.tokenizer is not None else ""
     lps = d.logprobs
     if top is not None:
         lps = [(prompt[0], None, []),

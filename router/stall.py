@@ -22,7 +22,6 @@ class StallState:
     """One worker's stall state, as the pool's health polls see it (one incarnation)."""
 
     def __init__(self) -> None:
-        self.since: float | None = None  # monotonic time it was marked stalled
         self.stuck_s = 0.0  # how long it has been stuck, as last seen (0: it answered "ok")
         self.unanswered_since: float | None = None  # first of a run of unanswered Health calls
         self.restarted = False  # this stall already asked the ref to restart the worker
@@ -30,7 +29,7 @@ class StallState:
 
     @property
     def stalled(self) -> bool:
-        return self.since is not None
+        return self.event.is_set()
 
     def answered(self, loop_busy_s: float) -> None:
         """Health answered: its loop has been away loop_busy_s (0 when it came round)."""
@@ -48,15 +47,13 @@ class StallState:
 
     def mark(self) -> bool:
         """Stalled now; True the first time (for the log)."""
-        first = self.since is None
-        if first:
-            self.since = time.monotonic()
-            self.event.set()
+        first = not self.event.is_set()
+        self.event.set()
         return first
 
     def clear(self) -> None:
         """It came round (or is a new incarnation): not stalled, nothing stuck."""
-        self.since, self.stuck_s, self.unanswered_since, self.restarted = None, 0.0, None, False
+        self.stuck_s, self.unanswered_since, self.restarted = 0.0, None, False
         if self.event.is_set():
             self.event = asyncio.Event()
 

@@ -116,7 +116,7 @@ class WorkerRuntime:
                 self.loop.publish(request_id, RequestOutput(request_id, [], "", True, "abort"))
             return found
         try:
-            return self.loop.submit(run).result(timeout=wait_s)
+            return self.loop.call(run, timeout_s=wait_s)
         except TimeoutError:
             log.info("abort of %s queued behind a long engine step", request_id)
             return False
