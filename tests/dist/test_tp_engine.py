@@ -74,12 +74,11 @@ def test_tp2_overlapped_decode_equals_tp1(tiny_models: dict[str, Path]) -> None:
 
 
 def test_tp3_smollm2_135m_greedy_equals_tp1() -> None:
-    """The embedded SmolLM2-135M (9 heads, 3 KV heads: one per rank), 8 prompts x 32."""
+    """The embedded SmolLM2-135M (9 heads, 3 KV heads: one per rank), 5 prompts x 24."""
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time",
-               "Water boils at", "The largest planet is", "import numpy as np\n",
-               "My favourite colour is", "1, 2, 3, 5, 8,"]
-    ref = greedy(None, 1, prompts, 32, max_model_len=256)
-    assert greedy(None, 3, prompts, 32, max_model_len=256) == ref
+               "import numpy as np\n", "1, 2, 3, 5, 8,"]
+    ref = greedy(None, 1, prompts, 24, max_model_len=256)
+    assert greedy(None, 3, prompts, 24, max_model_len=256) == ref
 
 
 def test_tp2_prompt_logprobs_equal_tp1(tiny_models: dict[str, Path]) -> None:

@@ -136,7 +136,9 @@ def test_fused_path_drafts_in_the_set(reference: list[list[int]]) -> None:
                       draft_vocab=DRAFT_VOCAB)
     llm = LLM("tiny-qwen3", speculative=spec, use_triton=True, **TINY)
     drafts = _log_drafts(llm)
-    assert tokens(llm.generate(PROMPTS[:2], GREEDY)) == reference[:2]
+    # one prompt, 12 tokens: the interpreter runs every kernel of the model (~6 s a step)
+    short = dataclasses.replace(GREEDY, max_tokens=12)
+    assert tokens(llm.generate(PROMPTS[1:2], short)) == [reference[1][:12]]
     assert drafts and max(drafts) < DRAFT_VOCAB
 
 

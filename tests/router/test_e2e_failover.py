@@ -131,8 +131,8 @@ def test_killed_prefill_worker_retry_no_leak_and_rejoin(server):
                lambda: f"no pinned, held or used blocks on any worker; left: {leftovers()}")
 
 
-def test_decode_worker_killed_five_times_comes_back_each_time(server):
-    """The only decode worker is SIGKILLed five times in a row under load: each time the
+def test_decode_worker_killed_three_times_comes_back_each_time(server):
+    """The only decode worker is SIGKILLed three times in a row under load: each time the
     pool launches a new one (backoff 0.5 s, 1 s, 2 s, ...; no restart limit by default),
     /health counts the restarts, and requests after the last one succeed."""
     results: list[str] = []
@@ -149,7 +149,7 @@ def test_decode_worker_killed_five_times_comes_back_each_time(server):
 
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(load, k) for k in range(3)]
-        for n in range(1, 6):
+        for n in range(1, 4):
             wait_until(lambda: decode()["up"], 180, "decode-0 to be up")
             before = decode()
             os.kill(pid_listening_on(before["metrics_address"]), signal.SIGKILL)
