@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP face (FastAPI on uvicorn).
 
     POST /v1/completions, /v1/chat/completions   (SSE when "stream": true, ending in [DONE])
+    POST /v1/responses                           (OpenAI's Responses API: stateless, text;
+                                                  router/responses_api.py)
     GET  /v1/models, /health, /metrics
 
 Every error is `{"error": {"message", "type", "param", "code"}}`. `--api-key` guards every
@@ -40,10 +42,14 @@ from pdserve.router.responses import (
     usage_body,
     vllm_prompt_logprobs,
 )
+from pdserve.router.responses_api import ResponsesRequest, parse_responses, renamed
+from pdserve.router.responses_output import ResponseBuilder, response_events, whole_response
 from pdserve.router.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics", "/metrics/targets")
+# what an over-long prompt's error names, per API
+_PROMPT_PARAM = {"completion": "prompt", "chat": "messages", "response": "input"}
 T = TypeVar("T")
 
 
@@ -163,7 +169,7 @@ def create_app(core: RouterCore, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         parsed = parse_completion(await read_json(request, max_body_bytes), fe)
-        return await _serve(request, parsed)
+        return await _serve(core, request, parsed)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
@@ -177,36 +183,57 @@ def create_app(core: RouterCore, api_key: str | None = None,
     async def chat(request: Request) -> Response:
         body = await read_json(request, max_body_bytes)
         parsed = parse_chat(body, fe, core.max_tokens_default)
-        return await _serve(request, parsed)
+        return await _serve(core, request, parsed)
 
-    async def _serve(request: Request, parsed: ParsedRequest) -> Response:
-        # grammars compile off the event loop, under a deadline: a bad one is a 400 naming
-        # its field before any worker sees the request
-        if parsed.checks:
-            await _unless_gone(fe.check_grammars(parsed.checks), request)
-        if parsed.request_id and not request.state.request_id_given:
-            request.state.request_id = parsed.request_id  # the body's, as vLLM takes it
-        rid = request.state.request_id
-        job = Job(f"{rid}-{uuid.uuid4().hex[:8]}", parsed.prompts, parsed.params,
-                  prompt_param="messages" if parsed.kind == "chat" else "prompt")
-        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
-        head = {"id": prefix + rid, "created": int(time.time()), "model": parsed.model}
-        gen = core.generate(job)
-        n = len(parsed.prompts) * parsed.params.n
-        if not parsed.stream:
-            async with contextlib.aclosing(gen):
-                deltas = await _unless_gone(collect(gen, n), request)
-            return JSONResponse(_full_body(parsed, head, deltas, fe))
-        try:
-            first = await _unless_gone(anext(gen), request)  # errors here get a real status
-        except BaseException:
-            await gen.aclose()
-            raise
-        return StreamingResponse(_sse(parsed, head, gen, first, fe),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await read_json(request, max_body_bytes)
+        return await _serve(core, request, parse_responses(body, fe, core.max_tokens_default))
 
     return Guard(app, api_key)
+
+
+async def _serve(core: RouterCore, request: Request, req: ParsedRequest | ResponsesRequest
+                 ) -> Response:
+    """Dispatch one parsed request; its body whole, or streamed as SSE once its first output
+    came (an error before that gets a real status)."""
+    fe = core.frontend
+    responses = isinstance(req, ResponsesRequest)
+    parsed = req.parsed if isinstance(req, ResponsesRequest) else req
+    # grammars compile off the event loop, under a deadline: a bad one is a 400 naming its
+    # field before any worker sees the request
+    if parsed.checks:
+        try:
+            await _unless_gone(fe.check_grammars(parsed.checks), request)
+        except BadRequest as e:  # a Responses request's error names its own field
+            raise (renamed(e, []) if responses else e) from e
+    if parsed.request_id and not request.state.request_id_given:
+        request.state.request_id = parsed.request_id  # the body's, as vLLM takes it
+    rid = request.state.request_id
+    gen = core.generate(Job(f"{rid}-{uuid.uuid4().hex[:8]}", parsed.prompts, parsed.params,
+                            prompt_param=_PROMPT_PARAM[parsed.kind]))
+    if isinstance(req, ResponsesRequest):
+        head = {"id": f"resp_{rid}", "object": "response", "created_at": int(time.time()),
+                "model": parsed.model, **req.echo}
+        builder = ResponseBuilder(head, parsed.tool_format, len(parsed.prompts[0]))
+    else:
+        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+        head = {"id": prefix + rid, "created": int(time.time()), "model": parsed.model}
+    if not parsed.stream:
+        async with contextlib.aclosing(gen):
+            deltas = await _unless_gone(collect(gen, len(parsed.prompts) * parsed.params.n),
+                                        request)
+        return JSONResponse(whole_response(builder, deltas[0]) if responses
+                            else _full_body(parsed, head, deltas, fe))
+    try:
+        first = await _unless_gone(anext(gen), request)  # errors here get a real status
+    except BaseException:
+        await gen.aclose()
+        raise
+    events = response_events(builder, gen, first) if responses \
+        else _sse(parsed, head, gen, first, fe)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 
 async def read_json(request: Request, limit: int) -> dict:

@@ -364,6 +364,42 @@ def test_structured_outputs_through_the_split(server, client):
     assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", "".join(m.text for m in msgs_))
 
 
+def test_responses_api_calls_tools_and_follows_a_schema(client):
+    """/v1/responses on the real model: a forced call is a function_call item with arguments
+    matching the tool's schema, streamed (the client's stream helper) to the same item; the
+    call and its output go back as input items; text.format's schema holds (responses.parse)."""
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "name": "get_weather", "parameters": params}]
+    model = client.models.list().data[0].id
+    kw = dict(model=model, input="What is the weather in Paris?", tools=tools,
+              tool_choice="required", parallel_tool_calls=False, max_output_tokens=48,
+              temperature=0)
+    r = client.responses.create(**kw)
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), params)
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    [streamed] = [item for item in final.output if item.type == "function_call"]
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    follow = client.responses.create(model=model, tools=tools, max_output_tokens=8,
+                                     temperature=0, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert follow.status in ("completed", "incomplete") and follow.output
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)  # bounded: a tiny model may not stop by itself
+
+    parsed = client.responses.parse(model=model, input="Describe Paris as JSON.",
+                                    text_format=City, max_output_tokens=64, temperature=0)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, City)
+
+
 def test_forced_tool_calls_parse_and_stream(client):
     """tool_choice "required" and a named function: the call's arguments are JSON matching
     the tool's schema (the grammar forced them), finish_reason "tool_calls" ("stop" for a
