@@ -43,7 +43,12 @@ from pdserve.router.responses import (
     vllm_prompt_logprobs,
 )
 from pdserve.router.responses_api import ResponsesRequest, parse_responses, renamed
-from pdserve.router.responses_output import ResponseBuilder, response_events, whole_response
+from pdserve.router.responses_output import (
+    ResponseBuilder,
+    response_events,
+    response_head,
+    whole_response,
+)
 from pdserve.router.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -212,25 +217,27 @@ async def _serve(core: RouterCore, request: Request, req: ParsedRequest | Respon
     rid = request.state.request_id
     gen = core.generate(Job(f"{rid}-{uuid.uuid4().hex[:8]}", parsed.prompts, parsed.params,
                             prompt_param=_PROMPT_PARAM[parsed.kind]))
+    builder = None
     if isinstance(req, ResponsesRequest):
-        head = {"id": f"resp_{rid}", "object": "response", "created_at": int(time.time()),
-                "model": parsed.model, **req.echo}
-        builder = ResponseBuilder(head, parsed.tool_format, len(parsed.prompts[0]))
-    else:
-        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
-        head = {"id": prefix + rid, "created": int(time.time()), "model": parsed.model}
-    if not parsed.stream:
-        async with contextlib.aclosing(gen):
-            deltas = await _unless_gone(collect(gen, len(parsed.prompts) * parsed.params.n),
-                                        request)
-        return JSONResponse(whole_response(builder, deltas[0]) if responses
-                            else _full_body(parsed, head, deltas, fe))
-    try:
-        first = await _unless_gone(anext(gen), request)  # errors here get a real status
-    except BaseException:
-        await gen.aclose()
-        raise
-    events = response_events(builder, gen, first) if responses \
+        builder = ResponseBuilder(response_head(rid, parsed.model, req.echo),
+                                  parsed.tool_format, len(parsed.prompts[0]))
+    prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+    head = {"id": prefix + rid, "created": int(time.time()), "model": parsed.model}
+    try:  # errors before any output get a real status (a Responses one names its field)
+        if not parsed.stream:
+            async with contextlib.aclosing(gen):
+                deltas = await _unless_gone(collect(gen, len(parsed.prompts) * parsed.params.n),
+                                            request)
+            return JSONResponse(whole_response(builder, deltas[0]) if builder is not None
+                                else _full_body(parsed, head, deltas, fe))
+        try:
+            first = await _unless_gone(anext(gen), request)
+        except BaseException:
+            await gen.aclose()
+            raise
+    except BadRequest as e:
+        raise (renamed(e, []) if responses else e) from e
+    events = response_events(builder, gen, first) if builder is not None \
         else _sse(parsed, head, gen, first, fe)
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

@@ -19,6 +19,7 @@ search, MCP, ...), are refused by name. router/responses_output.py renders the o
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,15 @@ _REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
                                        "truncated; one too long is refused)"),
     "top_logprobs": ((None, 0), "not supported on /v1/responses (use /v1/chat/completions)"),
     "max_tool_calls": ((None,), "not supported"),
+    # the chat API's names: refused, never silently dropped (what they ask would not happen)
+    "messages": ((None,), "not a Responses field: use input"),
+    "max_tokens": ((None,), "not a Responses field: use max_output_tokens"),
+    "response_format": ((None,), "not a Responses field: use text.format"),
+    "structured_outputs": ((None,), "not supported on /v1/responses: use text.format"),
+    "stop": ((None,), "not supported on /v1/responses (use /v1/chat/completions)"),
+    "n": ((None, 1), "not supported on /v1/responses: one output per response"),
 }
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # include values taken: pdserve makes no reasoning items, so there is nothing to include
 _INCLUDE_OK = ("reasoning.encrypted_content",)
 # vLLM's sampling extensions passed through to the chat parser as they are
@@ -87,16 +96,23 @@ def parse_responses(body: dict, fe: Frontend,
         parsed = parse_chat(chat, fe, default_max_tokens)
     except BadRequest as e:
         raise renamed(e, origin) from e
-    echo = {"instructions": body.get("instructions"), "metadata": metadata or {},
+    return ResponsesRequest(dataclasses.replace(parsed, kind="response"), response_echo(body))
+
+
+def response_echo(body: dict) -> dict:
+    """The request fields a response object repeats, OpenAI's defaults where absent (body
+    already checked by parse_responses)."""
+    return {"instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
             "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "text": body.get("text") or {"format": {"type": "text"}},
-            "reasoning": {"effort": effort, "summary": None}, "store": False,
-            "truncation": "disabled", "background": False, "previous_response_id": None,
+            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"),
+                          "summary": None},
+            "store": False, "truncation": "disabled", "background": False,
+            "previous_response_id": None,
             "user": body.get("user") if isinstance(body.get("user"), str) else None}
-    return ResponsesRequest(dataclasses.replace(parsed, kind="response"), echo)
 
 
 def _check_include(include: object) -> None:
@@ -147,13 +163,20 @@ def _add_item(item: object, where: str, messages: list[dict], origin: list[str],
         if role not in ("user", "system", "developer", "assistant"):
             raise _bad(f"{where}.role", f"must be user, system, developer or assistant, got "
                                         f"{role!r}"[:200])
-        messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        # developer instructions are what chat templates call system (few know "developer")
+        messages.append({"role": "system" if role == "developer" else role,
+                         "content": _text(item.get("content"), f"{where}.content")})
         origin.append(where)
     elif kind == "function_call":
         call_id, name = _string(item, "call_id", where), _string(item, "name", where)
+        arguments = _string(item, "arguments", where)
+        try:
+            json.loads(arguments)
+        except ValueError as e:
+            raise _bad(f"{where}.arguments", f"not valid JSON: {e}") from e
         names[call_id] = name
         call = {"id": call_id, "type": "function",
-                "function": {"name": name, "arguments": _string(item, "arguments", where)}}
+                "function": {"name": name, "arguments": arguments}}
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             last.setdefault("tool_calls", []).append(call)  # the turn's text, then its calls
@@ -162,11 +185,11 @@ def _add_item(item: object, where: str, messages: list[dict], origin: list[str],
             origin.append(where)
     elif kind == "function_call_output":
         call_id = _string(item, "call_id", where)
-        msg = {"role": "tool", "tool_call_id": call_id,
-               "content": _text(item.get("output"), f"{where}.output")}
-        if call_id in names:
-            msg["name"] = names[call_id]
-        messages.append(msg)
+        if call_id not in names:  # as OpenAI: an output answers a call made before it
+            raise _bad(f"{where}.call_id", f"no function_call item before it has call_id "
+                                           f"{call_id!r}"[:200])
+        messages.append({"role": "tool", "tool_call_id": call_id, "name": names[call_id],
+                         "content": _text(item.get("output"), f"{where}.output")})
         origin.append(where)
     elif kind != "reasoning":  # past reasoning is dropped, as chat templates drop it
         why = "not supported: pdserve stores no items" if kind == "item_reference" else \
@@ -219,7 +242,8 @@ def _tools(body: dict) -> dict:
             out["tools"].append({"type": "function", "function": fn})
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        names = [t["function"].get("name") for t in out.get("tools", [])]
+        if choice.get("type") != "function" or choice.get("name") not in names:
             raise _bad("tool_choice", 'must be "none", "auto", "required" or {"type": '
                                       '"function", "name": <one of the tools>}')
         choice = {"type": "function", "function": {"name": choice["name"]}}
@@ -255,8 +279,9 @@ def _reasoning_effort(reasoning: object) -> str | None:
     if not isinstance(reasoning, dict):
         raise _bad("reasoning", "must be an object")
     effort = reasoning.get("effort")
-    if effort is not None and not isinstance(effort, str):
-        raise _bad("reasoning.effort", "must be a string")
+    if effort is not None and effort not in _EFFORTS:
+        raise _bad("reasoning.effort", f"must be one of {', '.join(_EFFORTS)}, got "
+                                       f"{effort!r}"[:200])
     return effort
 
 

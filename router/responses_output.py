@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -29,6 +30,13 @@ from pdserve.router.errors import RouterError
 from pdserve.router.tools import CallDelta, ToolFormat
 
 log = logging.getLogger(__name__)
+
+
+def response_head(request_id: str, model: str, echo: dict) -> dict:
+    """The fields every snapshot of a response repeats: its id, time, model and the request's
+    echo (router/responses_api.py response_echo)."""
+    return {"id": f"resp_{request_id}", "object": "response", "created_at": int(time.time()),
+            "model": model, **echo}
 
 
 class ResponseBuilder:
@@ -72,11 +80,16 @@ class ResponseBuilder:
         """Close the open items; the final response (completed, or incomplete when the
         token budget ended it)."""
         cut = last.finish_reason == "length"
+        if self.held and not self.output:  # a reply of only whitespace is still a message
+            held, self.held = self.held, ""
+            self._open_message()
+            self._append(held)
         self._close_text("incomplete" if cut else "completed")
         self._close_call("incomplete" if cut else "completed")
         output = last.completion_tokens or self.tokens
         usage = {"input_tokens": self.prompt_tokens,
-                 "input_tokens_details": {"cached_tokens": last.cached_tokens},
+                 "input_tokens_details": {"cached_tokens": last.cached_tokens,
+                                          "cache_write_tokens": 0},
                  "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": self.prompt_tokens + output}
         if cut:
@@ -91,8 +104,10 @@ class ResponseBuilder:
     def failed(self, e: RouterError) -> list[str]:
         err = e.body()["error"]
         self._emit("error", code=err["code"], message=err["message"], param=err["param"])
+        # the response's error.code is one of OpenAI's (the error event keeps pdserve's own)
+        code = "rate_limit_exceeded" if e.status == 429 else "server_error"
         self._emit("response.failed", response=self.snapshot(
-            "failed", error={"code": err["code"] or err["type"], "message": err["message"]}))
+            "failed", error={"code": code, "message": err["message"]}))
         return self._take()
 
     def snapshot(self, status: str, usage: dict | None = None, **extra: object) -> dict:
@@ -106,9 +121,15 @@ class ResponseBuilder:
                 self.held += text  # whitespace around calls opens no message
                 return
             text, self.held = self.held + text, ""
+            if self.output:  # text after a call: without the whitespace that followed it
+                text = text.lstrip()
             self._close_call("completed")
             self._open_message()
+        self._append(text)
+
+    def _append(self, text: str) -> None:
         at = self.text_at
+        assert at is not None
         item = self.output[at]
         item["content"][0]["text"] += text
         self._emit("response.output_text.delta", item_id=item["id"], output_index=at,

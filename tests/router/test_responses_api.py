@@ -9,12 +9,18 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response
 
 from pdserve.router.core import RouterConfig
 from pdserve.router.deltas import Delta
 from pdserve.router.errors import BadRequest
-from pdserve.router.responses_api import input_messages, parse_responses, rename_param
-from pdserve.router.responses_output import ResponseBuilder, whole_response
+from pdserve.router.responses_api import (
+    input_messages,
+    parse_responses,
+    rename_param,
+    response_echo,
+)
+from pdserve.router.responses_output import ResponseBuilder, response_head, whole_response
 from pdserve.router.tools import HERMES
 
 from tests.router.fake_worker import FakeRef, FakeWorker
@@ -53,6 +59,8 @@ def test_input_items_become_chat_messages():
         {"role": "tool", "tool_call_id": "c2", "content": "noon", "name": "time"},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny", "name": "weather"}]
     assert origin == ["instructions", "input[0]", "input[2]", "input[5]", "input[6]"]
+    developer = {"input": [{"role": "developer", "content": "Answer in French."}]}
+    assert input_messages(developer)[0] == [{"role": "system", "content": "Answer in French."}]
     assert input_messages({"input": "hi"}) == ([{"role": "user", "content": "hi"}], ["input"])
 
 
@@ -79,6 +87,16 @@ def test_input_items_become_chat_messages():
     ({"input": "x", "reasoning": {"effort": 3}}, "reasoning.effort"),
     ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ({"input": ["x", {"role": "user", "content": 5}]}, "input[0]"),
+    ({"input": "x", "max_tokens": 5}, "max_tokens"),  # chat's names: refused, not dropped
+    ({"input": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"input": "x", "stop": ["."]}, "stop"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]},
+     "input[1].arguments"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call_output", "call_id": "c9", "output": "y"}]},
+     "input[1].call_id"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
 ])
 def test_bad_requests_name_the_responses_field(frontend, body, param):
     with pytest.raises(BadRequest) as e:
@@ -109,6 +127,9 @@ def test_tools_text_format_and_sampling_reach_the_chat_request(frontend):
     assert p.tool_format.forced and p.tool_format.single and p.params.structured is not None
     assert (p.params.max_tokens, p.params.temperature, p.params.seed) == (7, 0.5, 3)
     assert req.echo["tools"] == tools and req.echo["store"] is False
+    req = parse_responses({"input": "x", "tool_choice": None, "parallel_tool_calls": None},
+                          frontend, _max)
+    assert (req.echo["tool_choice"], req.echo["parallel_tool_calls"]) == ("auto", True)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     req = parse_responses({"input": "x", "text": {"format": {
         "type": "json_schema", "name": "s", "schema": schema}}}, frontend, _max)
@@ -134,7 +155,7 @@ def _events(chunks: list[str]) -> list[dict]:
 
 def _streamed(text: str, step: int, finish: str = "stop") -> tuple[list[dict], dict]:
     """The events of `text` streamed `step` characters a delta, and the whole response."""
-    head = {"id": "resp_x", "object": "response", "model": "m"}
+    head = response_head("x", "m", response_echo({"input": "x"}))
     b = ResponseBuilder(head, HERMES, 5)
     chunks = b.start()
     pieces = [text[i:i + step] for i in range(0, len(text), step)]
@@ -174,6 +195,7 @@ def test_streamed_items_add_up_to_the_whole_response(step):
         args = [e["delta"] for e in events
                 if e["type"] == "response.function_call_arguments.delta" and e["output_index"] == i]
         assert "".join(args) == call["arguments"]
+    Response.model_validate(final)  # the openai client's own type, strictly
     added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert added == ["message", "function_call", "function_call"] and done == [0, 1, 2]
@@ -189,6 +211,15 @@ def test_a_cut_response_is_incomplete_and_whitespace_opens_no_message():
     assert [item["type"] for item in whole["output"]] == ["function_call"]
     assert whole["output"][0]["status"] == "incomplete"
     assert events[-1]["type"] == "response.incomplete"
+
+
+def test_text_after_a_call_drops_its_whitespace_and_a_blank_reply_is_a_message():
+    text = ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n\nDone.')
+    _, whole = _streamed(text, 5)
+    assert [i["type"] for i in whole["output"]] == ["function_call", "message"]
+    assert whole["output"][1]["content"][0]["text"] == "Done."
+    _, blank = _streamed(" \n", 1)
+    assert [c["text"] for c in blank["output"][0]["content"]] == [" \n"]
 
 
 # -- the route, fake workers, the real openai client ----------------------------------------------
@@ -240,6 +271,9 @@ def test_route_refuses_by_field_and_guards_the_key(served, frontend):
     with pytest.raises(openai.BadRequestError) as e:  # the prompt over the context
         client.responses.create(model=frontend.model_id, input="word " * 20_000)
     assert e.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as e:  # found by the router's length check
+        client.responses.create(model=frontend.model_id, input="x", max_output_tokens=10**7)
+    assert e.value.body["param"] == "max_output_tokens"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="x")
     r = httpx.post(f"{rt.url}/v1/responses", json={"input": "x"})
@@ -262,5 +296,5 @@ def test_a_failure_after_the_stream_began_ends_it_with_response_failed(served):
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "worker_unavailable"
     assert events[-1]["response"]["status"] == "failed"
-    assert events[-1]["response"]["error"]["code"] == "worker_unavailable"
+    assert events[-1]["response"]["error"]["code"] == "server_error"  # OpenAI's codes only
     assert any(e["type"] == "response.output_text.delta" for e in events)
