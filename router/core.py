@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.router.admission import FairGate, completions_problem, timeout_problem
-from pdserve.router.deltas import Delta
+from pdserve.router.deltas import Delta, coalesced
 from pdserve.router.dispatch import TRACE_LOG, ChoiceRun
 from pdserve.router.errors import BadRequest, Draining, Overloaded, RequestTimeout, RouterError
 from pdserve.router.frontend import Frontend
@@ -241,23 +241,28 @@ class RouterCore:
             run.set_waiting(False)
 
     async def _merge(self, out: asyncio.Queue, total: int, job: Job) -> AsyncIterator[Delta]:
-        """Deltas as the completions produce them, until all `total` have ended."""
+        """Deltas as the completions produce them, until all `total` have ended; what queued
+        while the caller was busy comes coalesced (router/deltas.py coalesced)."""
         done = 0
         while done < total:
-            item = await out.get()
-            if item is _DONE:
-                done += 1
-                continue
-            if isinstance(item, BaseException):
-                if isinstance(item, RouterError):
-                    raise item
-                raise RouterError(f"internal error: {item!r}") from item
-            if item.finish_reason:
-                # prompt tokens once per prompt, not once per completion
-                n = job.params.n
-                self.metrics.finished(item.finish_reason, len(job.prompts[item.index // n])
-                                      if item.index % n == 0 else 0)
-            yield item
+            items = [await out.get()]
+            while not out.empty():
+                items.append(out.get_nowait())
+            for item in coalesced(items):
+                if item is _DONE:
+                    done += 1
+                    continue
+                if isinstance(item, BaseException):
+                    if isinstance(item, RouterError):
+                        raise item
+                    raise RouterError(f"internal error: {item!r}") from item
+                assert isinstance(item, Delta)
+                if item.finish_reason:
+                    # prompt tokens once per prompt, not once per completion
+                    n = job.params.n
+                    self.metrics.finished(item.finish_reason, len(job.prompts[item.index // n])
+                                          if item.index % n == 0 else 0)
+                yield item
 
 
 _DONE = object()

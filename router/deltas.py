@@ -30,6 +30,33 @@ class Delta:
     prompt_logprobs: list[PromptLogprob] | None = None
     trace: Trace | None = None  # on the last delta
 
+    def absorb(self, later: Delta) -> None:
+        """Take the same completion's next delta in (self is not its last): one delta, so one
+        chunk to the client, where the router had fallen behind its workers."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finish_reason, self.stop_reason, self.trace = \
+            later.finish_reason, later.stop_reason, later.trace
+        self.completion_tokens, self.cached_tokens = later.completion_tokens, later.cached_tokens
+
+
+def coalesced(items: list[object]) -> list[object]:
+    """Queue items (deltas, and anything else kept in place) with each run of adjacent deltas
+    of one completion folded into its first: a router busier than its workers sends fewer,
+    larger chunks rather than falling behind (vLLM's stream interval, chosen by load)."""
+    out: list[object] = []
+    for item in items:
+        last = out[-1] if out else None
+        if isinstance(item, Delta) and isinstance(last, Delta) and last.index == item.index \
+                and not last.finish_reason:
+            last.absorb(item)
+        else:
+            out.append(item)
+    return out
+
 
 @dataclass(frozen=True)
 class Trace:

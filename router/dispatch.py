@@ -379,17 +379,12 @@ class ChoiceRun:
         if self.prompt_lps is not None and not self.prompt_lps_sent:
             delta.prompt_logprobs, self.prompt_lps_sent = self.prompt_lps, True
         now = time.monotonic()
-        m = self.core.metrics
         n = len(delta.token_ids)
         if n:
-            if self.last_emit is None:
-                m.ttft.labels(**m.labels).observe(now - self.arrival)
-            else:
-                for _ in range(n):  # a multi-token (speculative) step: spread the gap
-                    m.itl.labels(**m.labels).observe((now - self.last_emit) / n)
+            self.core.metrics.tokens_sent(n, now - (self.last_emit or self.arrival),
+                                          first=self.last_emit is None)
             self.last_emit = now
             self.sent_ids += delta.token_ids
-            m.generation_tokens.labels(**m.labels).inc(n)
         if delta.finish_reason:
             delta.trace = self._observe_finish(now)
         self.emit(delta)

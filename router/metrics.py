@@ -76,6 +76,11 @@ class RouterMetrics:
         for gauge in (self.running, self.waiting):
             gauge.labels(**self.labels).set(0)
         self._precreate()
+        # the children observed per token, bound once (labels() costs a few us a call; the
+        # router streams ~10K tokens/s per core: bench/lab/router_overhead.py)
+        lb = self.labels
+        self._ttft, self._itl = self.ttft.labels(**lb), self.itl.labels(**lb)
+        self._generated = self.generation_tokens.labels(**lb)
         # the pool as the router's health polls see it (labels: the worker's role and id)
         self.worker_up = Gauge(P + "router_worker_up", "1 when the worker's breaker is closed",
                                LABELS, registry=reg)
@@ -102,6 +107,16 @@ class RouterMetrics:
             self.success.labels(**lb, finished_reason=reason)
         for result in CONTINUATION_RESULTS:
             self.continuations.labels(**lb, result=result)
+
+    def tokens_sent(self, n: int, gap_s: float, first: bool) -> None:
+        """n tokens sent to a client, gap_s after its previous ones (or after its arrival,
+        the first): TTFT, or n inter-token latencies spreading a multi-token step's gap."""
+        if first:
+            self._ttft.observe(gap_s)
+        else:
+            for _ in range(n):
+                self._itl.observe(gap_s / n)
+        self._generated.inc(n)
 
     def observe_stages(self, st: StageTimes) -> None:
         for name in STAGES:
