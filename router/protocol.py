@@ -69,6 +69,8 @@ def _get(body: dict, name: str, what: str, default: object = None) -> object:
     v = body.get(name)
     if v is None:
         return default
+    if what == _INT and isinstance(v, float) and v.is_integer():
+        v = int(v)  # 64.0 from a client's arithmetic: an integer, as vLLM's pydantic takes it
     ok = {_INT: isinstance(v, int) and not isinstance(v, bool),
           _NUM: isinstance(v, (int, float)) and not isinstance(v, bool)
           and math.isfinite(v),

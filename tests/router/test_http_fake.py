@@ -74,6 +74,16 @@ def test_completion_shape_usage_and_request_id(cluster, frontend):
     assert all(not w.held for w in ws.values())  # prefill blocks released
 
 
+def test_integral_floats_are_integers(cluster, frontend):
+    """max_tokens 5.0 (a client's arithmetic) is 5, as vLLM's pydantic models take it."""
+    _, _, client = cluster
+    r = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 5.0,
+                                             "n": 1.0, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected_text(frontend, "Hello there", 5)
+    assert r.json()["usage"]["completion_tokens"] == 5
+
+
 def test_body_request_id_names_the_request_unless_the_header_does(cluster, frontend):
     """vLLM's request_id field: the completion's id and X-Request-Id, when no header came;
     and the other vLLM switches taken now (add_special_tokens, reasoning_effort)."""
@@ -217,6 +227,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "seed": 1e300}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
