@@ -47,6 +47,8 @@ def coalesced(items: list[object]) -> list[object]:
     """Queue items (deltas, and anything else kept in place) with each run of adjacent deltas
     of one completion folded into its first: a router busier than its workers sends fewer,
     larger chunks rather than falling behind (vLLM's stream interval, chosen by load)."""
+    if len(items) < 2:  # the usual case, once per token: nothing to fold
+        return items
     out: list[object] = []
     for item in items:
         last = out[-1] if out else None

@@ -47,6 +47,11 @@ class BadRequest(RouterError):
     def from_invalid(cls, e: InvalidRequestError) -> BadRequest:
         return cls(str(e), param=e.param)
 
+    @classmethod
+    def naming(cls, param: str, message: str) -> BadRequest:
+        """"param: message" (cut to 500 characters), with param as the field at fault."""
+        return cls(f"{param}: {message}"[:500], param=param)
+
 
 class Unauthorized(RouterError):
     status, type, code = 401, "authentication_error", "invalid_api_key"

@@ -200,43 +200,44 @@ def create_app(core: RouterCore, api_key: str | None = None,
 
 async def _serve(core: RouterCore, request: Request, req: ParsedRequest | ResponsesRequest
                  ) -> Response:
-    """Dispatch one parsed request; its body whole, or streamed as SSE once its first output
-    came (an error before that gets a real status)."""
+    """Dispatch one parsed request; a Responses request's errors name its own fields."""
+    if not isinstance(req, ResponsesRequest):
+        return await _respond(core, request, req, None)
+    try:
+        return await _respond(core, request, req.parsed, req.echo)
+    except BadRequest as e:  # the router's own checks (grammars, lengths) name chat fields
+        raise renamed(e, []) from e
+
+
+async def _respond(core: RouterCore, request: Request, parsed: ParsedRequest,
+                   echo: dict | None) -> Response:
+    """The body whole, or streamed as SSE once the first output came (an error before that
+    gets a real status); `echo`: a Responses request's fields, its output in that API's shape."""
     fe = core.frontend
-    responses = isinstance(req, ResponsesRequest)
-    parsed = req.parsed if isinstance(req, ResponsesRequest) else req
     # grammars compile off the event loop, under a deadline: a bad one is a 400 naming its
     # field before any worker sees the request
     if parsed.checks:
-        try:
-            await _unless_gone(fe.check_grammars(parsed.checks), request)
-        except BadRequest as e:  # a Responses request's error names its own field
-            raise (renamed(e, []) if responses else e) from e
+        await _unless_gone(fe.check_grammars(parsed.checks), request)
     if parsed.request_id and not request.state.request_id_given:
         request.state.request_id = parsed.request_id  # the body's, as vLLM takes it
     rid = request.state.request_id
     gen = core.generate(Job(f"{rid}-{uuid.uuid4().hex[:8]}", parsed.prompts, parsed.params,
                             prompt_param=_PROMPT_PARAM[parsed.kind]))
-    builder = None
-    if isinstance(req, ResponsesRequest):
-        builder = ResponseBuilder(response_head(rid, parsed.model, req.echo),
-                                  parsed.tool_format, len(parsed.prompts[0]))
+    builder = None if echo is None else ResponseBuilder(
+        response_head(rid, parsed.model, echo), parsed.tool_format, len(parsed.prompts[0]))
     prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
     head = {"id": prefix + rid, "created": int(time.time()), "model": parsed.model}
-    try:  # errors before any output get a real status (a Responses one names its field)
-        if not parsed.stream:
-            async with contextlib.aclosing(gen):
-                deltas = await _unless_gone(collect(gen, len(parsed.prompts) * parsed.params.n),
-                                            request)
-            return JSONResponse(whole_response(builder, deltas[0]) if builder is not None
-                                else _full_body(parsed, head, deltas, fe))
-        try:
-            first = await _unless_gone(anext(gen), request)
-        except BaseException:
-            await gen.aclose()
-            raise
-    except BadRequest as e:
-        raise (renamed(e, []) if responses else e) from e
+    if not parsed.stream:
+        async with contextlib.aclosing(gen):
+            deltas = await _unless_gone(collect(gen, len(parsed.prompts) * parsed.params.n),
+                                        request)
+        return JSONResponse(whole_response(builder, deltas[0]) if builder is not None
+                            else _full_body(parsed, head, deltas, fe))
+    try:
+        first = await _unless_gone(anext(gen), request)
+    except BaseException:
+        await gen.aclose()
+        raise
     events = response_events(builder, gen, first) if builder is not None \
         else _sse(parsed, head, gen, first, fe)
     return StreamingResponse(events, media_type="text/event-stream",

@@ -66,8 +66,7 @@ class ResponsesRequest:
     echo: dict
 
 
-def _bad(param: str, message: str) -> BadRequest:
-    return BadRequest(f"{param}: {message}"[:500], param=param)
+_bad = BadRequest.naming
 
 
 def parse_responses(body: dict, fe: Frontend,

@@ -51,8 +51,7 @@ class ResponseBuilder:
         self.seq = 0
         self.events: list[str] = []
         self.text_at: int | None = None  # output index of the message item taking text
-        self.call_at: dict[int, int] = {}  # parser's call index -> output index
-        self.open_call: int | None = None
+        self.open_call: int | None = None  # output index of the call taking arguments
         self.held = ""  # leading whitespace not yet in a message item
         self.tokens = 0
         self.final: dict = {}  # the finished response (finish)
@@ -154,10 +153,11 @@ class ResponseBuilder:
             item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
                     "status": "in_progress", "call_id": c.id, "name": c.name, "arguments": ""}
             self.output.append(item)
-            self.open_call = self.call_at[c.index] = len(self.output) - 1
+            self.open_call = len(self.output) - 1
             self._emit("response.output_item.added", output_index=self.open_call, item=item)
-        if c.arguments:
-            at = self.call_at[c.index]
+        if c.arguments:  # the parser's pieces follow their call's header, nothing between
+            at = self.open_call
+            assert at is not None
             item = self.output[at]
             item["arguments"] += c.arguments
             self._emit("response.function_call_arguments.delta", item_id=item["id"],

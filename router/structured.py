@@ -27,8 +27,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's function / schema names
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
-def _bad(param: str, message: str) -> BadRequest:
-    return BadRequest(f"{param}: {message}"[:500], param=param)
+_bad = BadRequest.naming
 
 
 @dataclass
