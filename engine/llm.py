@@ -33,6 +33,7 @@ from pdserve.engine.dist.lockstep import Follower
 from pdserve.engine.dist.parallel import TPContext
 from pdserve.engine.dist.rank import LocalRanks, check_tp_args
 from pdserve.engine.dist.shard import bind_context
+from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.kv_cache import engine_kv_cache
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model.decoder import Model
@@ -89,10 +90,13 @@ class RankParts:
     def follower(self) -> Follower:
         """A follower rank's lockstep loop over its own KV cache (the leader's blocks; with
         MTP one more layer per MTP layer) and, with speculative, its shard of the MTP head:
-        it runs rank 0's drafting passes (engine/dist/lockstep.py MTP messages)."""
+        it runs rank 0's drafting passes (engine/dist/lockstep.py MTP messages). With CUDA
+        graphs its decode graphs are captured here, while rank 0's ModelRunner captures its
+        own: the warm-up forwards and the captures meet in the same collectives."""
         assert self.group is not None  # a follower always has its group
         kv = engine_kv_cache(self.config, self.net.config.num_kv_heads)
-        return Follower(self.group, self.net, kv, head=self.head)
+        graphs = maybe_decode_graphs(self.config, self.net, kv)
+        return Follower(self.group, self.net, kv, head=self.head, graphs=graphs)
 
 
 def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,

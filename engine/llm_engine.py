@@ -79,6 +79,9 @@ class LLMEngine:
     def close(self) -> None:
         fn, self._on_close = self._on_close, None
         if fn is not None:
+            # the captured graphs go first: with TP their NCCL collectives hold the
+            # communicator that the ranks' close then takes down
+            self.runner.release_graphs()
             fn()
 
     @property

@@ -8,8 +8,8 @@ them on its own transport over its own cache, and reports its result back to ran
                 results = kv.collect(op, deadline)       # {rank: result bytes | None}
     rank r > 0: KVRankServer(KVChannel(group), transport, on_fatal).start()
 
-Why a second group: the lockstep steps (engine/dist/lockstep.py) run on TPGroup's control
-group; a pull that waited for, or held up, a forward would couple KV transfer latency to
+Why a second channel: the lockstep steps (engine/dist/lockstep.py) run on TPGroup's step
+channel; a pull that waited for, or held up, a forward would couple KV transfer latency to
 decode steps. The KV channel is its own gloo group on the worker's TCP store (prefix "kv"):
 rank 0 broadcasts the messages (engine/dist/protocol.py KV kinds, no pickle), and sends a
 KEEPALIVE when idle so a follower that hears nothing for the group's timeout knows rank 0

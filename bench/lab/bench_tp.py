@@ -7,13 +7,14 @@
 
 This process is rank 0: build_engine(..., tensor_parallel_size=N) spawns the followers
 (engine/dist/rank.py). Random bf16 weights of the preset's shape. Per configuration
-(tp1_graphs, tp1_eager, tpN_eager): the load (time, memory); batch-1 decode tok/s against
+(tpN_graphs, tpN_eager): the load (time, memory); batch-1 decode tok/s against
 the per-GPU roofline; TTFT of a 10K-token prompt (dense); decode throughput at 64 and 256
 sequences x 1K context (MoE: 64); from torch.profiler on rank 0, per decode step the
 collectives' time, the lockstep step messages and the kernels, and per decoder layer the
-kernel launches and collective calls. CUDA graphs are refused at TP > 1 (check_tp_args;
-what it refuses is probed and recorded: TP support is moving), so TP 1 runs with graphs and
-eagerly (the like-for-like baseline); --overlap adds eager runs with overlap_decode='on'.
+kernel launches and collective calls (with graphs: kernels per step / layers). Every
+size runs with CUDA graphs (each rank replays its own capture) and eagerly (--no-eager: not);
+what check_tp_args refuses is probed and recorded; --overlap adds eager runs with
+overlap_decode='on'.
 Everything goes through engine.step(): calling the model directly on rank 0 (as
 bench_engine's gpu-only timings do) would wait in an all-reduce no follower joins.
 """
@@ -67,9 +68,9 @@ TINY_PLAN = Plan(device="cpu", decode_prompt=16, decode_tokens=8, ttft_lens=(40,
 PROFILE_STEPS = 4  # profiled decode steps per measurement (left out of its tok/s)
 PROBES = {"use_cuda_graphs": {"use_cuda_graphs": True, "use_triton": True},
           "speculative": {"speculative": "mtp"}, "overlap_decode_on": {"overlap_decode": "on"}}
-THIS_RUN = ("no speculation anywhere. tpN_eager and tp1_eager: no CUDA graphs, overlap_decode "
-            "'off' (like for like); *_overlap: overlap_decode 'on'; tp1_graphs: graphs + "
-            "overlap 'auto' (on), today's best single-GPU engine")
+THIS_RUN = ("no speculation anywhere. tpN_graphs: CUDA graphs on every rank + overlap_decode "
+            "'auto' (on), the engine's best at that size; tpN_eager: no CUDA graphs, "
+            "overlap_decode 'off' (like for like); *_overlap: eager with overlap_decode 'on'")
 ROOFLINE = ("rank 0's shard bytes per token (MoE: dense + top_k experts; batches: touched "
             "experts + the rank's KV heads) / copy bandwidth: every GPU reads its shard at once; "
             "collectives and step messages are not in it")
@@ -102,12 +103,16 @@ class Config:
     overlap: bool = False  # overlap_decode 'on' without graphs
 
 
-def configs(tps: list[int], cuda: bool, overlap: bool) -> list[Config]:
-    """TP 1 with graphs (CUDA only) and eagerly; every TP > 1 eagerly (graphs refused);
-    with `overlap` every eager one again with overlap_decode 'on'."""
-    return [c for tp in tps for c in ([Config("tp1_graphs", 1, True)] if tp == 1 and cuda
-                                      else []) + [Config(f"tp{tp}_eager", tp, False)]
-            + ([Config(f"tp{tp}_eager_overlap", tp, False, True)] if overlap else [])]
+def configs(tps: list[int], cuda: bool, overlap: bool, eager: bool = True) -> list[Config]:
+    """Every TP size with CUDA graphs (CUDA only: every rank captures its decode graphs) and,
+    unless not `eager` on CUDA, eagerly; with `overlap` every eager one again with
+    overlap_decode 'on'."""
+    out: list[Config] = []
+    for tp in tps:
+        out += [Config(f"tp{tp}_graphs", tp, True)] if cuda else []
+        out += [Config(f"tp{tp}_eager", tp, False)] if eager or not cuda else []
+        out += [Config(f"tp{tp}_eager_overlap", tp, False, True)] if overlap else []
+    return out
 
 
 def gpu_used() -> dict[int, int] | None:
@@ -228,17 +233,19 @@ def _coll(prof: dict | None) -> str:
     return "-" if not prof else f"{prof['collective_ms_per_step']:.3f}"
 
 
-def run_config(plan: Plan, cfg: Config, rates: dict, out: dict, save) -> None:
+def run_config(plan: Plan, cfg: Config, rates: dict, out: dict, save,
+               batch1_only: bool = False) -> None:
     engine, out["load"] = build_measured(plan, cfg)
     log(f"[{cfg.name}] built in {out['load']['build_s']:.1f} s")
     save()
     try:
-        measure(engine, plan, cfg, rates, out, save)
+        measure(engine, plan, cfg, rates, out, save, batch1_only)
     finally:
         engine.close()  # stops the follower ranks; main then frees the device memory
 
 
-def measure(engine, plan: Plan, cfg: Config, rates: dict, out: dict, save) -> None:
+def measure(engine, plan: Plan, cfg: Config, rates: dict, out: dict, save,
+            batch1_only: bool = False) -> None:
     bw, model = rates["copy_GBps"], engine.runner.model
     kvb = kv_bytes_per_token(model.config, engine.runner.kv_cache.element_size())
     b1 = out["decode_batch1"] = decode_batch1(engine, plan, bw)
@@ -246,9 +253,10 @@ def measure(engine, plan: Plan, cfg: Config, rates: dict, out: dict, save) -> No
         f"per-GPU roofline); collectives {_coll(b1['profile'])} ms/step; per layer "
         f"{(b1['profile'] or {}).get('per_layer')}")
     save()
-    # prefill never replays graphs: with tp1_graphs run, tp1_eager's TTFT is the same
-    if plan.ttft_lens and not cfg.overlap and (cfg.graphs or cfg.tp > 1
-                                               or plan.device != "cuda"):
+    if batch1_only:
+        return
+    # prefill never replays graphs: tpN_eager's TTFT is tpN_graphs' (measured there on CUDA)
+    if plan.ttft_lens and not cfg.overlap and (cfg.graphs or plan.device != "cuda"):
         out["ttft"] = ttft(engine, plan, rates)
         save()
     out["decode_throughput"] = decode_throughput(engine, plan, bw, kvb)
@@ -268,12 +276,14 @@ def summary(result: dict) -> dict:
             s[f"{name}_batch1_collective_ms_per_step"] = prof.get("collective_ms_per_step")
             s[f"{name}_kernel_launches_per_layer"] = (prof.get("per_layer") or {}).get(
                 "kernel_launches")
+            s[f"{name}_kernels_per_step_over_layers"] = prof.get("kernels_per_step_over_layers")
         s.update({f"{name}_ttft_{t['prompt']}_s": t["ttft_s"] for t in r.get("ttft", [])})
         rates.update({(name, f"batch{t['batch']}"): t["tok_s"]
                       for t in r.get("decode_throughput", [])})
     s.update({f"{c}_{m}_tok_s": v for (c, m), v in rates.items()})
     for (c, m), v in rates.items():
-        for base in ("tp1_eager", "tp1_eager_overlap", "tp1_graphs") if runs[c]["tp"] > 1 else ():
+        bases = ("tp1_graphs",) if runs[c]["cuda_graphs"] else ("tp1_eager", "tp1_eager_overlap")
+        for base in bases if runs[c]["tp"] > 1 else ():
             if (base, m) in rates:
                 ratio = v / rates[base, m]
                 s[f"{c}_over_{base}_{m}"] = {"value": ratio, "target": ">= 1.6",
@@ -288,6 +298,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="TP sizes to run in turn (TP 1 runs with and without CUDA graphs)")
     ap.add_argument("--overlap", action="store_true",
                     help="also run each eager configuration with overlap_decode 'on'")
+    ap.add_argument("--no-eager", action="store_true",
+                    help="on CUDA, run only the CUDA-graph configurations")
+    ap.add_argument("--batch1-only", action="store_true",
+                    help="measure batch-1 decode only (no TTFT, no batched decode)")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke test: tiny preset of the model's family, gloo")
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -305,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     plan = PLANS[args.model] if cuda else dataclasses.replace(TINY_PLAN, preset=TINY[args.model])
+    if args.batch1_only:  # one sequence: capture bucket 1 only
+        plan = dataclasses.replace(plan, batch_sizes=(1,))
     dev = torch.device(plan.device)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda \
         else []
@@ -329,14 +345,14 @@ def main(argv: list[str] | None = None) -> None:
     log(f"copy {rates['copy_GBps']:.0f} GB/s, bf16 matmul {rates['matmul_bf16_TFLOPs']:.0f} "
         f"TFLOP/s")
     save()
-    for cfg in configs(args.tp, cuda, args.overlap):
+    for cfg in configs(args.tp, cuda, args.overlap, not args.no_eager):
         out = result["runs"].setdefault(cfg.name, {
             "tp": cfg.tp, "cuda_graphs": cfg.graphs,
             "overlap_decode": "auto (on with graphs)" if cfg.graphs else
             "on" if cfg.overlap else "off",
             "rank_devices": [rank_device(plan.device, r) for r in range(cfg.tp)]})
         try:
-            run_config(plan, cfg, rates, out, save)
+            run_config(plan, cfg, rates, out, save, args.batch1_only)
         except Exception as e:  # keep what was measured; the next configuration still runs
             out["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             log(f"[{cfg.name}] failed: {out['error']}")

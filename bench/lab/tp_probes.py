@@ -135,6 +135,10 @@ def analyze(events, num_layers: int, device: str) -> dict:
                x.name[:60] for x in timed).items()},
            "step_message_ms_per_step": ms(control), "step_messages_per_step": len(control) / n,
            "kernels_per_step": len(kernels) / n if device == "cuda" else None,
+           # a graph replay launches no kernel from a layer's call: count them per step
+           # (embedding, LM head and sampling included) over the decoder layers
+           "kernels_per_step_over_layers": len(kernels) / n / num_layers
+           if device == "cuda" else None,
            "kernel_busy_ms_per_step": ms(kernels) if device == "cuda" else None,
            "kernels_by_name_per_step": {k: v / n for k, v in Counter(
                k.name[:60] for k in kernels).most_common(16)},

@@ -1,10 +1,12 @@
 """The process groups of one tensor-parallel worker, joined and left with deadlines.
 
-Two groups over one TCP store (rank 0 hosts it):
+Two groups and a channel over one TCP store (rank 0 hosts it):
   * `device`: the forward's collectives (all-reduce after row-parallel layers, the vocabulary
     all-gather); NCCL on CUDA, gloo on CPU.
-  * `control`: always gloo over CPU tensors: the lockstep step messages (protocol.py), so a
-    follower waiting for the next step never blocks a GPU stream, and the leader's idle
+  * `control`: gloo over CPU tensors, for the join's barrier.
+  * `steps`: the lockstep step messages (protocol.py) on TCP streams from rank 0
+    (step_channel.py: a send does not wait for the followers, as a gloo broadcast does), so
+    a follower waiting for the next step never blocks a GPU stream, and the leader's idle
     keep-alives cost no device work.
 
 Groups are ProcessGroup objects built directly on the store (no torch.distributed default
@@ -19,7 +21,8 @@ Deadlines (a dead rank must not hang the others):
     collective that outlives it and tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's
     default), so the rank actor dies and Ray restarts the whole group (worker/tp_group.py);
   * a follower's wait for the next step: the leader sends a keep-alive message at least every
-    timeout_s / 4 while idle, so silence for timeout_s means the leader is gone.
+    timeout_s / 4 while idle, so silence for timeout_s means the leader is gone; a closed
+    step stream fails at once.
 """
 from __future__ import annotations
 
@@ -31,11 +34,10 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.dist.config import ParallelConfig
+from pdserve.engine.dist.errors import GroupError
+from pdserve.engine.dist.step_channel import StepChannel
 
-
-class GroupError(RuntimeError):
-    """A collective failed or passed its deadline: a rank died or hung. The worker's ranks
-    cannot continue in lockstep; the whole group is restarted."""
+__all__ = ["GroupError", "TPGroup", "open_store"]
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -92,6 +94,7 @@ class TPGroup:
         self.store = store
         self.device: dist.ProcessGroup | None = None
         self.control: dist.ProcessGroup | None = None
+        self.steps: StepChannel | None = None
         if self.size == 1:
             return
         if store is None:
@@ -100,30 +103,51 @@ class TPGroup:
             self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), self.rank,
                                                  self.size, self.timeout)
             if cfg.backend == "nccl":
+                # NCCL binds a communicator to the current device, and Triton launches on it:
+                # make it this rank's GPU, and connect now (not lazily inside the first
+                # forward's all-reduce, where a rank still loading holds the others up)
+                dev = torch.device(cfg.device)
+                torch.cuda.set_device(dev)
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
                 self.device = dist.ProcessGroupNCCL(dist.PrefixStore("device", store),
                                                     self.rank, self.size, opts)
+                self.device.eager_connect_single_device(dev)
             else:
                 self.device = dist.ProcessGroupGloo(dist.PrefixStore("device", store),
                                                     self.rank, self.size, self.timeout)
         except RuntimeError as e:
             raise GroupError(f"rank {self.rank}: joining the group of {self.size} failed "
                              f"within {cfg.timeout_s} s: {e}") from e
+        self.steps = StepChannel(self.rank, self.size, store, _split(cfg.init_address)[0],
+                                 cfg.timeout_s)
         self.barrier()  # every rank is in: a rank that never came fails here, in timeout_s
 
     # -- collectives (each waits at most timeout_s) ---------------------------------------
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _wait(self, work: dist.Work, what: str, on_device: bool = False) -> None:
+        """Wait for `work`. A device collective on NCCL is stream-ordered: wait() makes the
+        current stream wait for it and returns at once, so the forward queues on without a
+        host round trip per all-reduce and can be captured in a CUDA graph; its deadline is
+        the communicator's timeout, enforced by torch's NCCL watchdog. (wait(timeout) on NCCL
+        polls the collective's completion from the host, ~1 ms sleeps apart, and cannot run
+        under graph capture.) gloo collectives wait on the host, at most timeout_s."""
         try:
-            work.wait(self.timeout)
+            if on_device and self.cfg.backend == "nccl":
+                work.wait()
+            else:
+                work.wait(self.timeout)
         except RuntimeError as e:
             raise GroupError(f"rank {self.rank}: {what} failed (a rank died or passed the "
                              f"{self.cfg.timeout_s} s deadline): {e}") from e
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place; returns t."""
+        """Sum over ranks, in place; returns t. On NCCL the collective runs on the current
+        stream (asyncOp False, torch >= 2.8): no side stream to join and no event pair per
+        call, and inside a CUDA graph capture it is one more node of the stream's chain."""
         if self.size > 1:
-            self._wait(self.device.allreduce([t]), "all_reduce")
+            opts = dist.AllreduceOptions()
+            opts.asyncOp = self.cfg.backend != "nccl"
+            self._wait(self.device.allreduce([t], opts), "all_reduce", on_device=True)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -132,16 +156,12 @@ class TPGroup:
             return t
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.device.allgather([parts], [t]), "all_gather")
+        self._wait(self.device.allgather([parts], [t]), "all_gather", on_device=True)
         return torch.cat(parts, dim=dim)
 
     def broadcast_control(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's CPU tensor into t on every rank (the lockstep channel), in place."""
-        if self.size > 1:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            self._wait(self.control.broadcast([t], opts), "step broadcast")
-        return t
+        """Rank 0's CPU tensor into t on every rank (the lockstep step channel), in place."""
+        return self.steps.broadcast(t) if self.size > 1 else t
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -150,11 +170,18 @@ class TPGroup:
     def close(self) -> None:
         """Leave: drop the groups (their sockets close, so peers still waiting fail at once
         instead of at their deadline) and the store connection."""
+        if self.steps is not None:
+            self.steps.close()
         for pg in (self.device, self.control):
-            if pg is not None and hasattr(pg, "shutdown"):
+            # NCCL: abort (ncclCommAbort) rather than a destroy that waits for collectives
+            # a dead or departed peer never joins
+            end = getattr(pg, "abort", None) if self.cfg.backend == "nccl" and pg is self.device \
+                else None
+            end = end or getattr(pg, "shutdown", None)
+            if end is not None:
                 try:
-                    pg.shutdown()
+                    end()
                 except RuntimeError:
                     pass
-        self.device = self.control = None
+        self.device = self.control = self.steps = None
         self.store = None

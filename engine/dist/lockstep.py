@@ -9,7 +9,8 @@ one MTP message too (engine/spec/mtp_plan.py), run over the follower's shard of 
 from the last forward's hidden rows; with overlapped decode a forward launched ahead is
 announced (its ids then come from rank 0 by an all-reduce) and the step it serves says so.
 While idle the leader sends KEEPALIVE at least every keepalive_s, so a follower that hears
-nothing for the group's timeout knows the leader is gone (GroupError) and its process ends: the group is restarted whole.
+nothing for the group's timeout knows the leader is gone (GroupError) and its process ends:
+the group is restarted whole.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from pdserve.engine.dist import parallel
 from pdserve.engine.dist import protocol as proto
 from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import TPGroup
+from pdserve.engine.exec.cuda_graphs import DecodeGraphs
+from pdserve.engine.exec.device_io import rows_of
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.spec.mtp_head import tp_mtp_head
@@ -80,20 +83,21 @@ class Leader:
 
     def forward(self, batch: HostBatch, logits_rows: list[int], return_prenorm: bool,
                 verify_rows: list[int] | tuple[int, ...] = (), launched: bool = False,
-                prompt_slices: list[list[int]] | tuple = ()) -> None:
+                prompt_slices: list[list[int]] | tuple = (), graphed: bool = False) -> None:
         """Announce a forward of `batch` whose logits the leader computes for each of
         prompt_slices (prompt logprobs), then for logits_rows, then (MTP verification) for
         verify_rows. launched: the forward launched ahead (launch_ahead) is this one: the
-        followers take its hidden states."""
+        followers take its hidden states. graphed: rank 0 replays its decode graph."""
         flags = (proto.RETURN_PRENORM if return_prenorm else 0) | (
-            proto.USE_LAUNCHED if launched else 0)
+            proto.USE_LAUNCHED if launched else 0) | (proto.GRAPHED if graphed else 0)
         self.send(proto.Kind.FORWARD,
                   proto.forward_fields(batch, logits_rows, verify_rows, prompt_slices), flags)
 
-    def launch_ahead(self, batch: HostBatch) -> None:
+    def launch_ahead(self, batch: HostBatch, graphed: bool = False) -> None:
         """Announce a decode forward launched ahead (engine/exec/overlap.py): its input ids
         follow from rank 0's device (parallel.from_rank0, one per sequence); no logits."""
-        self.send(proto.Kind.FORWARD, proto.forward_fields(batch, []), proto.LAUNCH_AHEAD)
+        self.send(proto.Kind.FORWARD, proto.forward_fields(batch, []),
+                  proto.LAUNCH_AHEAD | (proto.GRAPHED if graphed else 0))
 
     def mtp(self, plan: MTPPlan, shared_hidden: bool = False) -> None:
         """Announce an MTP drafting pass (engine/spec/mtp_plan.py) over the last forward's
@@ -133,8 +137,10 @@ class Follower:
     whose drafting passes (Kind.MTP) read the last forward's hidden rows."""
 
     def __init__(self, group: TPGroup, model: Model, kv_cache: torch.Tensor,
-                 head: torch.nn.Module | None = None) -> None:
+                 head: torch.nn.Module | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.group, self.model, self.kv_cache = group, model, kv_cache
+        self.graphs = graphs  # captured in step with rank 0's (RankParts.follower)
         self.head = tp_mtp_head(head, model) if head is not None else None
         self.device = kv_cache.device
         self.seq = 0
@@ -175,10 +181,7 @@ class Follower:
                                           "this batch")
             hidden = launched[1]
         else:
-            ids, positions, meta = batch.to_device(self.device)
-            if msg.flags & proto.LAUNCH_AHEAD:  # ids: rank 0's sampled tokens
-                ids = parallel.from_rank0(torch.zeros_like(ids), self.group)
-            hidden = self.model(ids, positions, meta, self.kv_cache)
+            hidden = self._run(batch, msg.flags)
             if msg.flags & proto.LAUNCH_AHEAD:
                 self.launched = (batch, hidden)
                 self.steps += 1
@@ -189,10 +192,29 @@ class Follower:
         for rows in (*proto.cut(f["prompt_rows"], f["prompt_slices"]), f["logits_rows"],
                      f["verify_rows"]):
             if rows:
-                self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
-                                          as_float=False)
+                # rows_of: no pageable copy, whose stream sync would hold this rank's host
+                # until its forward ended, late for the next step message
+                self.model.compute_logits(rows_of(hidden, rows), as_float=False)
         self.hidden = hidden if self.head is not None else None
         self.steps += 1
+
+    def _run(self, batch: HostBatch, flags: int) -> torch.Tensor:
+        """This rank's forward of `batch` -> hidden [T, H]: its decode graph's replay when rank
+        0 replays its own (GRAPHED), else eager; a forward launched ahead takes rank 0's
+        sampled ids (from_rank0)."""
+        ids = None
+        if flags & proto.LAUNCH_AHEAD:
+            ids = parallel.from_rank0(torch.zeros(len(batch.input_ids), dtype=torch.int64,
+                                                  device=self.device), self.group)
+        if flags & proto.GRAPHED:
+            out = self.graphs.run_host(batch, input_ids=ids) if self.graphs is not None else None
+            if out is None:
+                raise proto.ProtocolError("forward.flags: rank 0 replays a decode graph this "
+                                          "rank has none for (use_cuda_graphs or "
+                                          "max_num_seqs differ between the ranks)")
+            return out[0]
+        host_ids, positions, meta = batch.to_device(self.device)
+        return self.model(host_ids if ids is None else ids, positions, meta, self.kv_cache)
 
     @torch.inference_mode()
     def mtp(self, msg: proto.Message) -> None:
@@ -210,7 +232,7 @@ class Follower:
             if self.hidden is None or max(plan.rows) >= self.hidden.shape[0]:
                 raise proto.ProtocolError("mtp.rows: rows outside the last forward's hidden "
                                           "states")
-            hidden = self.hidden[torch.tensor(plan.rows, device=self.device)]
+            hidden = rows_of(self.hidden, plan.rows)
         follow_plan(plan, self.head, self.model, self.kv_cache, hidden)
         self.mtp_passes += 1
 

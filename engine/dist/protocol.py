@@ -70,6 +70,10 @@ RETURN_PRENORM = 1
 # after the message from rank 0's device (parallel.from_rank0); and a step served by it
 LAUNCH_AHEAD = 2
 USE_LAUNCHED = 4
+# rank 0 replays its captured decode graph for this forward (engine/exec/cuda_graphs.py): the
+# follower replays its own, whose collectives are padded to the same bucket (an eager forward
+# on one rank and a padded replay on another would all-reduce different sizes)
+GRAPHED = 8
 # flags of an MTP: the catch-up's hidden rows come from rank 0 (an all-reduce), not from
 # the last FORWARD (a decode worker drafting from a prefill worker's hidden state)
 SHARED_HIDDEN = 1

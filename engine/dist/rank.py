@@ -31,10 +31,11 @@ from pdserve.engine.dist.lockstep import Leader
 
 def check_tp_args(args: EngineArgs) -> None:
     """Refuse, naming the field, what a tensor-parallel engine does not run yet
-    (docs/tensor_parallel.md): CUDA graphs are captured on rank 0 only; MTP's static drafting
-    (draft graphs) and a reduced draft vocabulary are single-rank paths. MTP speculation
-    (engine/spec/mtp_plan.py) and overlap_decode='on' (launched-ahead decode forwards, their
-    ids shared from rank 0) run."""
+    (docs/tensor_parallel.md): MTP's static drafting (draft graphs) and a reduced draft
+    vocabulary are single-rank paths. Decode CUDA graphs (every rank captures its own and
+    replays it when rank 0 does), MTP speculation (engine/spec/mtp_plan.py; its verify steps
+    run eagerly) and overlapped decode (launched-ahead decode forwards, their ids shared from
+    rank 0) run."""
     if args.tensor_parallel_size <= 1:
         return
     tp = args.tensor_parallel_size
@@ -45,8 +46,6 @@ def check_tp_args(args: EngineArgs) -> None:
     if spec is not None and spec.draft_graphs == "on":
         raise ConfigError(f"speculative.draft_graphs: 'on' is not supported with "
                           f"tensor_parallel_size={tp} yet (use 'auto' or 'off')")
-    if args.use_cuda_graphs:
-        raise ConfigError(f"use_cuda_graphs: not supported with tensor_parallel_size={tp} yet")
 
 
 def check_tp_serving_args(args: EngineArgs) -> None:

@@ -26,7 +26,7 @@ from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.dist import parallel
 from pdserve.engine.dist.lockstep import Leader
-from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
+from pdserve.engine.exec.cuda_graphs import DecodeGraphs, maybe_decode_graphs
 from pdserve.engine.exec.device_io import rows_of
 from pdserve.engine.exec.kv_cache import engine_kv_cache
 from pdserve.engine.exec.overlap import DecodeAhead
@@ -38,7 +38,7 @@ from pdserve.engine.spec.draft_graphs import maybe_draft_graphs
 from pdserve.engine.spec.mtp_head import tp_mtp_head
 from pdserve.engine.spec.spec_decoder import DraftJob, SpecDecoder
 from pdserve.engine.spec.verify_ahead import VerifyAhead, verify_ids
-from pdserve.engine.spec.verify_graphs import maybe_verify_graphs
+from pdserve.engine.spec.verify_graphs import VerifyGraphs, maybe_verify_graphs
 
 
 @dataclass
@@ -80,10 +80,6 @@ class ModelRunner:
             # worker/tp_worker.py, worker/tp_group.py)
             raise ConfigError("speculative: the ranks loaded MTP layers but the engine has no "
                               "SpecConfig (build it with load_rank's spec and mtp_head)")
-        if leader is not None and self.cuda_graphs is not None:
-            # engine/dist/rank.py check_tp_args refuses it by field for the offline engine
-            raise ValueError("tensor_parallel_size: CUDA graphs are not supported with "
-                             "tensor parallelism yet")
         self.ahead = DecodeAhead(model, self.kv_cache, self.cuda_graphs, self.block_size,
                                  config.scheduler.max_model_len) if overlap else None
         self.timing: dict[str, float] = {}  # the last step's host phases (see run)
@@ -103,10 +99,19 @@ class ModelRunner:
                                                             self.kv_cache)
         self.verify_ahead = VerifyAhead(self.spec) if self.spec is not None else None
         # verify steps (k+1 tokens per sequence) replay graphs too, up to the largest batch
-        # that still drafts
-        self.verify_graphs = {} if spec is None else maybe_verify_graphs(
+        # that still drafts; with TP they run eagerly (the followers capture decode graphs
+        # only: RankParts.follower)
+        self.verify_graphs = {} if spec is None or leader is not None else maybe_verify_graphs(
             config, model, self.kv_cache, spec.num_speculative_tokens,
             spec.max_drafting_batch(config.scheduler.max_num_seqs))
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph (the engine is closing); later steps run eagerly."""
+        self.cuda_graphs, self.verify_graphs, self.ahead = None, {}, None
+        if self.spec is not None:
+            self.spec.draft_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- per-request sampler state -------------------------------------------------------
     def _state(self, req: Request) -> SamplerState:
@@ -225,21 +230,30 @@ class ModelRunner:
         # before any replay; its prenorm is an uncopied view, but run() reads prenorm only
         # for want_hidden, and nothing is launched ahead then
         launched = self.ahead.take(batch) if self.ahead is not None else None
+        graphs = self._step_graphs(out, batch) if launched is None else None
         if self.leader is not None:
             self.leader.forward(batch, logits_rows, return_prenorm=True,
                                 verify_rows=verify_rows, launched=launched is not None,
-                                prompt_slices=prompt_slices)
+                                prompt_slices=prompt_slices, graphed=graphs is not None)
         if launched is not None:
             return launched
-        k = max(batch.query_lens) - 1
-        graphs = self.cuda_graphs if k == 0 else self.verify_graphs.get(k)
-        if graphs is not None and (k == 0 or all(len(s.spec_token_ids) == k
-                                                 for s in out.scheduled)):
-            graphed = graphs.run_host(batch, keep_prenorm=self.spec is not None)
-            if graphed is not None:
-                return graphed
+        if graphs is not None:  # fits: checked by _step_graphs
+            return graphs.run_host(batch, keep_prenorm=self.spec is not None)
         input_ids, positions, meta = batch.to_device(self.device)
         return self.model(input_ids, positions, meta, self.kv_cache, return_prenorm=True)
+
+    def _step_graphs(self, out: SchedulerOutput, batch: HostBatch
+                     ) -> DecodeGraphs | VerifyGraphs | None:
+        """The captured graphs that replay this step: the decode graphs for a decode step, a
+        verify step's (every request verifying the same k drafts), if a bucket fits it; None
+        when the step runs eagerly."""
+        k = max(batch.query_lens) - 1
+        graphs = self.cuda_graphs if k == 0 else self.verify_graphs.get(k)
+        if graphs is None or graphs.fits(batch) is None:
+            return None
+        if k > 0 and not all(len(s.spec_token_ids) == k for s in out.scheduled):
+            return None
+        return graphs
 
     def _verify_ahead(self, out: SchedulerOutput, verify: list[tuple[ScheduledRequest, int]],
                       hidden: torch.Tensor, result: StepResult, k: int,
@@ -359,9 +373,13 @@ class ModelRunner:
         def hook(ids: torch.Tensor) -> None:
             if catch_up and self.spec.catch_up_on_device(requests, starts, hidden, ids):
                 caught_up.append(True)
-            if ahead is not None and (caught_up or not catch_up):
+            # with graphs, a batch no bucket fits is not launched ahead (DecodeAhead.launch
+            # would launch nothing, while the followers ran it)
+            fits = ahead is not None and (self.cuda_graphs is None
+                                          or self.cuda_graphs.fits(ahead) is not None)
+            if fits and (caught_up or not catch_up):
                 if self.leader is not None:  # the followers launch it too, with rank 0's ids
-                    self.leader.launch_ahead(ahead)
+                    self.leader.launch_ahead(ahead, graphed=self.cuda_graphs is not None)
                     ids = parallel.from_rank0(ids, self.model.tp.group)
                 self.ahead.launch(ahead, ids)
 

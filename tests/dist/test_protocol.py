@@ -154,3 +154,17 @@ def test_kv_messages_round_trip_and_bad_fields_are_refused_by_name() -> None:
         proto.budget_s(bad)
     with pytest.raises(proto.ProtocolError, match="^fields: REMOVE_PEER takes"):
         proto.encode(proto.Kind.REMOVE_PEER, 0, {"op": [1]})
+
+
+def test_a_graphed_forward_needs_the_followers_graphs() -> None:
+    """GRAPHED: rank 0 replays a decode graph, whose collectives are padded to its bucket; a
+    follower without graphs would all-reduce other sizes, so it refuses by the field instead
+    (the real replay on two GPUs: tests/dist/test_tp_graphs_gpu.py)."""
+    from pdserve.engine.dist.lockstep import Follower
+
+    flags = proto.GRAPHED | proto.RETURN_PRENORM
+    msg = _roundtrip(proto.Kind.FORWARD, 0, proto.forward_fields(_batch(), [0]), flags)
+    assert msg.flags == flags
+    follower = Follower(None, None, torch.zeros(1), graphs=None)  # type: ignore[arg-type]
+    with pytest.raises(proto.ProtocolError, match="^forward.flags: rank 0 replays a decode graph"):
+        follower.forward(msg)

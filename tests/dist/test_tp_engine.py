@@ -111,8 +111,6 @@ def test_tp_refuses_what_it_does_not_run_yet(tiny_models: dict[str, Path]) -> No
         LLM(path, device="cpu", tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="draft_vocab"):  # MTP runs (test_tp_spec.py)
         LLM(path, device="cpu", tensor_parallel_size=2, speculative="mtp", draft_vocab=16)
-    with pytest.raises(ConfigError, match="use_cuda_graphs"):
-        LLM(path, device="cpu", tensor_parallel_size=2, use_cuda_graphs=True)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -149,8 +149,7 @@ def test_spec_config_reaches_the_follower_and_refusals_name_the_field() -> None:
     check_tp_serving_args(args)
     for bad, field in ((dict(draft_vocab=16), "draft_vocab"),
                        (dict(speculative=SpecConfig(draft_graphs="on")),
-                        "speculative.draft_graphs"),
-                       (dict(use_cuda_graphs=True), "use_cuda_graphs")):
+                        "speculative.draft_graphs")):
         for check in (check_tp_args, check_tp_serving_args):
             with pytest.raises(ConfigError, match=f"^{field}"):
                 check(args.replace(**bad))
