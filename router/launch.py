@@ -181,7 +181,10 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     refs = []
     for role, count in roles:
         tp = role_tp(args)[role]
-        # CUDA graphs are captured on rank 0 only so far (engine/dist/rank.py check_tp_args)
+        # serving TP workers run eagerly: the offline engine captures graphs on every rank
+        # (docs/tensor_parallel.md), but NCCL inside graphs hung in a probe on two H200s
+        # (bench/results/allreduce_h200x2_2026-11-29.json) and the serving path's graphs
+        # have not run on GPUs yet
         role_engine = engine if tp == 1 else engine.replace(tensor_parallel_size=tp,
                                                             use_cuda_graphs=False)
         for i in range(count):
