@@ -41,6 +41,7 @@ from pdserve.router.responses import (
     echoed,
     usage_body,
     vllm_prompt_logprobs,
+    without_output,
 )
 from pdserve.router.responses_api import ResponsesRequest, parse_responses, renamed
 from pdserve.router.responses_output import (
@@ -314,6 +315,7 @@ async def _disconnected(request: Request) -> None:
 def _echoed(parsed: ParsedRequest, d: Delta, fe) -> Delta:
     """Choice d.index's prompt in front of its first delta (completions fan out n choices
     per prompt, in prompt order)."""
+    d = without_output(d) if parsed.prompt_only else d
     top = parsed.params.logprobs if parsed.logprobs else None
     i = d.index // parsed.params.n
     return echoed(d, parsed.prompts[i], fe, top, parsed.prompt_texts[i])
@@ -374,6 +376,8 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                     if parsed.echo and delta.index not in seen:
                         seen.add(delta.index)
                         delta = _echoed(parsed, delta, fe)
+                    elif parsed.prompt_only:
+                        delta = without_output(delta)
                     off = offsets.get(delta.index, 0)
                     offsets[delta.index] = off + len(delta.text)
                     yield chunk([completion_choice(delta, fe, parsed.logprobs, off)])

@@ -57,6 +57,9 @@ class ParsedRequest:
     checks: list[Check] = field(default_factory=list)
     tool_format: ToolFormat | None = None  # chat with tools offered: parse calls out of text
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
+    # completions, max_tokens 0 with echo (scoring a prompt: lm-eval's loglikelihood): the
+    # engine makes one token, which the response leaves out (responses.py without_output)
+    prompt_only: bool = False
     # vLLM's prompt_logprobs field: the top N per prompt token, rendered in vLLM's shape
     prompt_logprobs: int | None = None
     # completions: each prompt as the client wrote it (None: sent as token ids), for echo
@@ -306,12 +309,21 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     if tops:
         kw["prompt_logprobs"] = max(tops)
     max_tokens = _get(body, "max_tokens", _INT, 16)
+    prompt_only = max_tokens == 0 and echo
+    if prompt_only:  # the engine runs the prompt and one token, which the reply leaves out
+        if kw.get("min_tokens"):
+            raise BadRequest("min_tokens: must be 0 when max_tokens is 0", param="min_tokens")
+        max_tokens = 1
+    elif max_tokens == 0:
+        raise BadRequest("max_tokens: 0 only scores the prompt, which needs echo: true",
+                         param="max_tokens")
     if body.get("tools"):
         raise BadRequest("tools: only /v1/chat/completions takes tools", param="tools")
     kw["structured"], checks = output_constraint(body)  # response_format, structured_outputs
     params = _build_params(kw, max_tokens)
     return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
-                         checks, echo=echo, prompt_logprobs=want_prompt, prompt_texts=texts,
+                         checks, echo=echo, prompt_only=prompt_only,
+                         prompt_logprobs=want_prompt, prompt_texts=texts,
                          request_id=_request_id(body))
 
 

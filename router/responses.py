@@ -34,6 +34,14 @@ def completion_logprobs(d: Delta, fe: Frontend, offset: int) -> dict:
             "text_offset": offsets}
 
 
+def without_output(d: Delta) -> Delta:
+    """max_tokens 0 with echo: the one token the engine made left out; the choice ends for
+    its length, as vLLM's does."""
+    return dataclasses.replace(d, text="", token_ids=[], logprobs=[], completion_tokens=0,
+                               finish_reason="length" if d.finish_reason else None,
+                               stop_reason=None)
+
+
 def echoed(d: Delta, prompt: list[int], fe: Frontend, top: int | None,
            sent: str | None = None) -> Delta:
     """A choice's first delta with its prompt in front (echo): the prompt's text, and with

@@ -164,9 +164,10 @@ def offline_scored(frontend):
 
 
 def test_echo_with_logprobs_scores_the_prompt_through_the_split(server, client, offline_scored):
-    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 1): the prompt
-    leads the text and the logprobs, its first token without one; the prefill worker's
-    prompt logprobs equal the offline engine's; streamed equals not streamed."""
+    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 1, or 0 for the
+    prompt alone): the prompt leads the text and the logprobs, its first token without one;
+    the prefill worker's prompt logprobs equal the offline engine's; streamed equals not
+    streamed."""
     model = client.models.list().data[0].id
     ids, offline = offline_scored
     kw = dict(model=model, prompt=SCORED, max_tokens=1, temperature=0, echo=True, logprobs=2)
@@ -182,6 +183,9 @@ def test_echo_with_logprobs_scores_the_prompt_through_the_split(server, client, 
     plain = client.completions.create(model=model, prompt=SCORED, max_tokens=1, echo=True,
                                       temperature=0)
     assert plain.choices[0].text == comp.choices[0].text and plain.choices[0].logprobs is None
+    zero = client.completions.create(**{**kw, "max_tokens": 0})  # the prompt alone
+    assert zero.choices[0].text == SCORED and zero.usage.completion_tokens == 0
+    assert zero.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
     with make_channel(server.grpc_address) as ch:  # the gRPC face: prompt_logprobs as asked
         req = pb.GenerateRequest(prompt=SCORED, params=pb.SamplingParams(
             max_tokens=1, temperature=0, prompt_logprobs=2))

@@ -103,6 +103,30 @@ def test_body_request_id_names_the_request_unless_the_header_does(cluster, front
     assert r.status_code == 200, r.text
 
 
+def test_echo_with_max_tokens_zero_returns_the_prompt_alone(cluster, frontend):
+    """lm-eval-harness's loglikelihood request (echo, max_tokens 0): the prompt alone, no
+    completion tokens, finish_reason length; streamed the same; max_tokens 0 without echo, or
+    with min_tokens, is refused naming the field."""
+    _, _, client = cluster
+    body = {"prompt": "Hello there", "max_tokens": 0, "echo": True,
+            "stream_options": None}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert choice["text"] == "Hello there" and choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] > 0
+    with client.stream("POST", "/v1/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        events = sse_events(s)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello there"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 0 and events[-1] == "[DONE]"
+    for bad, field in (({"echo": False}, "max_tokens"), ({"min_tokens": 1}, "min_tokens")):
+        r = client.post("/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def r2_id(client) -> str:
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     return r.headers["x-request-id"]
