@@ -65,6 +65,10 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     # ranks (devices) of one engine: column/row-parallel layers, KV heads split across ranks
     tensor_parallel_size: int = 1
+    # experimental: use_cuda_graphs at tensor_parallel_size > 1 (every rank captures its decode
+    # graphs). Off unless asked for: NCCL collectives inside graphs hung on the two-H200 test
+    # machine (docs/tensor_parallel.md, Performance), and the GPU test has not passed yet
+    tp_cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.speculative == "none":  # the CLI's spelling of off

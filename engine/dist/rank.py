@@ -32,10 +32,10 @@ from pdserve.engine.dist.lockstep import Leader
 def check_tp_args(args: EngineArgs) -> None:
     """Refuse, naming the field, what a tensor-parallel engine does not run yet
     (docs/tensor_parallel.md): MTP's static drafting (draft graphs) and a reduced draft
-    vocabulary are single-rank paths. Decode CUDA graphs (every rank captures its own and
-    replays it when rank 0 does), MTP speculation (engine/spec/mtp_plan.py; its verify steps
-    run eagerly) and overlapped decode (launched-ahead decode forwards, their ids shared from
-    rank 0) run."""
+    vocabulary are single-rank paths; decode CUDA graphs (every rank captures its own and
+    replays it when rank 0 does) run only with tp_cuda_graphs (experimental). MTP speculation
+    (engine/spec/mtp_plan.py; its verify steps run eagerly) and overlapped decode
+    (launched-ahead decode forwards, their ids shared from rank 0) run."""
     if args.tensor_parallel_size <= 1:
         return
     tp = args.tensor_parallel_size
@@ -46,6 +46,11 @@ def check_tp_args(args: EngineArgs) -> None:
     if spec is not None and spec.draft_graphs == "on":
         raise ConfigError(f"speculative.draft_graphs: 'on' is not supported with "
                           f"tensor_parallel_size={tp} yet (use 'auto' or 'off')")
+    if args.use_cuda_graphs and not args.tp_cuda_graphs:
+        raise ConfigError(f"use_cuda_graphs: at tensor_parallel_size={tp} CUDA graphs capture "
+                          f"NCCL collectives, which hung on the two-GPU test machine "
+                          f"(docs/tensor_parallel.md); tp_cuda_graphs=True runs them anyway "
+                          f"(experimental)")
 
 
 def check_tp_serving_args(args: EngineArgs) -> None:

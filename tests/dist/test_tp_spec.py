@@ -147,9 +147,11 @@ def test_spec_config_reaches_the_follower_and_refusals_name_the_field() -> None:
 
     check_tp_args(args)  # MTP runs at TP 2: offline and in a serving worker
     check_tp_serving_args(args)
+    check_tp_args(args.replace(use_cuda_graphs=True, tp_cuda_graphs=True))  # experimental
     for bad, field in ((dict(draft_vocab=16), "draft_vocab"),
                        (dict(speculative=SpecConfig(draft_graphs="on")),
-                        "speculative.draft_graphs")):
+                        "speculative.draft_graphs"),
+                       (dict(use_cuda_graphs=True), "use_cuda_graphs")):
         for check in (check_tp_args, check_tp_serving_args):
             with pytest.raises(ConfigError, match=f"^{field}"):
                 check(args.replace(**bad))
