@@ -12,6 +12,7 @@ import time
 import torch
 
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.dist.lockstep import STEP_MESSAGE
 
 
 class StepProfiler:
@@ -117,7 +118,7 @@ def analyze(events, num_layers: int, device: str) -> dict:
     nccl = [k for k in kernels if "nccl" in k.name.lower()]
     ops = [e for e in cpu if e.name.startswith(("gloo:", "nccl:"))]
     coll_ops = [e for e in ops if "broadcast" not in e.name]  # the forward's collectives
-    control = [e for e in ops if e.name.startswith("gloo:broadcast")]  # lockstep messages
+    control = [e for e in cpu if e.name == STEP_MESSAGE]  # lockstep messages (step channel)
 
     def ms(xs) -> float:
         return sum(x.time_range.end - x.time_range.start for x in xs) / n / 1e3
@@ -154,5 +155,6 @@ def analyze(events, num_layers: int, device: str) -> dict:
 
 METHOD = ("torch.profiler on rank 0. collectives: NCCL kernels' device time (including the "
           "wait for the slower rank) on CUDA, gloo all_reduce/all_gather ops on CPU; step "
-          "messages: the control group's gloo broadcasts; per_layer: kernel launch calls and "
-          "collective ops starting inside a DecoderLayer call (median; graph replays have none)")
+          "messages: the leader's sends (record_function tp:step_message); per_layer: kernel "
+          "launch calls and collective ops starting inside a DecoderLayer call (median; graph "
+          "replays have none)")

@@ -32,6 +32,9 @@ from pdserve.engine.spec.mtp_head import tp_mtp_head
 from pdserve.engine.spec.mtp_plan import MTPPlan, follow_plan
 
 
+STEP_MESSAGE = "tp:step_message"  # the profiler's name of one message sent (bench/lab/tp_probes)
+
+
 class Channel(Protocol):
     """What Leader and receive_message need of a group: TPGroup's control channel, or the
     KV channel of a serving worker (worker/tp_kv.py)."""
@@ -59,7 +62,8 @@ class Leader:
     def send(self, kind: proto.Kind, fields: dict[str, list[int]], flags: int = 0) -> None:
         if self.group.size == 1:
             return
-        with self._lock:  # seq is read and advanced under the lock: senders on many threads
+        with self._lock, torch.profiler.record_function(STEP_MESSAGE):
+            # seq is read and advanced under the lock: senders on many threads
             header, payload = proto.encode(kind, self.seq, fields, flags)
             self.group.broadcast_control(header)
             if payload.numel():
