@@ -1,11 +1,13 @@
 """What one decode-step all-reduce costs between two GPUs (issue 26), apart from the model.
 
     python -m bench.lab.probe_allreduce --out $OUT/allreduce.json     # needs 2 GPUs
+    python -m bench.lab.probe_allreduce --comm direct --no-symm --out $OUT/direct.json
 
 Two processes, one GPU each. For hidden rows [T, 4096] bf16 (T = 1, 64, 256: a Qwen3-8B
 decode step's all-reduce at those batch sizes), per all-reduce:
-  * nccl_eager: TPGroup.all_reduce (the engine's path: ProcessGroupNCCL, stream-ordered
-    wait), 200 back to back, timed by CUDA events on rank 0;
+  * nccl_eager: TPGroup.all_reduce (the engine's path: ProcessGroupNCCL on the current
+    stream), or with --comm direct NCCL called directly (bench/lab/nccl_direct.py), 200 back
+    to back, timed by CUDA events on rank 0;
   * nccl_graph: 73 of them (a 36-layer step: the embedding + 2 per layer) captured in one
     CUDA graph, replayed 20 times: what a decode graph's collectives cost;
   * symm_mem_one_shot_graph: torch's symmetric-memory one-shot all-reduce (each GPU reads its
@@ -55,29 +57,46 @@ def _graph(body) -> torch.cuda.CUDAGraph:
     return g
 
 
-def _nccl(rank: int, port: int, rows: tuple[int, ...]) -> dict:
+def _group(rank: int, port: int, comm: str):
+    """(all_reduce(x), close()) of this rank: the engine's TPGroup (torch's NCCL process
+    group), or NCCL called directly (bench/lab/nccl_direct.py)."""
     from pdserve.engine.dist.config import ParallelConfig
-    from pdserve.engine.dist.group import TPGroup
+    from pdserve.engine.dist.group import TPGroup, open_store
 
-    group = TPGroup(ParallelConfig.for_device(2, rank, f"tcp://127.0.0.1:{port}",
-                                              f"cuda:{rank}", 60.0))
-    print(f"rank {rank}: joined", flush=True)
+    cfg = ParallelConfig.for_device(2, rank, f"tcp://127.0.0.1:{port}", f"cuda:{rank}", 60.0)
+    if comm == "torch":
+        group = TPGroup(cfg)
+        return group.all_reduce, group.close
+    from bench.lab.nccl_direct import DirectComm
+
+    store = open_store(cfg)
+    direct = DirectComm.join(rank, 2, store, torch.device(f"cuda:{rank}"))
+    return direct.all_reduce, direct.close
+
+
+def _nccl(rank: int, port: int, rows: tuple[int, ...], comm: str = "torch") -> dict:
+    all_reduce, close = _group(rank, port, comm)
+    print(f"rank {rank}: joined ({comm})", flush=True)
     out = {}
     for t in rows:
         x = torch.ones(t, HIDDEN, dtype=torch.bfloat16, device=f"cuda:{rank}")
-        group.all_reduce(x)
+        all_reduce(x)
         torch.cuda.synchronize()
         print(f"rank {rank}: all-reduce of {t} rows gives {x[0, 0].item()}", flush=True)
-        eager = _time(lambda: group.all_reduce(x), 200)
+        eager = _time(lambda: all_reduce(x), 200)
         print(f"rank {rank}: {t} rows eager {1e3 * eager:.1f} us", flush=True)
 
         def step() -> None:
             for _ in range(PER_STEP):
-                group.all_reduce(x)
+                all_reduce(x)
         g = _graph(step)
         graph = _time(g.replay, 20) / PER_STEP
         out[t] = {"nccl_eager_us": 1e3 * eager, "nccl_graph_us": 1e3 * graph}
-    group.close()
+        print(f"rank {rank}: {t} rows in a graph {1e3 * graph:.1f} us", flush=True)
+    del g  # the graphs go before the communicator (pytorch/pytorch#115388)
+    torch.cuda.synchronize()
+    close()
+    print(f"rank {rank}: closed", flush=True)
     return out
 
 
@@ -114,9 +133,9 @@ def _symm(rank: int, port: int, rows: tuple[int, ...]) -> dict:
 
 
 def rank_main(rank: int, port: int, port2: int, out_path: str, rows: tuple[int, ...],
-              symm: bool) -> None:
+              symm: bool, comm: str) -> None:
     torch.cuda.set_device(rank)
-    res = {"nccl": _nccl(rank, port, rows)}
+    res = {"nccl": _nccl(rank, port, rows, comm)}
     # written after each part: a hang keeps the first
     for part in ("nccl", "symm_mem") if symm else ("nccl",):
         if part == "symm_mem":
@@ -139,19 +158,22 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)),
                     help="hidden rows per all-reduce, comma-separated")
     ap.add_argument("--no-symm", action="store_true", help="NCCL only")
+    ap.add_argument("--comm", choices=("torch", "direct"), default="torch",
+                    help="torch's NCCL process group (the engine's TPGroup) or NCCL called "
+                    "directly (bench/lab/nccl_direct.py)")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ports", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank is not None:
         p1, p2 = map(int, args.ports.split(","))
         rank_main(args.rank, p1, p2, args.out + ".rank0",
-                  tuple(int(r) for r in args.rows.split(",")), not args.no_symm)
+                  tuple(int(r) for r in args.rows.split(",")), not args.no_symm, args.comm)
         return
     if torch.cuda.device_count() < 2:
         sys.exit("probe_allreduce: needs 2 CUDA devices")
     ports = f"{_port()},{_port()}"
     env = {**os.environ, **MULTICAST_OFF}
-    extra = ["--rows", args.rows] + (["--no-symm"] if args.no_symm else [])
+    extra = ["--rows", args.rows, "--comm", args.comm] + (["--no-symm"] if args.no_symm else [])
     procs = [subprocess.Popen([sys.executable, "-m", "bench.lab.probe_allreduce", "--out",
                                args.out, "--rank", str(r), "--ports", ports, *extra], env=env)
              for r in range(2)]
@@ -174,6 +196,7 @@ def main() -> None:
                                   + sys.argv[1:]),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "torch": torch.__version__, "env": MULTICAST_OFF, "hidden": HIDDEN,
+              "comm": args.comm,
               "all_reduces_per_step": PER_STEP, "exit_codes": codes, "rows": res}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
