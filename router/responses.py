@@ -37,8 +37,9 @@ def completion_logprobs(d: Delta, fe: Frontend, offset: int) -> dict:
 def without_output(d: Delta) -> Delta:
     """max_tokens 0 with echo: the one token the engine made left out; the choice ends for
     its length, as vLLM's does."""
+    ended = d.finish_reason in ("stop", "length")  # the one token's end; others stay
     return dataclasses.replace(d, text="", token_ids=[], logprobs=[], completion_tokens=0,
-                               finish_reason="length" if d.finish_reason else None,
+                               finish_reason="length" if ended else d.finish_reason,
                                stop_reason=None)
 
 

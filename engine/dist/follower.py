@@ -30,9 +30,13 @@ def follower_main(argv: list[str]) -> int:
 
             torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tp_size))
         rank = load_rank(args, cfg)
+        follower = None
         try:
-            rank.follower().run()  # with speculative, its MTP head shard drafts too
+            follower = rank.follower()  # captures its decode graphs with rank 0's
+            follower.run()  # with speculative, its MTP head shard drafts too
         finally:
+            if follower is not None:
+                follower.graphs = None  # before the communicator goes (pytorch#115388)
             rank.group.close()
     except BaseException as e:  # noqa: BLE001 - reported; the exit code says it failed
         print(f"pdserve tp rank {cfg.rank}: {type(e).__name__}: {e}", file=sys.stderr,

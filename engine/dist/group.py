@@ -100,6 +100,13 @@ class TPGroup:
         if store is None:
             self.store = store = open_store(cfg)
         try:
+            self._join(cfg, store)
+        except BaseException:
+            self.close()  # what joined so far: sockets, groups (the caller gets no object)
+            raise
+
+    def _join(self, cfg: ParallelConfig, store: dist.Store) -> None:
+        try:
             self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), self.rank,
                                                  self.size, self.timeout)
             if cfg.backend == "nccl":

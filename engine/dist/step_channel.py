@@ -11,8 +11,10 @@ forward at once, and the forward's first all-reduce is where the ranks meet.
 Wire: the raw bytes of the CPU int64 tensor (a header, then its payload), in order on each
 stream: no pickle. Join, within timeout_s: rank 0 listens on the group's host (a port the
 kernel picks) and puts the address and a random token in the group's store; each follower
-connects and sends (token, rank). A connection that does not say the token within a few
-seconds is closed and ignored.
+connects and sends (token, rank). Hellos are read side by side; a connection that does not
+say the token within a few seconds is closed and ignored. The token keeps out whoever cannot
+read the store: the channel is exactly as trusted as the group's store (an unauthenticated
+TCPStore on the group's host, group.py), no more.
 
 Deadlines: a follower waits for the next message at most timeout_s (an idle leader sends
 keep-alives every timeout_s / 4), and a closed stream (rank 0 gone) fails at once; rank 0's
@@ -22,6 +24,7 @@ reading. Each failure is a GroupError naming the rank.
 from __future__ import annotations
 
 import secrets
+import selectors
 import socket
 import time
 
@@ -48,36 +51,71 @@ class StepChannel:
     # -- join -------------------------------------------------------------------------
     def _listen(self, store: object, host: str) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server = socket.create_server((host, 0), family=family)
+        try:
+            server = socket.create_server((host, 0), family=family)
+        except OSError as e:
+            raise GroupError(f"rank 0: step channel: cannot listen on {host}: {e}") from e
         token = secrets.token_bytes(_TOKEN)
         store.set(ADDR_KEY, f"{host}|{server.getsockname()[1]}")
         store.set(TOKEN_KEY, token)
+        try:
+            peers = self._accept(server, token)
+        finally:
+            server.close()
+        self._peers = [_tuned(peers[r], self.timeout_s) for r in range(1, self.size)]
+
+    def _accept(self, server: socket.socket, token: bytes) -> dict[int, socket.socket]:
+        """Every follower's stream, by rank, within timeout_s. Hellos are read as they come,
+        side by side: a connection that says nothing (a port scanner) cannot hold up the
+        others; it is closed after HELLO_S, as is one with a wrong token or a rank twice."""
         deadline = time.monotonic() + self.timeout_s
         peers: dict[int, socket.socket] = {}
+        pending: dict[socket.socket, tuple[bytearray, float]] = {}  # conn -> (hello, since)
+        sel = selectors.DefaultSelector()
+        sel.register(server, selectors.EVENT_READ)
         try:
             while len(peers) < self.size - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if now >= deadline:
                     raise GroupError(f"rank 0: step channel: {len(peers)} of "
                                      f"{self.size - 1} followers connected within "
                                      f"{self.timeout_s} s")
-                server.settimeout(left)
-                try:
-                    conn, _ = server.accept()
-                except TimeoutError:
-                    continue  # the loop's deadline check names what is missing
-                rank = _hello(conn, token, self.size, min(HELLO_S, left))
-                if rank is None or rank in peers:
-                    conn.close()  # not one of ours, or a rank twice
-                    continue
-                peers[rank] = _tuned(conn, self.timeout_s)
+                for key, _ in sel.select(min(deadline - now, HELLO_S)):
+                    if key.fileobj is server:
+                        conn, _ = server.accept()
+                        conn.setblocking(False)
+                        pending[conn] = (bytearray(), time.monotonic())
+                        sel.register(conn, selectors.EVENT_READ)
+                        continue
+                    conn = key.fileobj
+                    buf = pending[conn][0]
+                    try:
+                        chunk = conn.recv(_TOKEN + 8 - len(buf))
+                    except OSError:
+                        chunk = b""
+                    buf += chunk
+                    rank = _rank_of(buf, token, self.size) if len(buf) == _TOKEN + 8 else 0
+                    if chunk and rank == 0:
+                        continue  # more of the hello to come
+                    sel.unregister(conn)
+                    del pending[conn]
+                    if rank is None or rank == 0 or rank in peers:
+                        conn.close()
+                    else:
+                        conn.setblocking(True)
+                        peers[rank] = conn
+                for conn, (_, since) in list(pending.items()):
+                    if time.monotonic() - since > HELLO_S:  # said nothing in time
+                        sel.unregister(conn)
+                        del pending[conn]
+                        conn.close()
         except BaseException:
-            for c in peers.values():
+            for c in [*peers.values(), *pending]:
                 c.close()
             raise
         finally:
-            server.close()
-        self._peers = [peers[r] for r in range(1, self.size)]
+            sel.close()
+        return peers
 
     def _connect(self, store: object) -> None:
         try:  # the store's get waits for rank 0's keys, at most the store's timeout
@@ -122,16 +160,10 @@ class StepChannel:
         self._peers, self._sock = [], None
 
 
-def _hello(conn: socket.socket, token: bytes, size: int, timeout_s: float) -> int | None:
-    """The rank a new connection says it is, or None when it does not say the token."""
-    conn.settimeout(timeout_s)
-    buf = bytearray(_TOKEN + 8)
-    try:
-        _recv_into(conn, memoryview(buf))
-    except (OSError, EOFError):
-        return None
-    rank = int.from_bytes(buf[_TOKEN:], "little")
-    if not secrets.compare_digest(bytes(buf[:_TOKEN]), token) or not 0 < rank < size:
+def _rank_of(hello: bytearray, token: bytes, size: int) -> int | None:
+    """The rank a whole hello says, or None when it lacks the token or names no follower."""
+    rank = int.from_bytes(hello[_TOKEN:], "little")
+    if not secrets.compare_digest(bytes(hello[:_TOKEN]), token) or not 0 < rank < size:
         return None
     return rank
 

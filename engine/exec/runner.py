@@ -106,12 +106,12 @@ class ModelRunner:
             spec.max_drafting_batch(config.scheduler.max_num_seqs))
 
     def release_graphs(self) -> None:
-        """Drop every captured graph (the engine is closing); later steps run eagerly."""
+        """Drop every captured graph (the engine is closing); later steps run eagerly. No
+        host wait: a replay still queued keeps its graph alive, and one stuck in a
+        collective must not hold up the close."""
         self.cuda_graphs, self.verify_graphs, self.ahead = None, {}, None
         if self.spec is not None:
             self.spec.draft_graphs = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # -- per-request sampler state -------------------------------------------------------
     def _state(self, req: Request) -> SamplerState:

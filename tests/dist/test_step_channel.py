@@ -1,6 +1,7 @@
 """The lockstep step channel on loopback (engine/dist/step_channel.py): rank 0 and a follower
-joined through a real TCP store, a stray connection without the group's token ignored,
-messages in order, and each deadline or closed stream a GroupError naming what failed."""
+joined through a real TCP store, a stray connection without the group's token ignored and a
+silent one not holding up the join, messages in order, and each deadline or closed stream a
+GroupError naming what failed."""
 from __future__ import annotations
 
 import datetime
@@ -54,6 +55,25 @@ def test_messages_arrive_in_order_and_a_stray_connection_is_ignored() -> None:
     finally:
         leader.close(), follower.close()
         for s in strays:
+            s.close()
+
+
+def test_a_silent_connection_does_not_hold_up_the_join() -> None:
+    """A connection that says nothing (a port scanner) while the follower joins: rank 0 reads
+    hellos side by side, so the join completes well inside a deadline shorter than HELLO_S."""
+    silent: list[socket.socket] = []
+
+    def connect_silently(store: dist.TCPStore) -> None:
+        host, port = store.get(ADDR_KEY).decode().rsplit("|", 1)
+        silent.append(socket.create_connection((host, int(port))))
+
+    leader, follower = _pair(3.0, connect_silently)  # HELLO_S is 5 s
+    try:
+        leader.broadcast(torch.ones(2, dtype=torch.int64))
+        assert follower.broadcast(torch.zeros(2, dtype=torch.int64)).tolist() == [1, 1]
+    finally:
+        leader.close(), follower.close()
+        for s in silent:
             s.close()
 
 

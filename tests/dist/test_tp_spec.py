@@ -147,7 +147,10 @@ def test_spec_config_reaches_the_follower_and_refusals_name_the_field() -> None:
 
     check_tp_args(args)  # MTP runs at TP 2: offline and in a serving worker
     check_tp_serving_args(args)
-    check_tp_args(args.replace(use_cuda_graphs=True, tp_cuda_graphs=True))  # experimental
+    graphs = args.replace(use_cuda_graphs=True, tp_cuda_graphs=True)
+    check_tp_args(graphs)  # experimental, offline only
+    with pytest.raises(ConfigError, match="^tp_cuda_graphs: serving TP workers run eagerly"):
+        check_tp_serving_args(graphs)
     for bad, field in ((dict(draft_vocab=16), "draft_vocab"),
                        (dict(speculative=SpecConfig(draft_graphs="on")),
                         "speculative.draft_graphs"),
