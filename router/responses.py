@@ -29,9 +29,17 @@ def completion_logprobs(d: Delta, fe: Frontend, offset: int) -> dict:
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in d.logprobs],
-            "top_logprobs": [None if lp is None else {fe.token_text(t): v for t, v in top}
-                             for _, lp, top in d.logprobs],
+            "top_logprobs": [None if lp is None else _top(tok, lp, top, fe)
+                             for tok, lp, top in d.logprobs],
             "text_offset": offsets}
+
+
+def _top(tok: int, lp: float, alternatives: list[tuple[int, float]], fe: Frontend) -> dict:
+    """A position's top_logprobs: the N most likely tokens and, as OpenAI's legacy API and
+    vLLM give it, always the token itself (so up to N + 1 entries)."""
+    top = {fe.token_text(t): v for t, v in alternatives}
+    top.setdefault(fe.token_text(tok), lp)
+    return top
 
 
 def without_output(d: Delta) -> Delta:

@@ -175,7 +175,9 @@ def test_echo_with_logprobs_scores_the_prompt_through_the_split(server, client, 
     lp = comp.choices[0].logprobs
     assert comp.choices[0].text.startswith(SCORED)
     assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
-    assert lp.top_logprobs[0] is None and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert all(top[tok] == v for tok, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                                     lp.top_logprobs[1:]))  # the token's own
     assert lp.token_logprobs[1:len(ids)] == pytest.approx([c for _, c, *_ in offline], abs=1e-3)
     chunks = list(client.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == comp.choices[0].text
@@ -200,7 +202,7 @@ def test_vllm_prompt_logprobs_field_through_the_split(client, frontend, offline_
     """vLLM's prompt_logprobs (extra_body): per completion choice, and per chat response,
     None for the first prompt token, then {token id: {logprob, rank, decoded_token}} for the
     token itself and the top N, ranks as the offline engine's; echo's own top stays at its
-    logprobs count."""
+    logprobs count (plus the token itself)."""
     model = client.models.list().data[0].id
     ids, offline = offline_scored
     comp = client.completions.create(model=model, prompt=SCORED, max_tokens=1, temperature=0,
@@ -214,7 +216,7 @@ def test_vllm_prompt_logprobs_field_through_the_split(client, frontend, offline_
         assert pos[str(tok)]["decoded_token"] == frontend.token_text(tok)
         assert {str(t) for t, _ in alts} <= set(pos) and len(pos) <= 4
         assert min(e["rank"] for e in pos.values()) == 1  # the top 3 were asked for
-    assert all(len(t) <= 1 for t in choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(t) <= 2 for t in choice["logprobs"]["top_logprobs"][1:])  # top 1 + own
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=1,
                                           temperature=0, extra_body={"prompt_logprobs": 0})
@@ -242,6 +244,13 @@ def test_openai_n_stop_and_logprobs(client):
                                    logprobs=2).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 5
     assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 3 for t in lp.top_logprobs)
+    hot = client.completions.create(model=model, prompt="Hello", max_tokens=12, temperature=1.5,
+                                    seed=3, logprobs=1).choices[0].logprobs
+    # OpenAI's legacy shape: the sampled token is always in its position's top_logprobs,
+    # also where it is not the most likely (up to logprobs + 1 entries)
+    assert all(top[tok] == v for tok, v, top in zip(hot.tokens, hot.token_logprobs,
+                                                     hot.top_logprobs))
+    assert any(len(top) == 2 for top in hot.top_logprobs)
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
