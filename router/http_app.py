@@ -343,6 +343,28 @@ def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> di
             "usage": usage_body(prompt_tokens, deltas)}
 
 
+class _RunningUsage:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so
+    far (prompt tokens of the choice's prompt, completion tokens sent); None otherwise."""
+
+    def __init__(self, parsed: ParsedRequest) -> None:
+        self.parsed = parsed
+        self.sent: collections.Counter[int] = collections.Counter()
+
+    def so_far(self, index: int) -> dict | None:
+        if not self.parsed.continuous_usage:
+            return None
+        prompt = len(self.parsed.prompts[index // self.parsed.params.n])
+        done = self.sent[index]
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def add(self, d: Delta) -> dict | None:
+        self.sent[d.index] += len(d.token_ids)
+        if d.finish_reason and d.completion_tokens:  # the worker's count is the final word
+            self.sent[d.index] = d.completion_tokens
+        return self.so_far(d.index)
+
+
 async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], first: Delta,
                fe) -> AsyncIterator[str]:
     chat = parsed.kind == "chat"
@@ -352,6 +374,7 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
     finals: list[Delta] = []
     tools = parsed.tool_format  # with tools offered: a call parser per choice
     parsers = collections.defaultdict(tools.stream) if tools is not None else None
+    running = _RunningUsage(parsed)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {**head, "choices": choices}
@@ -367,11 +390,13 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                     if delta.index not in seen:
                         seen.add(delta.index)
                         yield chunk([{"index": delta.index, "logprobs": None, "finish_reason": None,
-                                      "delta": {"role": "assistant", "content": ""}}])
+                                      "delta": {"role": "assistant", "content": ""}}],
+                                    running.so_far(delta.index))
                     stream = parsers[delta.index] if parsers is not None else None
                     choice = chat_chunk_choice(delta, fe, parsed.logprobs, stream)
+                    usage = running.add(delta)
                     if choice["delta"] or choice["finish_reason"] or choice["logprobs"]:
-                        yield chunk([choice])  # not while the tool parser holds markup back
+                        yield chunk([choice], usage)  # not while the tool parser holds markup back
                 else:
                     if parsed.echo and delta.index not in seen:
                         seen.add(delta.index)
@@ -380,7 +405,8 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                         delta = without_output(delta)
                     off = offsets.get(delta.index, 0)
                     offsets[delta.index] = off + len(delta.text)
-                    yield chunk([completion_choice(delta, fe, parsed.logprobs, off)])
+                    yield chunk([completion_choice(delta, fe, parsed.logprobs, off)],
+                                running.add(delta))
                 if delta.finish_reason:
                     finals.append(delta)
                 delta = await anext(gen, None)

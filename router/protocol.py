@@ -60,6 +60,8 @@ class ParsedRequest:
     # completions, max_tokens 0 with echo (scoring a prompt: lm-eval's loglikelihood): the
     # engine makes one token, which the response leaves out (responses.py without_output)
     prompt_only: bool = False
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): usage in every chunk
+    continuous_usage: bool = False
     # vLLM's prompt_logprobs field: the top N per prompt token, rendered in vLLM's shape
     prompt_logprobs: int | None = None
     # completions: each prompt as the client wrote it (None: sent as token ids), for echo
@@ -151,10 +153,15 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         raise BadRequest("stream_options: must be an object", param="stream_options")
     if not stream:
         raise BadRequest("stream_options: only allowed when stream is true", param="stream_options")
-    if opts.get("continuous_usage_stats") not in (None, False):
-        raise BadRequest("stream_options.continuous_usage_stats: not supported (usage comes "
-                         "in the last chunk with include_usage)", param="stream_options")
+    _get(opts, "continuous_usage_stats", _BOOL, False)  # its type, checked here
     return stream, _get(opts, "include_usage", _BOOL, False)
+
+
+def _continuous_usage(body: dict, include_usage: bool) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: usage in every chunk, when include_usage
+    is on too (as vLLM reads it)."""
+    return include_usage and bool((body.get("stream_options") or {}).get(
+        "continuous_usage_stats"))
 
 
 def _logprob_count(body: dict, name: str) -> int | None:
@@ -171,6 +178,20 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     if n is not None and stream:
         raise BadRequest("prompt_logprobs: not available with stream", param="prompt_logprobs")
     return n
+
+
+def _truncated(body: dict, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: k keeps each prompt's last k tokens, -1 the last
+    max_model_len; absent, prompts are never cut."""
+    k = _get(body, "truncate_prompt_tokens", _INT)
+    if k is None:
+        return prompts
+    if k == -1:
+        k = max_model_len
+    if not 1 <= k <= max_model_len:
+        raise BadRequest(f"truncate_prompt_tokens: must be -1 or in [1, {max_model_len}] (the "
+                         f"context length), got {k}", param="truncate_prompt_tokens")
+    return [p[-k:] for p in prompts]
 
 
 def _build_params(kw: dict, max_tokens: int) -> SamplingParams:
@@ -193,7 +214,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     # vLLM's sampling and output extensions pdserve does not implement
     "allowed_token_ids": ((None,), "not supported: use logit_bias"),
     "bad_words": ((None, []), "not supported: use logit_bias"),
-    "truncate_prompt_tokens": ((None,), "not supported: prompts are never truncated"),
     "return_tokens_as_token_ids": ((None, False), "not supported"),
     "skip_special_tokens": ((None, True), "not supported: special tokens are always skipped"),
     "spaces_between_special_tokens": ((None, True), "not supported"),
@@ -297,6 +317,10 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
         raise BadRequest("top_logprobs: /v1/completions takes the count as logprobs",
                          param="top_logprobs")
     prompts, texts = _prompts(body, fe)
+    cut = _truncated(body, prompts, fe.max_model_len)
+    # echo shows the prompt the model read: a cut one as its tokens decoded
+    texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]
+    prompts = cut
     kw = _sampling_kwargs(body, fe.config.vocab_size)
     lp = _logprob_count(body, "logprobs")
     if lp is not None:
@@ -323,6 +347,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     params = _build_params(kw, max_tokens)
     return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
                          checks, echo=echo, prompt_only=prompt_only,
+                         continuous_usage=_continuous_usage(body, usage),
                          prompt_logprobs=want_prompt, prompt_texts=texts,
                          request_id=_request_id(body))
 
@@ -391,7 +416,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     _check_default(body, "add_special_tokens", False, "the chat template writes them")
     tools = parse_tools(body)
     fmt = fe.tool_format()
-    ids = chat_prompt_ids(body, fe, tools, fmt)
+    [ids] = _truncated(body, [chat_prompt_ids(body, fe, tools, fmt)], fe.max_model_len)
     kw = _sampling_kwargs(body, fe.config.vocab_size)
     kw["structured"], checks = output_constraint(body, tools, fmt)
     want = _get(body, "logprobs", _BOOL, False)
@@ -419,4 +444,5 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
                                   named=tools.named) \
         if tools is not None and tools.choice != "none" else None
     return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing,
-                         prompt_logprobs=want_prompt, request_id=_request_id(body))
+                         prompt_logprobs=want_prompt, request_id=_request_id(body),
+                         continuous_usage=_continuous_usage(body, usage))

@@ -147,6 +147,51 @@ def test_streaming_completion_ends_with_done_and_usage(cluster, frontend):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
 
 
+def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(cluster):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage
+    counts its choice's tokens so far (n = 2: per choice); the last chunk still sums all."""
+    _, _, client = cluster
+    body = {"prompt": "Hello there", "max_tokens": 4, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r)
+    per_choice: dict[int, list[int]] = {0: [], 1: []}
+    for e in events[:-2]:
+        u = e["usage"]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] > 0
+        per_choice[e["choices"][0]["index"]].append(u["completion_tokens"])
+    assert all(c == sorted(c) and c[-1] == 4 for c in per_choice.values()), per_choice
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client.stream("POST", "/v1/chat/completions", json=chat) as r:
+        events = sse_events(r)
+    assert events[0]["usage"]["completion_tokens"] == 0  # the role chunk
+    assert events[-3]["usage"]["completion_tokens"] == 3
+    body["stream_options"] = {"continuous_usage_stats": True}  # without include_usage: none
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert all("usage" not in e for e in sse_events(r)[:-1])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(cluster, frontend):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what the model reads
+    (usage counts them; echo shows them); -1 keeps up to the context length."""
+    _, _, client = cluster
+    prompt = "one two three four five six seven eight"
+    ids = frontend.encode_prompt(prompt)
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "echo": True,
+                                             "truncate_prompt_tokens": 3}).json()
+    assert r["usage"]["prompt_tokens"] == 3
+    assert r["choices"][0]["text"].startswith(frontend.tokenizer.decode(ids[-3:]))
+    whole = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                                 "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 1,
+        "truncate_prompt_tokens": 4}).json()
+    assert chat["usage"]["prompt_tokens"] == 4
+
+
 def test_chat_stream_role_first_then_content(cluster):
     _, _, client = cluster
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
@@ -292,7 +337,8 @@ BAD = [
         ("use_beam_search", True), ("include_stop_str_in_output", True),
         ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
         ("guided_grammar", "root ::= 'a'"), ("best_of", 3),
-        ("allowed_token_ids", [28]), ("bad_words", [" 5"]), ("truncate_prompt_tokens", 2),
+        ("allowed_token_ids", [28]), ("bad_words", [" 5"]), ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 10 ** 9),
         ("return_tokens_as_token_ids", True), ("skip_special_tokens", False),
         ("spaces_between_special_tokens", False), ("length_penalty", 0.5), ("priority", 1),
         ("cache_salt", "tenant-a"), ("return_token_ids", True), ("request_id", "a b"),
@@ -300,8 +346,8 @@ BAD = [
         ("kv_transfer_params", {"do_remote_decode": True}), ("add_special_tokens", "no"),
         ("top_logprobs", 2))],
     ("/v1/completions", {"prompt": "hi", "stream": True,
-                         "stream_options": {"continuous_usage_stats": True}}, 400,
-     "stream_options"),
+                         "stream_options": {"continuous_usage_stats": "yes"}}, 400,
+     "continuous_usage_stats"),
     *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], name: value},
        400, name) for name, value in (
         ("chat_template", "{{ messages }}"), ("functions", [{"name": "f"}]),
