@@ -321,11 +321,26 @@ def _echoed(parsed: ParsedRequest, d: Delta, fe) -> Delta:
     return echoed(d, parsed.prompts[i], fe, top, parsed.prompt_texts[i])
 
 
+class _TokenIds:
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (what a client
+    can map back without a tokenizer, where a token's text is not unique or not UTF-8)."""
+
+    @staticmethod
+    def token_text(token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+def _names(parsed: ParsedRequest, fe):
+    """What names the tokens of logprobs: the tokenizer's text, or their ids."""
+    return _TokenIds() if parsed.tokens_as_ids else fe
+
+
 def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> dict:
+    names = _names(parsed, fe)
     top = parsed.prompt_logprobs  # vLLM's field: per choice (completions) or per response
     extra: dict = {}
     if parsed.kind == "chat":
-        choices = [chat_choice(d, fe, parsed.logprobs, parsed.tool_format) for d in deltas]
+        choices = [chat_choice(d, names, parsed.logprobs, parsed.tool_format) for d in deltas]
         obj = "chat.completion"
         if top is not None:
             extra["prompt_logprobs"] = vllm_prompt_logprobs(
@@ -333,7 +348,7 @@ def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> di
     else:
         if parsed.echo:
             deltas = [_echoed(parsed, d, fe) for d in deltas]
-        choices = [completion_choice(d, fe, parsed.logprobs) for d in deltas]
+        choices = [completion_choice(d, names, parsed.logprobs) for d in deltas]
         if top is not None:
             for choice, d in zip(choices, deltas):
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(d.prompt_logprobs, top, fe)
@@ -375,6 +390,7 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
     tools = parsed.tool_format  # with tools offered: a call parser per choice
     parsers = collections.defaultdict(tools.stream) if tools is not None else None
     running = _RunningUsage(parsed)
+    names = _names(parsed, fe)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {**head, "choices": choices}
@@ -393,7 +409,7 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                                       "delta": {"role": "assistant", "content": ""}}],
                                     running.so_far(delta.index))
                     stream = parsers[delta.index] if parsers is not None else None
-                    choice = chat_chunk_choice(delta, fe, parsed.logprobs, stream)
+                    choice = chat_chunk_choice(delta, names, parsed.logprobs, stream)
                     usage = running.add(delta)
                     if choice["delta"] or choice["finish_reason"] or choice["logprobs"]:
                         yield chunk([choice], usage)  # not while the tool parser holds markup back
@@ -405,7 +421,7 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                         delta = without_output(delta)
                     off = offsets.get(delta.index, 0)
                     offsets[delta.index] = off + len(delta.text)
-                    yield chunk([completion_choice(delta, fe, parsed.logprobs, off)],
+                    yield chunk([completion_choice(delta, names, parsed.logprobs, off)],
                                 running.add(delta))
                 if delta.finish_reason:
                     finals.append(delta)

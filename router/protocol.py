@@ -62,6 +62,7 @@ class ParsedRequest:
     prompt_only: bool = False
     # vLLM's stream_options.continuous_usage_stats (with include_usage): usage in every chunk
     continuous_usage: bool = False
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' "token_id:N"
     # vLLM's prompt_logprobs field: the top N per prompt token, rendered in vLLM's shape
     prompt_logprobs: int | None = None
     # completions: each prompt as the client wrote it (None: sent as token ids), for echo
@@ -214,7 +215,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     # vLLM's sampling and output extensions pdserve does not implement
     "allowed_token_ids": ((None,), "not supported: use logit_bias"),
     "bad_words": ((None, []), "not supported: use logit_bias"),
-    "return_tokens_as_token_ids": ((None, False), "not supported"),
     "skip_special_tokens": ((None, True), "not supported: special tokens are always skipped"),
     "spaces_between_special_tokens": ((None, True), "not supported"),
     "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),
@@ -348,6 +348,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
                          checks, echo=echo, prompt_only=prompt_only,
                          continuous_usage=_continuous_usage(body, usage),
+                         tokens_as_ids=_get(body, "return_tokens_as_token_ids", _BOOL, False),
                          prompt_logprobs=want_prompt, prompt_texts=texts,
                          request_id=_request_id(body))
 
@@ -445,4 +446,5 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
         if tools is not None and tools.choice != "none" else None
     return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing,
                          prompt_logprobs=want_prompt, request_id=_request_id(body),
-                         continuous_usage=_continuous_usage(body, usage))
+                         continuous_usage=_continuous_usage(body, usage),
+                         tokens_as_ids=_get(body, "return_tokens_as_token_ids", _BOOL, False))

@@ -173,6 +173,30 @@ def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(cluster):
         assert all("usage" not in e for e in sse_events(r)[:-1])
 
 
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(cluster, frontend):
+    """vLLM's return_tokens_as_token_ids: logprobs' tokens (and top keys) read "token_id:N",
+    in completions and chat, whole and streamed; the text itself is unchanged."""
+    _, _, client = cluster
+    body = {"prompt": "Hello there", "max_tokens": 3, "logprobs": 1,
+            "return_tokens_as_token_ids": True}
+    r = client.post("/v1/completions", json=body).json()
+    last = frontend.encode_prompt("Hello there")[-1]
+    want = [f"token_id:{last + 1 + i}" for i in range(3)]
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == want and r["choices"][0]["text"] == expected_text(
+        frontend, "Hello there", 3)
+    assert all(set(top) == {tok} for tok, top in zip(want, lp["top_logprobs"]))
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        streamed = [t for e in sse_events(s)[:-1] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == want
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert all(c["token"].startswith("token_id:") and
+               c["bytes"] == list(c["token"].encode()) for c in content)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_k(cluster, frontend):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what the model reads
     (usage counts them; echo shows them); -1 keeps up to the context length."""
@@ -339,7 +363,7 @@ BAD = [
         ("guided_grammar", "root ::= 'a'"), ("best_of", 3),
         ("allowed_token_ids", [28]), ("bad_words", [" 5"]), ("truncate_prompt_tokens", 0),
         ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 10 ** 9),
-        ("return_tokens_as_token_ids", True), ("skip_special_tokens", False),
+        ("return_tokens_as_token_ids", "yes"), ("skip_special_tokens", False),
         ("spaces_between_special_tokens", False), ("length_penalty", 0.5), ("priority", 1),
         ("cache_salt", "tenant-a"), ("return_token_ids", True), ("request_id", "a b"),
         ("request_id", 7), ("logits_processors", ["x"]),
