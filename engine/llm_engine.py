@@ -400,7 +400,9 @@ class LLMEngine:
 
     def _new_detok(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                      min_tokens=params.min_tokens)
+                                      skip_special_tokens=params.skip_special_tokens,
+                                      min_tokens=params.min_tokens,
+                                      include_stop=params.include_stop_str_in_output)
 
     def generate_until_done(self, deadline_s: float = 3600.0) -> list[RequestOutput]:
         """Run steps until every queued request finished (offline use)."""

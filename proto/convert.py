@@ -12,7 +12,9 @@ _OPTIONAL = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed"
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                            ignore_eos=p.ignore_eos, transfer_failure_policy=p.transfer_failure_policy)
+                            ignore_eos=p.ignore_eos, transfer_failure_policy=p.transfer_failure_policy,
+                            keep_special_tokens=not p.skip_special_tokens,
+                            include_stop_str_in_output=p.include_stop_str_in_output)
     for name in _OPTIONAL:
         value = getattr(p, name)
         if value is not None:
@@ -60,6 +62,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["structured"] = structured_from_proto(msg.structured_output)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos,
+                          skip_special_tokens=not msg.keep_special_tokens,
+                          include_stop_str_in_output=msg.include_stop_str_in_output,
                           transfer_failure_policy=msg.transfer_failure_policy or "retry",
                           **kwargs)  # type: ignore[arg-type]
 

@@ -247,8 +247,7 @@ class ChoiceRun:
         return res
 
     def _finish_at_prefill(self, res: pb.PrefillResult) -> None:
-        detok = self.core.frontend.detokenizer(self.prompt_ids, self.params.stop,
-                                               self.params.min_tokens)
+        detok = self.core.frontend.detokenizer(self.prompt_ids, self.params)
         text, stop, finish = "", stop_reason_from_proto(res), res.finish_reason
         if detok is not None and stop != res.first_token_id:  # a stop token is not text
             got = detok.add([res.first_token_id])

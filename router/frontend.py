@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core.config import ModelConfig
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer
-from pdserve.engine.core.sampling_params import InvalidRequestError, StructuredOutput
+from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams, StructuredOutput
 from pdserve.engine.model.loader import EMBEDDED_HF_ID, EMBEDDED_MODEL, ModelSource, resolve_model
 from pdserve.engine.model.tokenizer import Tokenizer, TokenizerError
 from pdserve.engine.structured.compiler import GrammarCompiler
@@ -162,11 +162,15 @@ class Frontend:
             return f"<{token_id}>"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str],
-                    min_tokens: int = 0) -> IncrementalDetokenizer | None:
+    def detokenizer(self, prompt_ids: Sequence[int], params: SamplingParams
+                    ) -> IncrementalDetokenizer | None:
+        """The request's detokenizer, as the engine makes it (its text options included)."""
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop, min_tokens=min_tokens)
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
+                                      skip_special_tokens=params.skip_special_tokens,
+                                      min_tokens=params.min_tokens,
+                                      include_stop=params.include_stop_str_in_output)
 
 
 def load_frontend(model: str | None, max_model_len: int | None = None,

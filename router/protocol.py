@@ -136,6 +136,8 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
             raise BadRequest("stop_token_ids: must be a list of integers", param="stop_token_ids")
         kw["stop_token_ids"] = tuple(ids)
     kw["ignore_eos"] = _get(body, "ignore_eos", _BOOL, False)
+    kw["skip_special_tokens"] = _get(body, "skip_special_tokens", _BOOL, True)
+    kw["include_stop_str_in_output"] = _get(body, "include_stop_str_in_output", _BOOL, False)
     bias = _logit_bias(body, vocab_size)
     if bias:
         kw["logit_bias"] = bias
@@ -208,14 +210,12 @@ def _build_params(kw: dict, max_tokens: int) -> SamplingParams:
 _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "suffix": ((None, ""), "not supported"),
     "use_beam_search": ((None, False), "not supported"),
-    "include_stop_str_in_output": ((None, False), "not supported"),
     "chat_template": ((None,), "not supported: the model's own chat template is used"),
     "functions": ((None,), "not supported: use tools"),
     "function_call": ((None,), "not supported: use tool_choice"),
     # vLLM's sampling and output extensions pdserve does not implement
     "allowed_token_ids": ((None,), "not supported: use logit_bias"),
     "bad_words": ((None, []), "not supported: use logit_bias"),
-    "skip_special_tokens": ((None, True), "not supported: special tokens are always skipped"),
     "spaces_between_special_tokens": ((None, True), "not supported"),
     "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),
     "priority": ((None, 0), "not supported: requests are served first come, first served"),

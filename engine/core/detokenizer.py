@@ -41,10 +41,12 @@ class DetokResult:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int],
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         """min_tokens: stop strings are looked for only once this many output tokens were
-        added (vLLM's min_tokens), in the text not yet emitted."""
+        added (vLLM's min_tokens), in the text not yet emitted. include_stop: a matched stop
+        string ends the text (vLLM's include_stop_str_in_output) instead of being cut."""
         self.stop = tuple(stop)
+        self._include_stop = include_stop
         self._min_tokens = min_tokens
         self._count = 0  # output tokens added
         for i, s in enumerate(self.stop):
@@ -122,7 +124,7 @@ class IncrementalDetokenizer:
         hit = self._find_stop(pending)
         if hit is not None:
             index, stop = hit
-            out = pending[:index]
+            out = pending[:index + (len(stop) if self._include_stop else 0)]
             self._held, self.stopped, self.stop_string = "", True, stop
             self.text += out
             return DetokResult(out, True, stop)

@@ -105,6 +105,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     # structured output (a grammar the tokens must match; None = off)
     structured: StructuredOutput | None = None
+    # the output text (vLLM's): special tokens' text dropped (or kept); a matched stop string
+    # cut from the text (or kept as its end)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +172,9 @@ class SamplingParams:
              "transfer_failure_policy", "must be one of retry, recompute, fail")
         need(self.structured is None or isinstance(self.structured, StructuredOutput),
              "structured_outputs", "must be a StructuredOutput")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            need(isinstance(getattr(self, name), bool), name,
+                 f"must be a boolean, got {getattr(self, name)!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids that only the model can bound: logit_bias keys must index its logits

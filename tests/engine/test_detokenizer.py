@@ -139,6 +139,18 @@ def test_stop_string_split_across_tokens_ends_output_without_it(bpe) -> None:
     assert detok.flush() == ""
 
 
+def test_include_stop_keeps_the_stop_string_as_the_end(bpe) -> None:
+    """vLLM's include_stop_str_in_output: the same stop, on the same token, but the text ends
+    with the stop string instead of before it (nothing after it)."""
+    text = "Hello world, I say STOP now and more."
+    ids = bpe.encode(text).ids
+    last = split_point(bpe, ids, text, "STOP")
+    detok = IncrementalDetokenizer(bpe, bpe.encode(PROMPT).ids, ("STOP",), include_stop=True)
+    out = [detok.add([t]) for t in ids[:last + 1]]
+    assert out[-1].stopped and out[-1].stop_string == "STOP"
+    assert emitted(out) == detok.text == "Hello world, I say STOP"
+
+
 def test_stop_string_across_a_word_boundary(bpe) -> None:
     text = "the quick brown fox jumps"
     ids = bpe.encode(text).ids

@@ -21,6 +21,8 @@ def test_sampling_params_round_trip_and_validation() -> None:
     p = SamplingParams(n=2, max_tokens=7, temperature=0.9, top_p=0.8, top_k=5, seed=3,
                        stop=("x",), logprobs=2, transfer_failure_policy="recompute")
     assert params_from_proto(params_to_proto(p)) == p
+    text = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True)
+    assert params_from_proto(params_to_proto(text)) == text  # the output text's options
     with pytest.raises(InvalidRequestError) as e:
         params_from_proto(pb.SamplingParams(top_p=1.5))
     assert e.value.param == "top_p"

@@ -227,7 +227,7 @@ def test_vllm_prompt_logprobs_field_through_the_split(client, frontend, offline_
                for pos in body["prompt_logprobs"][1:])
 
 
-def test_openai_n_stop_and_logprobs(client):
+def test_openai_n_stop_and_logprobs(client, frontend):
     model = client.models.list().data[0].id
     two = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, n=2,
                                     temperature=1.0, seed=3)
@@ -240,6 +240,17 @@ def test_openai_n_stop_and_logprobs(client):
                                     temperature=0, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
     assert cut.stop_reason == stop  # vLLM's field: the stop string that matched
+    kept = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=16,
+                                     temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:full.index(stop) + len(stop)]  # through the split
+    special = 1  # SmolLM2's <|im_start|>: a special token, not an end of output
+    assert frontend.token_text(special) == "<|im_start|>"
+    forced = dict(model=model, prompt="Hi", max_tokens=3, temperature=0,
+                  logit_bias={str(special): 100})
+    assert client.completions.create(**forced).choices[0].text == ""  # skipped by default
+    shown = client.completions.create(**forced, extra_body={"skip_special_tokens": False})
+    assert shown.choices[0].text == "<|im_start|>" * 3  # the prefill's token and decode's
     lp = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0,
                                    logprobs=2).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 5
