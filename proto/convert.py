@@ -23,6 +23,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.logit_bias.update(p.logit_bias)
     if p.structured is not None:  # so does the grammar
         msg.structured_output.CopyFrom(structured_to_proto(p.structured))
+    if p.allowed_token_ids is not None:  # and the allow-list
+        msg.allowed_token_ids.extend(p.allowed_token_ids)
     return msg
 
 
@@ -60,6 +62,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["logit_bias"] = {int(t): float(f"{b:.6g}") for t, b in msg.logit_bias.items()}
     if msg.HasField("structured_output"):
         kwargs["structured"] = structured_from_proto(msg.structured_output)
+    if msg.allowed_token_ids:
+        kwargs["allowed_token_ids"] = tuple(msg.allowed_token_ids)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos,
                           skip_special_tokens=not msg.keep_special_tokens,

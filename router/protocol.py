@@ -141,6 +141,17 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
     bias = _logit_bias(body, vocab_size)
     if bias:
         kw["logit_bias"] = bias
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:  # vLLM's: only these ids may be sampled
+        if not isinstance(allowed, list) or any(isinstance(t, bool) or not isinstance(t, int)
+                                                for t in allowed):
+            raise BadRequest("allowed_token_ids: must be a list of token ids",
+                             param="allowed_token_ids")
+        bad = [t for t in allowed if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab_size})", param="allowed_token_ids")
+        kw["allowed_token_ids"] = tuple(allowed)
     policy = _get(body, "transfer_failure_policy", _STR)
     if policy is not None:
         kw["transfer_failure_policy"] = policy
@@ -214,7 +225,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "functions": ((None,), "not supported: use tools"),
     "function_call": ((None,), "not supported: use tool_choice"),
     # vLLM's sampling and output extensions pdserve does not implement
-    "allowed_token_ids": ((None,), "not supported: use logit_bias"),
     "bad_words": ((None, []), "not supported: use logit_bias"),
     "spaces_between_special_tokens": ((None, True), "not supported"),
     "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),

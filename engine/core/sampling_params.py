@@ -109,6 +109,8 @@ class SamplingParams:
     # cut from the text (or kept as its end)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's allowed_token_ids: only these ids may be sampled (None = all)
+    allowed_token_ids: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +119,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         if type(self.top_k) is int and self.top_k == 0:  # vLLM's other "off"
             object.__setattr__(self, "top_k", -1)
@@ -172,6 +176,10 @@ class SamplingParams:
              "transfer_failure_policy", "must be one of retry, recompute, fail")
         need(self.structured is None or isinstance(self.structured, StructuredOutput),
              "structured_outputs", "must be a StructuredOutput")
+        allowed = self.allowed_token_ids
+        need(allowed is None or (len(allowed) > 0 and all(
+            is_int(t) and 0 <= t <= UINT32_MAX for t in allowed)), "allowed_token_ids",
+             f"must be a non-empty list of token ids in [0, {UINT32_MAX}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             need(isinstance(getattr(self, name), bool), name,
                  f"must be a boolean, got {getattr(self, name)!r}")
@@ -179,10 +187,12 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids that only the model can bound: logit_bias keys must index its logits
         (an id past the row would fail the sampler's indexing, on CUDA with a device assert)."""
-        bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
-        if bad:
-            raise InvalidRequestError(
-                "logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                raise InvalidRequestError(
+                    name, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -196,6 +206,10 @@ class SamplingParams:
     @property
     def has_logit_bias(self) -> bool:
         return bool(self.logit_bias)
+
+    @property
+    def has_allowed(self) -> bool:
+        return self.allowed_token_ids is not None
 
     @property
     def has_grammar(self) -> bool:

@@ -76,6 +76,7 @@ class SamplerState:
     bias_values: torch.Tensor | None = None  # [E] float32: their biases, in the same order
     # [K] int64: EOS and stop_token_ids, banned while the output is shorter than min_tokens
     min_tokens_ban: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None  # [V] bool: allowed_token_ids (None: all)
     num_observed: int = 0  # output tokens seen by observe(); must track the request
     grammar: GrammarState | None = None  # structured output: the matcher, at the output's end
 
@@ -142,6 +143,10 @@ class Sampler:
             ids, values = zip(*params.logit_bias.items())
             state.bias_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             state.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+        if params.has_allowed:
+            params.check_vocab(vocab_size)
+            state.allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            state.allowed[to_device(params.allowed_token_ids, torch.int64, device)] = True
         if params.min_tokens > len(request.output_token_ids):
             eos = () if params.ignore_eos else self.eos_token_ids
             banned = sorted({t for t in (*eos, *params.stop_token_ids) if t < vocab_size})
@@ -209,8 +214,9 @@ class Sampler:
         bias_rows = [i for i, p in enumerate(params) if p.has_logit_bias]
         ban_rows = [i for i, r in enumerate(requests)
                     if len(r.output_token_ids) < r.sampling_params.min_tokens]
+        allow_rows = [i for i, p in enumerate(params) if p.has_allowed]
         greedy = [p.temperature < SAMPLING_EPS for p in params]
-        if not pen_rows and not bias_rows and not ban_rows and all(greedy):
+        if not pen_rows and not bias_rows and not ban_rows and not allow_rows and all(greedy):
             # argmax alone: no float copy of [B, V] (bf16 is fine), but never past the mask
             return logits if bitmask is None else apply_bitmask(logits, bitmask)
         out = logits.float()
@@ -218,6 +224,8 @@ class Sampler:
             out = self._penalise(out, params, states, pen_rows)
         if bias_rows:  # after the penalties, before temperature (module docstring)
             out = self._add_bias(out, states, bias_rows)
+        if allow_rows:  # after the bias: +100 cannot lift a token off the allow-list
+            out = self._allow(out, states, allow_rows)
         if ban_rows:  # after the bias: +100 cannot lift a banned EOS
             out = self._ban(out, states, ban_rows)
         if bitmask is not None:  # after the bias: +100 cannot lift a forbidden token
@@ -280,6 +288,21 @@ class Sampler:
         row_of, ids = _entries([states[i].min_tokens_ban for i in rows], rows, "min_tokens",
                                logits.device)
         return logits.index_put((row_of, ids), torch.tensor(float("-inf"), device=logits.device))
+
+    @staticmethod
+    def _allow(logits: torch.Tensor, states: Sequence[SamplerState],
+               rows: list[int]) -> torch.Tensor:
+        """logits [B, V] with every token off each listed row's allowed_token_ids at -inf
+        (out of place, as _add_bias)."""
+        for i in rows:
+            if states[i].allowed is None:
+                raise ValueError(f"states[{i}]: request has allowed_token_ids but its state "
+                                 "was made without them (create it with Sampler.new_state)")
+        idx = to_device(rows, torch.int64, logits.device)
+        keep = torch.stack([states[i].allowed for i in rows])  # [R, V]
+        out = logits.clone()
+        out[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+        return out
 
     def _noise(self, requests: Sequence[Request], states: Sequence[SamplerState],
                rows: list[int], logits: torch.Tensor) -> torch.Tensor:

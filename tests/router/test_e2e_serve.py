@@ -251,6 +251,10 @@ def test_openai_n_stop_and_logprobs(client, frontend):
     assert client.completions.create(**forced).choices[0].text == ""  # skipped by default
     shown = client.completions.create(**forced, extra_body={"skip_special_tokens": False})
     assert shown.choices[0].text == "<|im_start|>" * 3  # the prefill's token and decode's
+    listed = client.completions.create(  # vLLM's allow-list, on both halves of the split
+        model=model, prompt="Hi", max_tokens=6, temperature=1.0, seed=2, logprobs=0,
+        extra_body={"allowed_token_ids": [28, 29, 30], "return_tokens_as_token_ids": True})
+    assert {t for t in listed.choices[0].logprobs.tokens} <= {f"token_id:{i}" for i in (28, 29, 30)}
     lp = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0,
                                    logprobs=2).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 5
