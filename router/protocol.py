@@ -142,15 +142,10 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
     if bias:
         kw["logit_bias"] = bias
     allowed = body.get("allowed_token_ids")
-    if allowed is not None:  # vLLM's: only these ids may be sampled
-        if not isinstance(allowed, list) or any(isinstance(t, bool) or not isinstance(t, int)
-                                                for t in allowed):
+    if allowed is not None:  # vLLM's: only these ids may be sampled (ids: SamplingParams')
+        if not isinstance(allowed, list):
             raise BadRequest("allowed_token_ids: must be a list of token ids",
                              param="allowed_token_ids")
-        bad = [t for t in allowed if not 0 <= t < vocab_size]
-        if bad:
-            raise BadRequest(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {vocab_size})", param="allowed_token_ids")
         kw["allowed_token_ids"] = tuple(allowed)
     policy = _get(body, "transfer_failure_policy", _STR)
     if policy is not None:
@@ -158,24 +153,20 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
     return kw
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
+def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage): vLLM's continuous_usage_stats counts only
+    with include_usage, as vLLM reads it."""
     stream = _get(body, "stream", _BOOL, False)
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(opts, dict):
         raise BadRequest("stream_options: must be an object", param="stream_options")
     if not stream:
         raise BadRequest("stream_options: only allowed when stream is true", param="stream_options")
-    _get(opts, "continuous_usage_stats", _BOOL, False)  # its type, checked here
-    return stream, _get(opts, "include_usage", _BOOL, False)
-
-
-def _continuous_usage(body: dict, include_usage: bool) -> bool:
-    """vLLM's stream_options.continuous_usage_stats: usage in every chunk, when include_usage
-    is on too (as vLLM reads it)."""
-    return include_usage and bool((body.get("stream_options") or {}).get(
-        "continuous_usage_stats"))
+    usage = _get(opts, "include_usage", _BOOL, False)
+    continuous = _get(opts, "continuous_usage_stats", _BOOL, False)
+    return stream, usage, usage and continuous
 
 
 def _logprob_count(body: dict, name: str) -> int | None:
@@ -208,9 +199,11 @@ def _truncated(body: dict, prompts: list[list[int]], max_model_len: int) -> list
     return [p[-k:] for p in prompts]
 
 
-def _build_params(kw: dict, max_tokens: int) -> SamplingParams:
+def _build_params(kw: dict, max_tokens: int, vocab_size: int) -> SamplingParams:
     try:
-        return SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+        params = SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+        params.check_vocab(vocab_size)  # allowed_token_ids (logit_bias: _logit_bias did)
+        return params
     except InvalidRequestError as e:
         raise BadRequest.from_invalid(e) from e
 
@@ -336,7 +329,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     if lp is not None:
         kw["logprobs"] = lp
     echo = _get(body, "echo", _BOOL, False)
-    stream, usage = _stream_flags(body)
+    stream, usage, continuous = _stream_flags(body)
     want_prompt = _prompt_logprobs(body, stream)
     # echo with logprobs: the prompt's logprobs lead the choice's (lm-eval's scoring)
     tops = [n for n in (lp if echo else None, want_prompt) if n is not None]
@@ -354,10 +347,10 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     if body.get("tools"):
         raise BadRequest("tools: only /v1/chat/completions takes tools", param="tools")
     kw["structured"], checks = output_constraint(body)  # response_format, structured_outputs
-    params = _build_params(kw, max_tokens)
+    params = _build_params(kw, max_tokens, fe.config.vocab_size)
     return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
                          checks, echo=echo, prompt_only=prompt_only,
-                         continuous_usage=_continuous_usage(body, usage),
+                         continuous_usage=continuous,
                          tokens_as_ids=_get(body, "return_tokens_as_token_ids", _BOOL, False),
                          prompt_logprobs=want_prompt, prompt_texts=texts,
                          request_id=_request_id(body))
@@ -439,7 +432,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
                          param="top_logprobs")
     if want:
         kw["logprobs"] = top or 0
-    stream, usage = _stream_flags(body)
+    stream, usage, continuous = _stream_flags(body)
     want_prompt = _prompt_logprobs(body, stream)
     if want_prompt is not None:
         kw["prompt_logprobs"] = want_prompt
@@ -448,7 +441,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
         max_tokens = _get(body, "max_tokens", _INT)
     if max_tokens is None:
         max_tokens = default_max_tokens(len(ids))
-    params = _build_params(kw, max_tokens)
+    params = _build_params(kw, max_tokens, fe.config.vocab_size)
     # how this request's calls are read: one only without parallel_tool_calls; under a
     # forced tool_choice, call markup cut by max_tokens is never turned into content
     parsing = dataclasses.replace(fmt, single=not tools.parallel, forced=tools.forced,
@@ -456,5 +449,5 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
         if tools is not None and tools.choice != "none" else None
     return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing,
                          prompt_logprobs=want_prompt, request_id=_request_id(body),
-                         continuous_usage=_continuous_usage(body, usage),
+                         continuous_usage=continuous,
                          tokens_as_ids=_get(body, "return_tokens_as_token_ids", _BOOL, False))

@@ -58,9 +58,9 @@ def check_tp_serving_args(args: EngineArgs) -> None:
     and tp_cuda_graphs (serving TP workers run eagerly). MTP speculation runs there as in the
     offline engine (rank 0's engine leads the drafting passes over its MTP head shard, each
     follower rank runs them over its own; the MTP layer's KV travels between workers in the
-    same blocks as the target's). Kept
-    apart so that a serving-only limit has one place: worker/tp_worker.py launch_tp_worker
-    and `pdserve serve`'s flag check (router/cli.py check_tp) call it."""
+    same blocks as the target's). Kept apart so that a serving-only limit has one place:
+    worker/tp_worker.py launch_tp_worker and `pdserve serve`'s flag check (router/cli.py
+    check_tp) call it."""
     check_tp_args(args)
     if args.tp_cuda_graphs and args.tensor_parallel_size > 1:
         raise ConfigError("tp_cuda_graphs: serving TP workers run eagerly (CUDA graphs at "

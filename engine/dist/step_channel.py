@@ -88,27 +88,21 @@ class StepChannel:
                         sel.register(conn, selectors.EVENT_READ)
                         continue
                     conn = key.fileobj
-                    buf = pending[conn][0]
-                    try:
-                        chunk = conn.recv(_TOKEN + 8 - len(buf))
-                    except OSError:
-                        chunk = b""
-                    buf += chunk
-                    rank = _rank_of(buf, token, self.size) if len(buf) == _TOKEN + 8 else 0
-                    if chunk and rank == 0:
+                    done, rank = _read_hello(conn, pending[conn][0], token, self.size)
+                    if not done:
                         continue  # more of the hello to come
                     sel.unregister(conn)
                     del pending[conn]
-                    if rank is None or rank == 0 or rank in peers:
+                    if rank is None or rank in peers:
                         conn.close()
                     else:
                         conn.setblocking(True)
                         peers[rank] = conn
-                for conn, (_, since) in list(pending.items()):
-                    if time.monotonic() - since > HELLO_S:  # said nothing in time
-                        sel.unregister(conn)
-                        del pending[conn]
-                        conn.close()
+                for conn in [c for c, (_, since) in pending.items()
+                             if time.monotonic() - since > HELLO_S]:  # said nothing in time
+                    sel.unregister(conn)
+                    del pending[conn]
+                    conn.close()
         except BaseException:
             for c in [*peers.values(), *pending]:
                 c.close()
@@ -158,6 +152,20 @@ class StepChannel:
             except OSError:
                 pass
         self._peers, self._sock = [], None
+
+
+def _read_hello(conn: socket.socket, buf: bytearray, token: bytes, size: int
+                ) -> tuple[bool, int | None]:
+    """Read what a pending connection sent of its hello into buf: (done, rank); done with
+    rank None when it closed, lacked the token or named no follower."""
+    try:
+        chunk = conn.recv(_TOKEN + 8 - len(buf))
+    except OSError:
+        return True, None
+    if not chunk:
+        return True, None
+    buf += chunk
+    return (True, _rank_of(buf, token, size)) if len(buf) == _TOKEN + 8 else (False, None)
 
 
 def _rank_of(hello: bytearray, token: bytes, size: int) -> int | None:

@@ -119,15 +119,16 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run_host(self, batch: HostBatch, keep_prenorm: bool = False,
-                 input_ids: torch.Tensor | None = None
+                 input_ids: torch.Tensor | None = None, bucket: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Replay the bucket's graph for this step: (hidden, prenorm) [T, H] views of the
         graph's outputs (valid until the next replay; keep_prenorm returns a copy of prenorm,
         for MTP drafting, which keeps it), or None when the step must run eagerly.
         input_ids on the device, if given, replace batch.input_ids (overlapped decode: the
         previous step's sampled ids, not yet read by the host): all of them [T], or the last
-        c of each sequence's q [B, c] (an MTP verify: its drafts; the rest come staged)."""
-        bucket = self.fits(batch)
+        c of each sequence's q [B, c] (an MTP verify: its drafts; the rest come staged).
+        bucket: fits(batch), when the caller already asked it."""
+        bucket = self.fits(batch) if bucket is None else bucket
         if bucket is None:
             return None
         if bucket not in self.graphs:  # a bucket not captured up front: capture it now

@@ -230,30 +230,30 @@ class ModelRunner:
         # before any replay; its prenorm is an uncopied view, but run() reads prenorm only
         # for want_hidden, and nothing is launched ahead then
         launched = self.ahead.take(batch) if self.ahead is not None else None
-        graphs = self._step_graphs(out, batch) if launched is None else None
+        graphs, bucket = self._step_graphs(out, batch) if launched is None else (None, None)
         if self.leader is not None:
             self.leader.forward(batch, logits_rows, return_prenorm=True,
                                 verify_rows=verify_rows, launched=launched is not None,
                                 prompt_slices=prompt_slices, graphed=graphs is not None)
         if launched is not None:
             return launched
-        if graphs is not None:  # fits: checked by _step_graphs
-            return graphs.run_host(batch, keep_prenorm=self.spec is not None)
+        if graphs is not None:
+            return graphs.run_host(batch, keep_prenorm=self.spec is not None, bucket=bucket)
         input_ids, positions, meta = batch.to_device(self.device)
         return self.model(input_ids, positions, meta, self.kv_cache, return_prenorm=True)
 
     def _step_graphs(self, out: SchedulerOutput, batch: HostBatch
-                     ) -> DecodeGraphs | VerifyGraphs | None:
-        """The captured graphs that replay this step: the decode graphs for a decode step, a
-        verify step's (every request verifying the same k drafts), if a bucket fits it; None
-        when the step runs eagerly."""
+                     ) -> tuple[DecodeGraphs | VerifyGraphs | None, int | None]:
+        """(graphs, bucket) that replay this step: the decode graphs for a decode step, a
+        verify step's (every request verifying the same k drafts), if a bucket fits it;
+        (None, None) when the step runs eagerly."""
         k = max(batch.query_lens) - 1
         graphs = self.cuda_graphs if k == 0 else self.verify_graphs.get(k)
-        if graphs is None or graphs.fits(batch) is None:
-            return None
-        if k > 0 and not all(len(s.spec_token_ids) == k for s in out.scheduled):
-            return None
-        return graphs
+        if graphs is None or (k > 0 and not all(len(s.spec_token_ids) == k
+                                                for s in out.scheduled)):
+            return None, None
+        bucket = graphs.fits(batch)
+        return (graphs, bucket) if bucket is not None else (None, None)
 
     def _verify_ahead(self, out: SchedulerOutput, verify: list[tuple[ScheduledRequest, int]],
                       hidden: torch.Tensor, result: StepResult, k: int,
@@ -373,15 +373,15 @@ class ModelRunner:
         def hook(ids: torch.Tensor) -> None:
             if catch_up and self.spec.catch_up_on_device(requests, starts, hidden, ids):
                 caught_up.append(True)
-            # with graphs, a batch no bucket fits is not launched ahead (DecodeAhead.launch
-            # would launch nothing, while the followers ran it)
-            fits = ahead is not None and (self.cuda_graphs is None
-                                          or self.cuda_graphs.fits(ahead) is not None)
-            if fits and (caught_up or not catch_up):
-                if self.leader is not None:  # the followers launch it too, with rank 0's ids
-                    self.leader.launch_ahead(ahead, graphed=self.cuda_graphs is not None)
-                    ids = parallel.from_rank0(ids, self.model.tp.group)
-                self.ahead.launch(ahead, ids)
+            if ahead is None or (catch_up and not caught_up):
+                return
+            if self.leader is not None:  # the followers launch it too, with rank 0's ids
+                graphs = self.cuda_graphs
+                if graphs is not None and graphs.fits(ahead) is None:
+                    return  # DecodeAhead.launch would launch nothing, while they ran it
+                self.leader.launch_ahead(ahead, graphed=graphs is not None)
+                ids = parallel.from_rank0(ids, self.model.tp.group)
+            self.ahead.launch(ahead, ids)
 
         return hook, caught_up
 

@@ -138,13 +138,13 @@ class Sampler:
             if request.output_token_ids:
                 out = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
                 state.output_counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        if params.has_logit_bias:  # on the device once: a step only concatenates them
+        if params.has_logit_bias or params.has_allowed:
             params.check_vocab(vocab_size)  # an id past the row would index out of bounds
+        if params.has_logit_bias:  # on the device once: a step only concatenates them
             ids, values = zip(*params.logit_bias.items())
             state.bias_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             state.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
         if params.has_allowed:
-            params.check_vocab(vocab_size)
             state.allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             state.allowed[to_device(params.allowed_token_ids, torch.int64, device)] = True
         if params.min_tokens > len(request.output_token_ids):
