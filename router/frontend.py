@@ -110,11 +110,16 @@ class Frontend:
         if pool_tokens:
             limits.append((pool_tokens, "the decode workers' KV cache pool"))
         for limit, what in limits:
-            if prompt_len + max_tokens > limit:
-                param = prompt_param if prompt_len >= limit else "max_tokens"
+            if prompt_len >= limit:  # every request runs at least one token past its prompt
                 raise BadRequest(
-                    f"{param}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                    f"{prompt_len + max_tokens} exceeds {what} of {limit} tokens", param=param)
+                    f"{prompt_param}: the prompt's {prompt_len} tokens leave no room in {what} "
+                    f"of {limit} tokens (at most {limit - 1}: one token is generated after the "
+                    f"prompt, even to score it with max_tokens 0)", param=prompt_param)
+            if prompt_len + max_tokens > limit:
+                raise BadRequest(
+                    f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                    f"{prompt_len + max_tokens} exceeds {what} of {limit} tokens",
+                    param="max_tokens")
 
     # -- structured outputs and tools ----------------------------------------------------
     def tool_format(self) -> ToolFormat:

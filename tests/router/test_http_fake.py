@@ -125,6 +125,13 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_alone(cluster, frontend):
     for bad, field in (({"echo": False}, "max_tokens"), ({"min_tokens": 1}, "min_tokens")):
         r = client.post("/v1/completions", json={**body, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # a prompt of the whole context leaves no room for the token scoring runs past it: the
+    # prompt is named, not the max_tokens the router runs it with (1)
+    full = {**body, "prompt": [1] * frontend.max_model_len}
+    r = client.post("/v1/completions", json=full)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt", r.text
+    assert "max_tokens (1)" not in err["message"] and "max_tokens 0" in err["message"]
 
 
 def r2_id(client) -> str:
