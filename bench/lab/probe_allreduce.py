@@ -135,7 +135,7 @@ def _symm(rank: int, port: int, rows: tuple[int, ...]) -> dict:
 def rank_main(rank: int, port: int, port2: int, out_path: str, rows: tuple[int, ...],
               symm: bool, comm: str) -> None:
     torch.cuda.set_device(rank)
-    res = {"nccl": _nccl(rank, port, rows, comm)}
+    res = {"nccl": _nccl(rank, port, rows, comm) if comm != "none" else {}}
     # written after each part: a hang keeps the first
     for part in ("nccl", "symm_mem") if symm else ("nccl",):
         if part == "symm_mem":
@@ -158,9 +158,9 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)),
                     help="hidden rows per all-reduce, comma-separated")
     ap.add_argument("--no-symm", action="store_true", help="NCCL only")
-    ap.add_argument("--comm", choices=("torch", "direct"), default="torch",
-                    help="torch's NCCL process group (the engine's TPGroup) or NCCL called "
-                    "directly (bench/lab/nccl_direct.py)")
+    ap.add_argument("--comm", choices=("torch", "direct", "none"),
+                    default="torch", help="torch's NCCL process group (the engine's TPGroup), "
+                    "NCCL called directly (bench/lab/nccl_direct.py), or none (symm_mem only)")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ports", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

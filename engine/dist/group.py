@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.errors import GroupError
+from pdserve.engine.dist.peer_all_reduce import PeerAllReduce
 from pdserve.engine.dist.step_channel import StepChannel
 
 __all__ = ["GroupError", "TPGroup", "open_store"]
@@ -95,6 +96,7 @@ class TPGroup:
         self.device: dist.ProcessGroup | None = None
         self.control: dist.ProcessGroup | None = None
         self.steps: StepChannel | None = None
+        self.peer: PeerAllReduce | None = None  # graph captures' all-reduce (NCCL only)
         if self.size == 1:
             return
         if store is None:
@@ -120,6 +122,7 @@ class TPGroup:
                 self.device = dist.ProcessGroupNCCL(dist.PrefixStore("device", store),
                                                     self.rank, self.size, opts)
                 self.device.eager_connect_single_device(dev)
+                self.peer = PeerAllReduce.join(cfg, store)
             else:
                 self.device = dist.ProcessGroupGloo(dist.PrefixStore("device", store),
                                                     self.rank, self.size, self.timeout)
@@ -148,9 +151,14 @@ class TPGroup:
                              f"{self.cfg.timeout_s} s deadline): {e}") from e
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place; returns t. On NCCL the collective runs on the current
-        stream (asyncOp False, torch >= 2.8): no side stream to join and no event pair per
-        call, and inside a CUDA graph capture it is one more node of the stream's chain."""
+        """Sum over ranks; returns the sum (t itself, summed in place, or a new tensor).
+        Under a CUDA graph capture: the one-shot peer all-reduce (peer_all_reduce.py), where
+        torch's NCCL group hung and is 2-3x slower. Eager on NCCL: the collective runs on the
+        current stream (asyncOp False, torch >= 2.8): no side stream to join and no event
+        pair per call."""
+        if self.peer is not None and torch.cuda.is_current_stream_capturing() \
+                and self.peer.fits(t):
+            return self.peer.all_reduce(t)
         if self.size > 1:
             opts = dist.AllreduceOptions()
             opts.asyncOp = self.cfg.backend != "nccl"
@@ -179,6 +187,8 @@ class TPGroup:
         instead of at their deadline) and the store connection."""
         if self.steps is not None:
             self.steps.close()
+        if self.peer is not None:
+            self.peer.close()
         for pg in (self.device, self.control):
             # NCCL: abort (ncclCommAbort) rather than a destroy that waits for collectives
             # a dead or departed peer never joins
@@ -190,5 +200,5 @@ class TPGroup:
                     end()
                 except RuntimeError:
                     pass
-        self.device = self.control = self.steps = None
+        self.device = self.control = self.steps = self.peer = None
         self.store = None

@@ -118,7 +118,9 @@ def test_parallel_config_names_the_bad_field() -> None:
     assert ParallelConfig.for_device(2, 0, "tcp://h:1", "cuda:0").backend == "nccl"
     for kw, field in (({"tp_size": 0}, "tensor_parallel_size"), ({"rank": 2}, "rank"),
                       ({"backend": "mpi"}, "backend"), ({"init_address": "h:1"}, "init_address"),
-                      ({"timeout_s": 0}, "timeout_s"), ({"backend": "nccl"}, "backend")):
+                      ({"timeout_s": 0}, "timeout_s"), ({"backend": "nccl"}, "backend"),
+                      ({"peer_all_reduce_bytes": -1}, "peer_all_reduce_bytes"),
+                      ({"peer_all_reduce_bytes": 1.5}, "peer_all_reduce_bytes")):
         args = {"tp_size": 2, "rank": 0, "backend": "gloo", "init_address": "tcp://h:1", **kw}
         with pytest.raises(ConfigError, match=f"^{field}:"):
             ParallelConfig(**args)

@@ -29,11 +29,13 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, tp: int, port: int, timeout_s: float, args: tuple,
-           out: mp.Queue) -> None:
+           out: mp.Queue, cuda: bool) -> None:
     torch.set_num_threads(1)
     select_triton_mode()  # an entry point: kernels interpreted on CPU (the GEMV path)
     try:
-        cfg = ParallelConfig(tp, rank, "gloo", f"tcp://127.0.0.1:{port}", timeout_s)
+        address = f"tcp://127.0.0.1:{port}"
+        cfg = ParallelConfig.for_device(tp, rank, address, f"cuda:{rank}", timeout_s) if cuda \
+            else ParallelConfig(tp, rank, "gloo", address, timeout_s)
         group = TPGroup(cfg)
         try:
             out.put((rank, "ok", fn(group, *args)))
@@ -44,13 +46,14 @@ def _entry(fn: Callable, rank: int, tp: int, port: int, timeout_s: float, args: 
 
 
 def run_ranks(fn: Callable, tp: int, *args: object, timeout_s: float = 20.0,
-              deadline_s: float = 240.0) -> dict[int, object]:
+              deadline_s: float = 240.0, cuda: bool = False) -> dict[int, object]:
     """fn(group, *args) on ranks 0..tp-1 -> {rank: result or ("error", text)}. Every rank
-    reports within deadline_s or the test fails; leftover processes are ended."""
+    reports within deadline_s or the test fails; leftover processes are ended. cuda: rank r
+    on cuda:r with NCCL (ParallelConfig.for_device), else gloo on CPU."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, tp, port, timeout_s, args, out),
+    procs = [ctx.Process(target=_entry, args=(fn, r, tp, port, timeout_s, args, out, cuda),
                          daemon=True) for r in range(tp)]
     for p in procs:
         p.start()

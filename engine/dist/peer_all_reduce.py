@@ -1,0 +1,89 @@
+"""A one-shot all-reduce through peer GPU memory, for the collectives inside CUDA graphs.
+
+Why not NCCL there (measured on two H200s joined by NVLink, bf16 [T, 4096], per all-reduce
+inside a graph of 73; bench/results/allreduce_h200x2_2026-11-29b.json):
+
+    rows   torch's NCCL group         NCCL called directly   this (one-shot, peer memory)
+    1      hung in 3 of 3 probe runs  18.1 us                6.2 us
+    64     (at 64 or 256 rows)        21.4 us                9.5 us
+    256                               36.0 us               18.5 us
+
+A decode step's all-reduces are small (one row per sequence), where NCCL's ring protocol
+pays its fixed cost twice over. One-shot: every rank copies its rows into its own buffer of
+symmetric memory (mapped into every peer's address space), the ranks meet at a barrier of
+device-side signals, and every rank reads all peers' buffers over NVLink and sums. That is
+torch's symmetric-memory kernel (torch.ops.symm_mem.one_shot_all_reduce_copy: the copy,
+the barrier and the sum in one launch), as vLLM and SGLang use peer memory for theirs.
+
+Only graph captures use it (TPGroup.all_reduce). Eager all-reduces stay on NCCL, whose
+watchdog aborts one that a dead peer never joins; the device-side barrier here has no
+deadline, as no collective inside a replayed graph has (docs/tensor_parallel.md).
+
+    peer = PeerAllReduce.join(cfg, store)   # a collective: every rank, at the group's join
+    if peer is not None and peer.fits(x):
+        y = peer.all_reduce(x)               # a new [T, H] tensor, on the current stream
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.dist.config import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+# the activations' dtypes: bf16 (bf16 and FP8 checkpoints), fp16, fp32 (the tests)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class PeerAllReduce:
+    """One rank's symmetric buffers, one of cfg.peer_all_reduce_bytes per dtype (the kernel
+    sums in the input's dtype, so each dtype has its own), and the group they joined."""
+
+    def __init__(self, buffers: dict[torch.dtype, torch.Tensor], group_name: str) -> None:
+        self.buffers = buffers  # dtype -> [n] symmetric: every rank's holds n elements
+        self.group_name = group_name
+
+    @classmethod
+    def join(cls, cfg: ParallelConfig, store: dist.Store) -> PeerAllReduce | None:
+        """Allocate and exchange the buffers (every rank of the group calls this, in step).
+        None, with the reason logged, when this torch or machine cannot map peer memory:
+        graph captures then use NCCL."""
+        if cfg.backend != "nccl" or cfg.tp_size < 2 or cfg.peer_all_reduce_bytes == 0:
+            return None
+        name = f"pdserve-tp:{cfg.init_address}"
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+            from torch._C._distributed_c10d import _SymmetricMemory
+
+            _SymmetricMemory.set_group_info(name, cfg.rank, cfg.tp_size,
+                                            dist.PrefixStore("peer_all_reduce", store))
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018 - this torch has it
+            buffers = {}
+            for dtype in DTYPES:
+                n = cfg.peer_all_reduce_bytes // dtype.itemsize
+                buffers[dtype] = symm_mem.empty(n, dtype=dtype, device=cfg.device)
+                symm_mem.rendezvous(buffers[dtype], name)
+        except (ImportError, AttributeError, RuntimeError) as e:
+            log.warning("rank %d: no peer-memory all-reduce (%s: %s); CUDA graphs at TP use "
+                        "NCCL", cfg.rank, type(e).__name__, e)
+            return None
+        return cls(buffers, name)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """x is contiguous, of a dtype with a buffer, and no larger than that buffer."""
+        buffer = self.buffers.get(x.dtype)
+        return buffer is not None and x.is_contiguous() and x.numel() <= buffer.numel()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x [T, H], as a new tensor (x is left as it was). One
+        kernel: x into this rank's buffer, the barrier, the sum of every rank's buffer."""
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+            self.buffers[x.dtype][:x.numel()], x.view(-1), "sum", self.group_name, out.view(-1))
+        return out
+
+    def close(self) -> None:
+        self.buffers = {}

@@ -1,0 +1,88 @@
+"""The one-shot peer all-reduce that CUDA graph captures use at TP > 1
+(engine/dist/peer_all_reduce.py), on two GPUs through the real TPGroup: inside one captured
+graph of several all-reduces, each with its own data, every sum is right on both ranks,
+replay after replay with new inputs (a buffer reused before a peer finished reading it would
+show here); outside a capture the all-reduce stays NCCL's (in place); what has no buffer (a
+dtype, a size) is left to NCCL. Needs 2 CUDA devices."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.dist.group import TPGroup
+
+from tests.dist.tp_harness import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+CALLS = 9  # all-reduces per graph (a decode step has 2 per layer)
+
+
+def _fill(xs: list[torch.Tensor], rank: int, replay: int) -> None:
+    """x_i = (rank + 1) * c_i + pattern: small integers, exact in bf16."""
+    for i, x in enumerate(xs):
+        pattern = torch.arange(x.numel(), device=x.device).remainder(7).view_as(x)
+        x.copy_((rank + 1) * (i + 1 + 10 * replay) + pattern)
+
+
+def _expected(x: torch.Tensor, i: int, replay: int, size: int) -> torch.Tensor:
+    pattern = torch.arange(x.numel(), device=x.device).remainder(7).view_as(x)
+    ranks_sum = size * (size + 1) // 2
+    return (ranks_sum * (i + 1 + 10 * replay) + size * pattern).to(x.dtype)
+
+
+def _graph_sums(group: TPGroup, rows: int, dtype: torch.dtype) -> dict:
+    dev = torch.device(group.cfg.device)
+    xs = [torch.empty(rows, 96, dtype=dtype, device=dev) for _ in range(CALLS)]
+    _fill(xs, group.rank, 0)
+    eager = group.all_reduce(xs[0])
+    torch.cuda.synchronize(dev)
+    out = {"peer": group.peer is not None, "eager_in_place": eager is xs[0],
+           "eager_right": bool((eager == _expected(xs[0], 0, 0, group.size)).all())}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sums = [group.all_reduce(x) for x in xs]
+    wrong = []
+    for replay in range(1, 4):
+        _fill(xs, group.rank, replay)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        wrong += [(replay, i) for i, (x, s) in enumerate(zip(xs, sums))
+                  if not (s == _expected(x, i, replay, group.size)).all()]
+    out["wrong"] = wrong
+    out["captured_not_in_place"] = all(s is not x for s, x in zip(sums, xs))
+    del graph
+    return out
+
+
+def _fits(group: TPGroup) -> dict:
+    dev = torch.device(group.cfg.device)
+    peer = group.peer
+    n = peer.buffers[torch.bfloat16].numel()
+    return {"bf16_fits": peer.fits(torch.empty(n, dtype=torch.bfloat16, device=dev)),
+            "too_big": peer.fits(torch.empty(n + 1, dtype=torch.bfloat16, device=dev)),
+            "float64": peer.fits(torch.empty(4, dtype=torch.float64, device=dev))}
+
+
+def _check(results: dict) -> list[dict]:
+    errors = [v for v in results.values() if isinstance(v, tuple) and v[0] == "error"]
+    assert not errors, errors
+    return [results[r] for r in sorted(results)]
+
+
+@pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (37, torch.bfloat16),
+                                        (256, torch.bfloat16), (5, torch.float32)])
+def test_graph_all_reduces_sum_right_on_every_replay(rows: int, dtype: torch.dtype) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    for res in _check(run_ranks(_graph_sums, 2, rows, dtype, timeout_s=60, cuda=True)):
+        assert res["peer"], "the group joined no peer all-reduce (see the rank's warning)"
+        assert res["eager_in_place"] and res["eager_right"], res
+        assert res["wrong"] == [] and res["captured_not_in_place"], res
+
+
+def test_what_has_no_buffer_is_left_to_nccl() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    for res in _check(run_ranks(_fits, 2, timeout_s=60, cuda=True)):
+        assert res == {"bf16_fits": True, "too_big": False, "float64": False}
