@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
                             if argv is None else ["bench.lab.bench_tp"] + argv),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": _versions(), "plan": dataclasses.asdict(plan),
-        "collective_backend": "nccl (forward), gloo (step messages)" if cuda else "gloo",
+        "collective_backend": "nccl (eager forward), one-shot peer memory (inside CUDA graphs), "
+                              "TCP streams (step messages)" if cuda else "gloo",
         "engine_features_at_tp_gt_1": tp_features(plan.preset, max(2, *args.tp)),
         "roofline": ROOFLINE, "runs": {}}
 

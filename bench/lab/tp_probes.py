@@ -1,7 +1,7 @@
 """bench_tp's step profiling: torch.profiler on rank 0 over a few decode steps, each step and
 decoder layer marked by a record_function range (RANGES), and the events sorted into
-collectives (NCCL kernels on GPU, gloo ops on CPU), step messages and kernels per step and
-per layer (analyze)."""
+collectives (NCCL and peer all-reduce kernels on GPU, gloo ops on CPU), step messages and
+kernels per step and per layer (analyze)."""
 from __future__ import annotations
 
 import bisect
@@ -115,7 +115,9 @@ def analyze(events, num_layers: int, device: str) -> dict:
     layers = [e for e in cpu if e.name == "tp_layer"]
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in RANGES
                and not e.name.startswith(("Memcpy", "Memset"))]
-    nccl = [k for k in kernels if "nccl" in k.name.lower()]
+    # NCCL's kernels, and the one-shot peer all-reduce's inside graphs (engine/dist/
+    # peer_all_reduce.py: torch's symmetric-memory one_shot_all_reduce_kernel)
+    nccl = [k for k in kernels if "nccl" in k.name.lower() or "all_reduce" in k.name.lower()]
     ops = [e for e in cpu if e.name.startswith(("gloo:", "nccl:"))]
     coll_ops = [e for e in ops if "broadcast" not in e.name]  # the forward's collectives
     control = [e for e in cpu if e.name == STEP_MESSAGE]  # lockstep messages (step channel)

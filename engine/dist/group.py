@@ -122,7 +122,7 @@ class TPGroup:
                 self.device = dist.ProcessGroupNCCL(dist.PrefixStore("device", store),
                                                     self.rank, self.size, opts)
                 self.device.eager_connect_single_device(dev)
-                self.peer = PeerAllReduce.join(cfg, store)
+                self.peer = self._peer(cfg, store)
             else:
                 self.device = dist.ProcessGroupGloo(dist.PrefixStore("device", store),
                                                     self.rank, self.size, self.timeout)
@@ -133,14 +133,37 @@ class TPGroup:
                                  cfg.timeout_s)
         self.barrier()  # every rank is in: a rank that never came fails here, in timeout_s
 
+    def _peer(self, cfg: ParallelConfig, store: dist.Store) -> PeerAllReduce | None:
+        """The graph captures' peer all-reduce on every rank, or on none: a rank that could
+        not map peer memory makes every rank capture NCCL (mixed, they would deadlock)."""
+        peer = PeerAllReduce.join(cfg, store, self.device)
+        if self.all_agree(peer is not None):
+            return peer
+        if peer is not None:
+            peer.close()
+        return None
+
     # -- collectives (each waits at most timeout_s) ---------------------------------------
-    def _wait(self, work: dist.Work, what: str, on_device: bool = False) -> None:
+    def all_agree(self, ok: bool) -> bool:
+        """True on every rank when every rank's ok is True (a minimum over the control
+        group, on the host)."""
+        if self.size == 1:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._wait(self.control.allreduce([flag], opts), "all_agree")
+        return bool(flag.item())
+
+    def _wait(self, work: dist.Work | None, what: str, on_device: bool = False) -> None:
         """Wait for `work`. A device collective on NCCL is stream-ordered: wait() makes the
         current stream wait for it and returns at once, so the forward queues on without a
         host round trip per all-reduce and can be captured in a CUDA graph; its deadline is
         the communicator's timeout, enforced by torch's NCCL watchdog. (wait(timeout) on NCCL
         polls the collective's completion from the host, ~1 ms sleeps apart, and cannot run
         under graph capture.) gloo collectives wait on the host, at most timeout_s."""
+        if work is None:  # NCCL with asyncOp False (torch 2.11): queued on the stream, no Work
+            return
         try:
             if on_device and self.cfg.backend == "nccl":
                 work.wait()

@@ -19,13 +19,15 @@ Only graph captures use it (TPGroup.all_reduce). Eager all-reduces stay on NCCL,
 watchdog aborts one that a dead peer never joins; the device-side barrier here has no
 deadline, as no collective inside a replayed graph has (docs/tensor_parallel.md).
 
-    peer = PeerAllReduce.join(cfg, store)   # a collective: every rank, at the group's join
+    peer = PeerAllReduce.join(cfg, store, nccl)   # every rank, at the group's join
+    peer = peer if group.all_agree(peer is not None) else None   # all ranks, or none
     if peer is not None and peer.fits(x):
         y = peer.all_reduce(x)               # a new [T, H] tensor, on the current stream
 """
 from __future__ import annotations
 
 import logging
+import secrets
 
 import torch
 import torch.distributed as dist
@@ -36,31 +38,37 @@ log = logging.getLogger(__name__)
 
 # the activations' dtypes: bf16 (bf16 and FP8 checkpoints), fp16, fp32 (the tests)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+NAME_KEY = "peer_all_reduce/name"
 
 
 class PeerAllReduce:
     """One rank's symmetric buffers, one of cfg.peer_all_reduce_bytes per dtype (the kernel
     sums in the input's dtype, so each dtype has its own), and the group they joined."""
 
-    def __init__(self, buffers: dict[torch.dtype, torch.Tensor], group_name: str) -> None:
+    def __init__(self, buffers: dict[torch.dtype, torch.Tensor], group_name: str,
+                 registered: dist.ProcessGroup) -> None:
         self.buffers = buffers  # dtype -> [n] symmetric: every rank's holds n elements
         self.group_name = group_name
+        self.registered = registered  # c10d's registry holds it weakly: kept alive here
 
     @classmethod
-    def join(cls, cfg: ParallelConfig, store: dist.Store) -> PeerAllReduce | None:
+    def join(cls, cfg: ParallelConfig, store: dist.Store,
+             nccl: dist.ProcessGroupNCCL) -> PeerAllReduce | None:
         """Allocate and exchange the buffers (every rank of the group calls this, in step).
         None, with the reason logged, when this torch or machine cannot map peer memory:
         graph captures then use NCCL."""
         if cfg.backend != "nccl" or cfg.tp_size < 2 or cfg.peer_all_reduce_bytes == 0:
             return None
-        name = f"pdserve-tp:{cfg.init_address}"
+        # a name no other group of this process has (rank 0's random one, read from the
+        # store): a group left registered by an engine in this process must not be joined
+        if cfg.is_leader:
+            store.set(NAME_KEY, f"pdserve-tp-{secrets.token_hex(8)}")
+        name = store.get(NAME_KEY).decode()
         try:
             import torch.distributed._symmetric_memory as symm_mem
-            from torch._C._distributed_c10d import _SymmetricMemory
 
-            _SymmetricMemory.set_group_info(name, cfg.rank, cfg.tp_size,
-                                            dist.PrefixStore("peer_all_reduce", store))
             torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018 - this torch has it
+            registered = _register(name, cfg, store, nccl)
             buffers = {}
             for dtype in DTYPES:
                 n = cfg.peer_all_reduce_bytes // dtype.itemsize
@@ -69,17 +77,21 @@ class PeerAllReduce:
         except (ImportError, AttributeError, RuntimeError) as e:
             log.warning("rank %d: no peer-memory all-reduce (%s: %s); CUDA graphs at TP use "
                         "NCCL", cfg.rank, type(e).__name__, e)
+            _unregister(name)
             return None
-        return cls(buffers, name)
+        return cls(buffers, name, registered)
 
     def fits(self, x: torch.Tensor) -> bool:
-        """x is contiguous, of a dtype with a buffer, and no larger than that buffer."""
+        """x's dtype has a buffer that holds x. Shape and dtype only: they are the same on
+        every rank, so every rank takes the same path (one rank in the peer kernel's
+        barrier and another in NCCL would wait for each other forever)."""
         buffer = self.buffers.get(x.dtype)
-        return buffer is not None and x.is_contiguous() and x.numel() <= buffer.numel()
+        return buffer is not None and x.numel() <= buffer.numel()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x [T, H], as a new tensor (x is left as it was). One
         kernel: x into this rank's buffer, the barrier, the sum of every rank's buffer."""
+        x = x.contiguous()
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(
             self.buffers[x.dtype][:x.numel()], x.view(-1), "sum", self.group_name, out.view(-1))
@@ -87,3 +99,30 @@ class PeerAllReduce:
 
     def close(self) -> None:
         self.buffers = {}
+        _unregister(self.group_name)
+        self.registered = None
+
+
+def _register(name: str, cfg: ParallelConfig, store: dist.Store,
+              nccl: dist.ProcessGroupNCCL) -> dist.ProcessGroup:
+    """Symmetric memory finds its group by name in c10d's registry, where
+    torch.distributed's own groups go (TPGroup makes its groups without that global
+    state): register a ProcessGroup over the group's NCCL backend under `name`. The
+    registry keeps a weak reference: the caller keeps the group."""
+    from torch._C._distributed_c10d import ProcessGroup, _register_process_group
+
+    pg = ProcessGroup(dist.PrefixStore("peer_all_reduce", store), cfg.rank, cfg.tp_size)
+    pg._set_default_backend(ProcessGroup.BackendType.NCCL)
+    pg._register_backend(torch.device(cfg.device), ProcessGroup.BackendType.NCCL, nccl)
+    pg._set_group_name(name)
+    _register_process_group(name, pg)
+    return pg
+
+
+def _unregister(name: str) -> None:
+    from torch._C._distributed_c10d import _unregister_process_group
+
+    try:
+        _unregister_process_group(name)
+    except RuntimeError:  # never registered
+        pass
