@@ -14,7 +14,7 @@ and the deltas of every histogram and counter (stage histograms included) go int
     PYTHONPATH=/tmp/site python3 -m bench.lab.bench_payoff --out bench/results/payoff_h200x2.json
     python -m bench.lab.bench_payoff --plot bench/results/payoff_h200x2.json   # PNG afterwards
     python -m bench.lab.bench_payoff --device cpu --model tiny-qwen3 --rates 4,8 --duration 2 \\
-        --input-len 16:32 --output-len 4:8 --slo ttft=30,tpot=10 --out /tmp/p.json  # smoke
+        --ramp 0.5 --input-len 16:32 --output-len 4:8 --slo ttft=30,tpot=10 --out /tmp/p.json  # smoke
 
 The JSON is rewritten after every rate, so an interrupted run keeps what it measured:
   device, command, date, versions, git, env, plan

@@ -118,7 +118,9 @@ def ready_info(setup: str, stack, started: float, cfg: dict) -> dict:
                              "grpc": w.endpoints.get("grpc_address"),
                              "metrics": w.endpoints.get("metrics_address")}
                for w in stack.pool.workers.values()}
-    configs = {wc.worker_id: {k: v for k, v in dataclasses.asdict(wc).items() if k != "faults"}
+    # the results JSON and the log are published: the run's cluster secret stays out
+    configs = {wc.worker_id: {k: "<redacted>" if k == "cluster_secret" else v
+                              for k, v in dataclasses.asdict(wc).items() if k != "faults"}
                for wc in worker_configs(cfg, setup)}
     return {"setup": setup, "grpc": f"127.0.0.1:{stack.grpc_port}",
             "http": f"127.0.0.1:{stack.http_port}", "workers": workers,

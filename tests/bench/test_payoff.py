@@ -140,6 +140,8 @@ def test_cpu_smoke_both_setups(tmp_path):
         roles = sorted(w["role"] for w in data["workers"].values())
         for w in data["workers"].values():  # the worker processes got the multi-GPU env
             assert w["process"]["env"]["NCCL_NVLS_ENABLE"] == "0", w
+        # the published JSON names each worker's config but not the run's cluster secret
+        assert {c["cluster_secret"] for c in data["worker_configs"].values()} == {"<redacted>"}
         assert roles == (["decode", "prefill"] if setup == "disagg" else ["colocated"] * 2)
         for r in runs:
             s = r["summary"]
