@@ -25,6 +25,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.structured_output.CopyFrom(structured_to_proto(p.structured))
     if p.allowed_token_ids is not None:  # and the allow-list
         msg.allowed_token_ids.extend(p.allowed_token_ids)
+    for seq in p.bad_words_token_ids or ():  # and the bad words
+        msg.bad_words.add(token_ids=seq)
     return msg
 
 
@@ -64,6 +66,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["structured"] = structured_from_proto(msg.structured_output)
     if msg.allowed_token_ids:
         kwargs["allowed_token_ids"] = tuple(msg.allowed_token_ids)
+    if msg.bad_words:
+        kwargs["bad_words_token_ids"] = tuple(tuple(q.token_ids) for q in msg.bad_words)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos,
                           skip_special_tokens=not msg.keep_special_tokens,

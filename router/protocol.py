@@ -153,6 +153,27 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
     return kw
 
 
+def _bad_words(body: dict, fe) -> dict:
+    """vLLM's bad_words (a list of strings) as token sequences for SamplingParams: each word
+    as written and with one leading space (the usual two tokenizations of a word inside a
+    text), duplicates dropped. {} when absent or empty."""
+    words = body.get("bad_words")
+    if words is None or words == []:
+        return {}
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise BadRequest("bad_words: must be a list of non-empty strings", param="bad_words")
+    if fe.tokenizer is None:
+        raise BadRequest("bad_words: this model has no tokenizer; use logit_bias",
+                         param="bad_words")
+    seqs: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(fe.tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seqs[ids] = None
+    return {"bad_words_token_ids": tuple(seqs)}
+
+
 def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
     """(stream, include_usage, continuous usage): vLLM's continuous_usage_stats counts only
     with include_usage, as vLLM reads it."""
@@ -218,7 +239,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "functions": ((None,), "not supported: use tools"),
     "function_call": ((None,), "not supported: use tool_choice"),
     # vLLM's sampling and output extensions pdserve does not implement
-    "bad_words": ((None, []), "not supported: use logit_bias"),
     "spaces_between_special_tokens": ((None, True), "not supported"),
     "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),
     "priority": ((None, 0), "not supported: requests are served first come, first served"),
@@ -324,7 +344,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     # echo shows the prompt the model read: a cut one as its tokens decoded
     texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]
     prompts = cut
-    kw = _sampling_kwargs(body, fe.config.vocab_size)
+    kw = _sampling_kwargs(body, fe.config.vocab_size) | _bad_words(body, fe)
     lp = _logprob_count(body, "logprobs")
     if lp is not None:
         kw["logprobs"] = lp
@@ -421,7 +441,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     tools = parse_tools(body)
     fmt = fe.tool_format()
     [ids] = _truncated(body, [chat_prompt_ids(body, fe, tools, fmt)], fe.max_model_len)
-    kw = _sampling_kwargs(body, fe.config.vocab_size)
+    kw = _sampling_kwargs(body, fe.config.vocab_size) | _bad_words(body, fe)
     kw["structured"], checks = output_constraint(body, tools, fmt)
     want = _get(body, "logprobs", _BOOL, False)
     top = _get(body, "top_logprobs", _INT)

@@ -31,6 +31,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # OpenAI's logit_bias bounds: |bias| <= 100, at most 300 entries
 LOGIT_BIAS_MAX = 100.0
 LOGIT_BIAS_MAX_ENTRIES = 300
+BAD_WORDS_MAX = 256  # bad-word token sequences per request (a word tokenizes to up to two)
+BAD_WORD_MAX_TOKENS = 64
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_CHOICES = 1024
 
@@ -111,6 +113,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's allowed_token_ids: only these ids may be sampled (None = all)
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words, as token sequences (the router tokenizes the words): a sequence's
+    # last token is banned wherever the output ends with the rest of it (a one-token
+    # sequence: always)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +127,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.bad_words_token_ids is not None:
+            object.__setattr__(self, "bad_words_token_ids", _checked_bad_words(
+                self.bad_words_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         if type(self.top_k) is int and self.top_k == 0:  # vLLM's other "off"
             object.__setattr__(self, "top_k", -1)
@@ -188,7 +197,9 @@ class SamplingParams:
         """Token ids that only the model can bound: logit_bias keys must index its logits
         (an id past the row would fail the sampler's indexing, on CUDA with a device assert)."""
         for name, ids in (("logit_bias", self.logit_bias or ()),
-                          ("allowed_token_ids", self.allowed_token_ids or ())):
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for seq in self.bad_words_token_ids or ()
+                                         for t in seq])):
             bad = sorted(t for t in ids if t >= vocab_size)
             if bad:
                 raise InvalidRequestError(
@@ -212,8 +223,29 @@ class SamplingParams:
         return self.allowed_token_ids is not None
 
     @property
+    def has_bad_words(self) -> bool:
+        return self.bad_words_token_ids is not None
+
+    @property
     def has_grammar(self) -> bool:
         return self.structured is not None
+
+
+def _checked_bad_words(seqs: object) -> tuple[tuple[int, ...], ...] | None:
+    """bad_words_token_ids validated (errors name the field bad_words) and copied to tuples;
+    None if empty."""
+    def ok_seq(seq: object) -> bool:
+        return isinstance(seq, (list, tuple)) and 0 < len(seq) <= BAD_WORD_MAX_TOKENS \
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX
+                for t in seq)
+
+    if not isinstance(seqs, (list, tuple)) or not all(ok_seq(q) for q in seqs):
+        raise InvalidRequestError("bad_words", f"must be token sequences of 1 to "
+                                  f"{BAD_WORD_MAX_TOKENS} ids in [0, {UINT32_MAX}]")
+    if len(seqs) > BAD_WORDS_MAX:
+        raise InvalidRequestError("bad_words", f"at most {BAD_WORDS_MAX} token sequences, "
+                                  f"got {len(seqs)}")
+    return tuple(tuple(q) for q in seqs) or None
 
 
 def _checked_logit_bias(bias: object) -> dict[int, float] | None:

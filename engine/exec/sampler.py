@@ -2,16 +2,18 @@
 
 Pipeline, per row, in this order (each row uses its own request's settings, vectorised over
 the batch with per-row parameter tensors):
-    repetition penalty -> frequency / presence penalties -> logit_bias -> min_tokens ban
-    -> grammar mask -> temperature -> top-k -> top-p -> min-p -> draw (greedy rows: argmax
-    of the penalised, biased, masked logits)
+    repetition penalty -> frequency / presence penalties -> logit_bias -> allowed_token_ids
+    -> min_tokens ban -> bad_words ban -> grammar mask -> temperature -> top-k -> top-p ->
+    min-p -> draw (greedy rows: argmax of the penalised, biased, masked logits)
 
 logit_bias (OpenAI) is added after the penalties so that it is exactly the shift the client
 asked for: before them, the repetition penalty would divide a +100 bias of a token already
 seen by r (and frequency / presence are additive, so their order with the bias is moot). It
 comes before temperature like the logits it shifts, so +100 / -100 force / ban a token in
 greedy and random rows alike. min_tokens (vLLM's) sets EOS and the stop_token_ids to -inf
-while the output is shorter than it, after the bias, so no bias lifts them.
+while the output is shorter than it, after the bias, so no bias lifts them. bad_words
+(vLLM's) bans, at each step, the last token of every bad-word sequence whose other tokens
+end the output so far (the host compares lists: a handful of short sequences per request).
 
 Randomness. Every request owns a torch.Generator. The noise for output token i is drawn from
 that generator re-seeded with mix(base_seed, i), where base_seed is the request's seed (or,
@@ -56,6 +58,19 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def bad_word_bans(request: Request) -> list[int]:
+    """The tokens request's bad_words ban at its next output position: each sequence's last
+    token where the output ends with the rest of it (vLLM's bad_words, over the output
+    only). [] without bad words."""
+    seqs = request.sampling_params.bad_words_token_ids
+    if not seqs:
+        return []
+    out = request.output_token_ids
+    return sorted({q[-1] for q in seqs
+                   if len(q) == 1 or (len(out) >= len(q) - 1
+                                      and tuple(out[len(out) - len(q) + 1:]) == q[:-1])})
 
 
 def mix_seed(seed: int, salt: int) -> int:
@@ -138,7 +153,7 @@ class Sampler:
             if request.output_token_ids:
                 out = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
                 state.output_counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        if params.has_logit_bias or params.has_allowed:
+        if params.has_logit_bias or params.has_allowed or params.has_bad_words:
             params.check_vocab(vocab_size)  # an id past the row would index out of bounds
         if params.has_logit_bias:  # on the device once: a step only concatenates them
             ids, values = zip(*params.logit_bias.items())
@@ -215,8 +230,10 @@ class Sampler:
         ban_rows = [i for i, r in enumerate(requests)
                     if len(r.output_token_ids) < r.sampling_params.min_tokens]
         allow_rows = [i for i, p in enumerate(params) if p.has_allowed]
+        bad = {i: b for i, r in enumerate(requests) if (b := bad_word_bans(r))}
         greedy = [p.temperature < SAMPLING_EPS for p in params]
-        if not pen_rows and not bias_rows and not ban_rows and not allow_rows and all(greedy):
+        if not pen_rows and not bias_rows and not ban_rows and not allow_rows and not bad \
+                and all(greedy):
             # argmax alone: no float copy of [B, V] (bf16 is fine), but never past the mask
             return logits if bitmask is None else apply_bitmask(logits, bitmask)
         out = logits.float()
@@ -228,6 +245,12 @@ class Sampler:
             out = self._allow(out, states, allow_rows)
         if ban_rows:  # after the bias: +100 cannot lift a banned EOS
             out = self._ban(out, states, ban_rows)
+        if bad:  # after the bias too: the bad words' next tokens, this step's
+            row_of = [i for i, ids in bad.items() for _ in ids]
+            ids = [t for b in bad.values() for t in b]
+            out = out.index_put((to_device(row_of, torch.int64, out.device),
+                                 to_device(ids, torch.int64, out.device)),
+                                torch.tensor(float("-inf"), device=out.device))
         if bitmask is not None:  # after the bias: +100 cannot lift a forbidden token
             out = apply_bitmask(out, bitmask)
         dev, vocab = logits.device, logits.shape[-1]

@@ -255,6 +255,14 @@ def test_openai_n_stop_and_logprobs(client, frontend):
         model=model, prompt="Hi", max_tokens=6, temperature=1.0, seed=2, logprobs=0,
         extra_body={"allowed_token_ids": [28, 29, 30], "return_tokens_as_token_ids": True})
     assert {t for t in listed.choices[0].logprobs.tokens} <= {f"token_id:{i}" for i in (28, 29, 30)}
+    # vLLM's bad_words, on both halves of the split: "5" is the greedy next word, and banned
+    # it never comes, neither from the prefill worker (token 0) nor from decode
+    [five] = frontend.tokenizer.encode("5", add_special_tokens=False)
+    assert full.lstrip().startswith("5")
+    banned = client.completions.create(
+        model=model, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, logprobs=0,
+        extra_body={"bad_words": ["5"], "return_tokens_as_token_ids": True}).choices[0]
+    assert f"token_id:{five}" not in banned.logprobs.tokens and banned.text != full
     lp = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0,
                                    logprobs=2).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 5

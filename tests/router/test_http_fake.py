@@ -368,7 +368,8 @@ BAD = [
         ("use_beam_search", True), ("include_stop_str_in_output", "yes"),
         ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
         ("guided_grammar", "root ::= 'a'"), ("best_of", 3),
-        ("allowed_token_ids", "28"), ("allowed_token_ids", [10 ** 9]), ("bad_words", [" 5"]),
+        ("allowed_token_ids", "28"), ("allowed_token_ids", [10 ** 9]), ("bad_words", "5"),
+        ("bad_words", [""]), ("bad_words", [5]), ("bad_words", [f"w{i}" for i in range(200)]),
         ("truncate_prompt_tokens", 0),
         ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 10 ** 9),
         ("return_tokens_as_token_ids", "yes"), ("skip_special_tokens", 0),
@@ -453,6 +454,22 @@ def test_logit_bias_parsed_served_and_errors_name_the_key(cluster, frontend):
                       ({str(i): 1 for i in range(301)}, "logit_bias: at most 300 entries")):
         r = client.post("/v1/completions", json={"prompt": "hi", "logit_bias": bad})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
+
+
+def test_bad_words_become_token_sequences_with_and_without_a_leading_space(frontend):
+    """vLLM's bad_words: each word tokenized as written and after a space, duplicates
+    dropped, on the wire as sequences for both halves of the split."""
+    tok = frontend.tokenizer
+    parsed = parse_completion({"prompt": "hi", "bad_words": ["hello", " hello", "big cat"]},
+                              frontend)
+    want = {tuple(tok.encode(t, add_special_tokens=False))
+            for t in ("hello", " hello", "big cat", " big cat")}
+    got = parsed.params.bad_words_token_ids
+    assert set(got) == want and len(got) == len(want)
+    wire = params_to_proto(parsed.params).bad_words
+    assert {tuple(q.token_ids) for q in wire} == want
+    assert parse_completion({"prompt": "hi", "bad_words": []},
+                            frontend).params.bad_words_token_ids is None
 
 
 def test_grpc_refuses_what_http_refuses_and_reports_health_alike(cluster):
