@@ -25,11 +25,7 @@ The JSON is rewritten after every rate, so an interrupted run keeps what it meas
   results.<setup>.runs[i].metrics_delta   per process: every histogram (sum, count, buckets)
                                      and counter, after minus before the rate
   results.<setup>.runs[i].requests   one record per request (skipped rates: {rate, skipped})
-  baseline                           disagg ITL without prefill traffic (+ its metrics delta):
-                                     a burst at the loaded run's mean decode concurrency
-  baseline_matched                   the reference rate's arrivals and output lengths again
-                                     with 32-token prompts: the same varying decode load
-                                     without the prefills (summary.itl.matched)
+  baseline                           disagg ITL without prefill traffic (+ its metrics delta)
   summary                            issue #8's Done-when lines, computed; met true/false
 """
 from __future__ import annotations
@@ -38,7 +34,6 @@ import argparse
 import asyncio
 import datetime as dt
 import os
-import random
 import signal
 import sys
 import time
@@ -54,7 +49,6 @@ from bench.lab import payoff_report as report  # noqa: E402
 from bench.lab.payoff_driver import MULTI_GPU_ENV, ClusterProcess, header, write_json  # noqa: E402
 
 SETUPS = ("disagg", "colocated")
-MATCHED_PROMPT = 32  # prompt tokens of the matched baseline's requests
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -164,7 +158,7 @@ def estimate_s(plan: dict) -> float:
     per_rate = plan["duration_s"] + min(plan["drain_s"], plan["slo"]["ttft"]
                                         + plan["output_len"][1] * plan["slo"]["tpot"]) + 3
     per_setup = (50 if cuda else 25) + 10 + per_rate * len(plan["rates"])
-    base = 25 + per_rate if plan["baseline"] and "disagg" in plan["setups"] else 0
+    base = 25 if plan["baseline"] and "disagg" in plan["setups"] else 0
     return per_setup * len(plan["setups"]) + base
 
 
@@ -173,8 +167,7 @@ class Run:
 
     def __init__(self, plan: dict, out: Path, argv: list[str]) -> None:
         self.plan, self.out, self.t0 = plan, out, time.monotonic()
-        self.payload = {**header(plan, argv), "results": {}, "baseline": None,
-                        "baseline_matched": None, "summary": None}
+        self.payload = {**header(plan, argv), "results": {}, "baseline": None, "summary": None}
         self.in_len = LengthRange(*plan["input_len"])
         self.out_len = LengthRange(*plan["output_len"])
         self.vocab = 0
@@ -212,7 +205,7 @@ def sweep_setup(run: Run, setup: str, info: dict, deadline: float) -> None:
     data["warmup_errors"] = [r.error for r in warmed if not r.ok]
     if warmed and len(data["warmup_errors"]) == len(warmed):
         raise RuntimeError(f"{setup}: every warm-up request failed: {data['warmup_errors'][0]}")
-    reserve = 25 + run.rate_cost() if setup == "disagg" and plan["baseline"] else 0
+    reserve = 25 if setup == "disagg" and plan["baseline"] else 0
     stopped = None
     for i, rate in enumerate(plan["rates"]):
         if stopped is None and run.elapsed() + run.rate_cost() + reserve > deadline:
@@ -270,30 +263,6 @@ def run_baseline(run: Run, info: dict) -> dict:
                         "stages": pm.stage_summary(delta)}, "metrics_delta": delta}
 
 
-def run_matched_baseline(run: Run, info: dict) -> dict | None:
-    """Disagg decode under the reference rate's own arrivals and output lengths, with
-    prompts of MATCHED_PROMPT tokens (prefill and KV transfer next to nothing): the same
-    decode load, Poisson-varying as in the loaded run, without the prefill traffic. Its p99
-    ITL against the loaded run's separates the prefills' effect from the load's variation,
-    which the fixed-concurrency burst (run_baseline) cannot."""
-    plan, runs = run.plan, run.payload["results"]["disagg"]["runs"]
-    ref = report.knee(runs) or next(iter(report.measured(runs)), None)
-    if ref is None:
-        return None
-    seed = plan["seed"] + 1000 * plan["rates"].index(ref["rate"])  # measure_rate's specs
-    rng = random.Random(plan["seed"] + 555)
-    specs = [load.Spec(s.arrival, load.random_prompt(rng, MATCHED_PROMPT, run.vocab),
-                       s.output_len)
-             for s in load.poisson_specs(ref["rate"], plan["duration_s"], run.in_len,
-                                         run.out_len, run.vocab, seed)]
-    results = asyncio.run(load.run_specs(info["grpc"], specs, drain_s=plan["drain_s"]))
-    asyncio.run(load.wait_idle(info["grpc"], 60))
-    summary = load.summarize(results, plan["slo"], plan["duration_s"], plan["ramp_s"])
-    return {"reference_rate": ref["rate"], "prompt_len": MATCHED_PROMPT,
-            "requests": len(specs), "summary": {k: summary[k] for k in (
-                "requests", "failed", "itl_ms", "tpot_ms", "mean_decode_concurrency")}}
-
-
 def execute(run: Run) -> None:
     plan = run.plan
     cluster = ClusterProcess(plan, run.out.with_name(run.out.stem + "_cluster.log"))
@@ -314,12 +283,6 @@ def execute(run: Run) -> None:
                 b = run.payload["baseline"]
                 print(f"[{run.elapsed():6.0f} s] disagg baseline: {b['concurrency']} requests, "
                       f"no prefill traffic: ITL p99 {b['summary']['itl_ms']['p99']} ms", flush=True)
-                run.save()
-                m = run.payload["baseline_matched"] = run_matched_baseline(run, info)
-                if m is not None:
-                    print(f"[{run.elapsed():6.0f} s] disagg matched baseline: "
-                          f"{m['reference_rate']}/s with {MATCHED_PROMPT}-token prompts: ITL "
-                          f"p99 {m['summary']['itl_ms']['p99']} ms", flush=True)
             run.save()
             cluster.next_setup(last=k == len(plan["setups"]) - 1)
     finally:
@@ -350,8 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         execute(run)
     finally:
-        run.payload["summary"] = report.summarize(run.payload["results"], run.payload["baseline"],
-                                                  run.payload["baseline_matched"])
+        run.payload["summary"] = report.summarize(run.payload["results"], run.payload["baseline"])
         run.payload["wall_s"] = run.elapsed()
         run.save()
     for line in run.payload["summary"]["done_when"]:

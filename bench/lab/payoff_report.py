@@ -52,10 +52,8 @@ def _stages_present(run: dict | None) -> bool:
     return all(counts.get(s, 0) > 0 for s in ("prefill", "kv_transfer", "decode_queue"))
 
 
-def summarize(results: dict, baseline: dict | None, matched: dict | None = None) -> dict:
-    """Issue #8's Done-when lines, computed from the runs of both setups. `matched` (the
-    reference rate's arrivals with short prompts) gives a second ITL ratio beside the
-    burst baseline's, reported apart: the Done-when line keeps the burst's."""
+def summarize(results: dict, baseline: dict | None) -> dict:
+    """Issue #8's Done-when lines, computed from the runs of both setups."""
     dis, col = results.get("disagg", {}).get("runs", []), results.get("colocated", {}).get("runs", [])
     kd, kc = knee(dis), knee(col)
     out: dict = {"attainment_threshold": ATTAINMENT,
@@ -84,7 +82,6 @@ def summarize(results: dict, baseline: dict | None, matched: dict | None = None)
                                                       if base_p99 and r["summary"]["itl_ms"]["p99"]
                                                       else None) for r in measured(dis)}}
     out["itl_met"] = out["itl"]["ratio"] is not None and out["itl"]["ratio"] <= ITL_TARGET
-    out["itl"]["matched"] = _matched(matched, dis)
     out["stage_histograms_met"] = _stages_present(kd or ref)
     out["done_when"] = [
         f"disagg goodput at its highest >=90% rate ({_fmt(kd and kd['rate'])}/s): "
@@ -97,20 +94,6 @@ def summarize(results: dict, baseline: dict | None, matched: dict | None = None)
         f"{'met' if out['stage_histograms_met'] else 'NOT met'}"]
     out["met"] = out["goodput_met"] and out["itl_met"] and out["stage_histograms_met"]
     return out
-
-
-def _matched(matched: dict | None, dis: list[dict]) -> dict | None:
-    """The loaded run's p99 ITL over the matched baseline's (same arrivals, short prompts)."""
-    if not matched:
-        return None
-    ref = _at_rate(dis, matched["reference_rate"])
-    loaded, base = ref and ref["summary"]["itl_ms"]["p99"], matched["summary"]["itl_ms"]["p99"]
-    return {"reference_rate": matched["reference_rate"], "loaded_p99_ms": loaded,
-            "no_prefill_p99_ms": base,
-            "ratio": loaded / base if loaded and base else None,
-            "note": "same arrivals and output lengths, prompts of "
-                    f"{matched['prompt_len']} tokens: the decode load varies as in the "
-                    "loaded run, without the prefills"}
 
 
 def _fmt(v) -> str:
@@ -141,10 +124,6 @@ def plot(payload: dict, path: str | Path) -> Path:
     if base:
         ax2.axhline(base, color="gray", ls="--", label="disagg, no prefill traffic")
         ax2.axhline(base * ITL_TARGET, color="gray", ls=":", label=f"{ITL_TARGET}x that")
-    matched = payload.get("baseline_matched") or {}
-    if matched.get("summary", {}).get("itl_ms", {}).get("p99"):
-        ax2.plot([matched["reference_rate"]], [matched["summary"]["itl_ms"]["p99"]], "s",
-                 color="gray", label="disagg, same arrivals, 32-token prompts")
     slo = payload.get("plan", {}).get("slo", {})
     ax1.set_title(f"Goodput (TTFT <= {slo.get('ttft', '?')} s, TPOT <= "
                   f"{1000 * slo['tpot'] if 'tpot' in slo else '?'} ms)")

@@ -159,14 +159,7 @@ def test_cpu_smoke_both_setups(tmp_path):
                 assert r["metrics_delta"]["decode-0"]["counters"]["pdserve:kv_transfer_bytes"]
     base = res["baseline"]
     assert base["concurrency"] >= 1 and base["summary"]["itl_ms"]["p99"] is not None
-    # the matched baseline: the reference rate's arrivals again, with short prompts
-    m = res["baseline_matched"]
-    assert m["reference_rate"] in (4.0, 8.0) and m["prompt_len"] == 32
-    assert m["summary"]["requests"] > 0 and m["summary"]["failed"] == 0
-    ref = next(r for r in res["results"]["disagg"]["runs"] if r["rate"] == m["reference_rate"])
-    assert m["requests"] == ref["summary"]["sent_total"]  # the same arrivals, every one
     s = res["summary"]
-    assert s["itl"]["matched"]["ratio"] is not None
     for key in ("highest_rate_ge_90pct", "goodput_ratio_disagg_over_colocated", "itl",
                 "goodput_met", "itl_met", "stage_histograms_met", "met", "done_when"):
         assert key in s
