@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 from pdserve.engine.core.config import ConfigError
 
 BACKENDS = ("gloo", "nccl")
+# 8 MiB: a decode step of 1024 rows of hidden 4096 in bf16, so decode graphs never capture NCCL
+GRAPH_ALL_REDUCE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,10 @@ class ParallelConfig:
     timeout_s: float = 60.0
     device: str = "cpu"  # this rank's device, e.g. "cuda:1"
     # NCCL only: the symmetric buffer of the one-shot peer all-reduce that CUDA graph
-    # captures use (peer_all_reduce.py); larger all-reduces, and 0, take NCCL. 8 MiB holds a
-    # decode step of 1024 rows of hidden 4096 in bf16, so decode graphs never capture NCCL.
-    peer_all_reduce_bytes: int = 8 << 20
+    # captures use (peer_all_reduce.py); larger all-reduces take NCCL. 0 (the default, and
+    # every group that captures no graphs): not joined. The offline engine with
+    # tp_cuda_graphs sets GRAPH_ALL_REDUCE_BYTES.
+    peer_all_reduce_bytes: int = 0
 
     def __post_init__(self) -> None:
         tp = self.tp_size

@@ -27,8 +27,10 @@ Deadlines (a dead rank must not hang the others):
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,8 @@ from pdserve.engine.dist.peer_all_reduce import PeerAllReduce
 from pdserve.engine.dist.step_channel import StepChannel
 
 __all__ = ["GroupError", "TPGroup", "open_store"]
+
+log = logging.getLogger(__name__)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -135,10 +139,24 @@ class TPGroup:
 
     def _peer(self, cfg: ParallelConfig, store: dist.Store) -> PeerAllReduce | None:
         """The graph captures' peer all-reduce on every rank, or on none: a rank that could
-        not map peer memory makes every rank capture NCCL (mixed, they would deadlock)."""
-        peer = PeerAllReduce.join(cfg, store, self.device)
-        if self.all_agree(peer is not None):
-            return peer
+        not map peer memory makes every rank capture NCCL (mixed, they would deadlock).
+        Only when cfg asks for it (a group that captures graphs), and only a process's first
+        group (PeerAllReduce.fresh_process: every rank must be fresh)."""
+        if cfg.peer_all_reduce_bytes == 0:  # the same on every rank: one config, asdict'ed
+            return None
+        if not self.all_agree(PeerAllReduce.fresh_process()):
+            log.warning("rank %d: a process of this group joined peer memory before; CUDA "
+                        "graphs at TP use NCCL", self.rank)
+            return None
+        peer = None
+        try:
+            peer = PeerAllReduce.join(cfg, store, self.device)
+            if self.all_agree(peer is not None):
+                return peer
+        except BaseException:
+            if peer is not None:
+                peer.close()
+            raise
         if peer is not None:
             peer.close()
         return None
@@ -152,20 +170,24 @@ class TPGroup:
         flag = torch.tensor([int(ok)], dtype=torch.int32)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self._wait(self.control.allreduce([flag], opts), "all_agree")
+        self._run(lambda: self.control.allreduce([flag], opts), "all_agree")
         return bool(flag.item())
 
-    def _wait(self, work: dist.Work | None, what: str, on_device: bool = False) -> None:
-        """Wait for `work`. A device collective on NCCL is stream-ordered: wait() makes the
+    def _run(self, start: Callable[[], dist.Work | None], what: str,
+             on_device: bool = False) -> None:
+        """Start a collective (start() inside the try: a synchronous failure is a GroupError
+        too) and wait for it. A device collective on NCCL is stream-ordered: wait() makes the
         current stream wait for it and returns at once, so the forward queues on without a
         host round trip per all-reduce and can be captured in a CUDA graph; its deadline is
         the communicator's timeout, enforced by torch's NCCL watchdog. (wait(timeout) on NCCL
         polls the collective's completion from the host, ~1 ms sleeps apart, and cannot run
         under graph capture.) gloo collectives wait on the host, at most timeout_s."""
-        if work is None:  # NCCL with asyncOp False (torch 2.11): queued on the stream, no Work
-            return
+        nccl = on_device and self.cfg.backend == "nccl"
         try:
-            if on_device and self.cfg.backend == "nccl":
+            work = start()
+            if nccl and work is None:  # asyncOp False (torch 2.11): on the stream, no Work
+                return
+            if nccl:
                 work.wait()
             else:
                 work.wait(self.timeout)
@@ -175,17 +197,16 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks; returns the sum (t itself, summed in place, or a new tensor).
-        Under a CUDA graph capture: the one-shot peer all-reduce (peer_all_reduce.py), where
-        torch's NCCL group hung and is 2-3x slower. Eager on NCCL: the collective runs on the
-        current stream (asyncOp False, torch >= 2.8): no side stream to join and no event
-        pair per call."""
+        Under a CUDA graph capture: the one-shot peer all-reduce (peer_all_reduce.py), when
+        the group joined it. Eager on NCCL: the collective runs on the current stream
+        (asyncOp False, torch >= 2.8): no side stream to join and no event pair per call."""
         if self.peer is not None and torch.cuda.is_current_stream_capturing() \
                 and self.peer.fits(t):
             return self.peer.all_reduce(t)
         if self.size > 1:
             opts = dist.AllreduceOptions()
             opts.asyncOp = self.cfg.backend != "nccl"
-            self._wait(self.device.allreduce([t], opts), "all_reduce", on_device=True)
+            self._run(lambda: self.device.allreduce([t], opts), "all_reduce", on_device=True)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -194,7 +215,7 @@ class TPGroup:
             return t
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.device.allgather([parts], [t]), "all_gather", on_device=True)
+        self._run(lambda: self.device.allgather([parts], [t]), "all_gather", on_device=True)
         return torch.cat(parts, dim=dim)
 
     def broadcast_control(self, t: torch.Tensor) -> torch.Tensor:
@@ -203,7 +224,7 @@ class TPGroup:
 
     def barrier(self) -> None:
         if self.size > 1:
-            self._wait(self.control.allreduce([torch.zeros(1)]), "barrier")
+            self._run(lambda: self.control.allreduce([torch.zeros(1)]), "barrier")
 
     def close(self) -> None:
         """Leave: drop the groups (their sockets close, so peers still waiting fail at once

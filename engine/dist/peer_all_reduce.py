@@ -8,19 +8,24 @@ inside a graph of 73; bench/results/allreduce_h200x2_2026-11-29b.json):
     64     (at 64 or 256 rows)        21.4 us                9.5 us
     256                               36.0 us               18.5 us
 
-A decode step's all-reduces are small (one row per sequence), where NCCL's ring protocol
-pays its fixed cost twice over. One-shot: every rank copies its rows into its own buffer of
+In Qwen3-8B's TP 2 decode graphs the two came out level (0.74 vs 0.67 ms of collectives a
+step, 337.0 vs 332.8 tok/s at batch 1; bench/results/tp_h200x2_2026-11-29_peer.json,
+_nccl_graphs.json): there the wait for the follower rank dominates. This path stays for its
+isolated speed, which counts once the ranks launch together, and because torch's NCCL group
+hung in graph probes before. A decode step's all-reduces are small (one row per sequence),
+where NCCL's ring protocol pays its fixed cost twice over. One-shot: every rank copies its rows into its own buffer of
 symmetric memory (mapped into every peer's address space), the ranks meet at a barrier of
 device-side signals, and every rank reads all peers' buffers over NVLink and sums. That is
-torch's symmetric-memory kernel (torch.ops.symm_mem.one_shot_all_reduce_copy: the copy,
+torch's symmetric-memory kernel (torch.ops.symm_mem.one_shot_all_reduce_copy_out: the copy,
 the barrier and the sum in one launch), as vLLM and SGLang use peer memory for theirs.
 
 Only graph captures use it (TPGroup.all_reduce). Eager all-reduces stay on NCCL, whose
 watchdog aborts one that a dead peer never joins; the device-side barrier here has no
 deadline, as no collective inside a replayed graph has (docs/tensor_parallel.md).
 
-    peer = PeerAllReduce.join(cfg, store, nccl)   # every rank, at the group's join
-    peer = peer if group.all_agree(peer is not None) else None   # all ranks, or none
+    # TPGroup._peer, at the group's join: every rank, or none
+    peer = PeerAllReduce.join(cfg, store, nccl) if group.all_agree(fresh_process()) else None
+    peer = peer if group.all_agree(peer is not None) else None
     if peer is not None and peer.fits(x):
         y = peer.all_reduce(x)               # a new [T, H] tensor, on the current stream
 """
@@ -36,14 +41,27 @@ from pdserve.engine.dist.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
-# the activations' dtypes: bf16 (bf16 and FP8 checkpoints), fp16, fp32 (the tests)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the activations' dtypes the kernel sums: bf16 (bf16 and FP8 checkpoints), fp32 (the
+# tests). torch's one-shot kernel has no fp16: fp16 all-reduces stay on NCCL
+DTYPES = (torch.bfloat16, torch.float32)
 NAME_KEY = "peer_all_reduce/name"
+ALIGN = 16  # bytes: the kernel reads and writes 16-byte vectors
 
 
 class PeerAllReduce:
     """One rank's symmetric buffers, one of cfg.peer_all_reduce_bytes per dtype (the kernel
-    sums in the input's dtype, so each dtype has its own), and the group they joined."""
+    sums in the input's dtype, so each dtype has its own), and the group they joined.
+
+    One group per process: torch exchanges the buffers' handles under keys numbered by a
+    per-process counter, so a process's second group (an offline engine made after another,
+    in rank 0's process) would wait for keys its fresh follower processes never write, then
+    fail at the store's deadline. TPGroup asks every rank for fresh_process() first."""
+
+    _exchanged = False  # this process has exchanged symmetric memory (joined or tried)
+
+    @classmethod
+    def fresh_process(cls) -> bool:
+        return not cls._exchanged
 
     def __init__(self, buffers: dict[torch.dtype, torch.Tensor], group_name: str,
                  registered: dist.ProcessGroup) -> None:
@@ -64,6 +82,7 @@ class PeerAllReduce:
         if cfg.is_leader:
             store.set(NAME_KEY, f"pdserve-tp-{secrets.token_hex(8)}")
         name = store.get(NAME_KEY).decode()
+        PeerAllReduce._exchanged = True
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -74,7 +93,7 @@ class PeerAllReduce:
                 n = cfg.peer_all_reduce_bytes // dtype.itemsize
                 buffers[dtype] = symm_mem.empty(n, dtype=dtype, device=cfg.device)
                 symm_mem.rendezvous(buffers[dtype], name)
-        except (ImportError, AttributeError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure here means: use NCCL
             log.warning("rank %d: no peer-memory all-reduce (%s: %s); CUDA graphs at TP use "
                         "NCCL", cfg.rank, type(e).__name__, e)
             _unregister(name)
@@ -82,11 +101,13 @@ class PeerAllReduce:
         return cls(buffers, name, registered)
 
     def fits(self, x: torch.Tensor) -> bool:
-        """x's dtype has a buffer that holds x. Shape and dtype only: they are the same on
-        every rank, so every rank takes the same path (one rank in the peer kernel's
-        barrier and another in NCCL would wait for each other forever)."""
+        """x's dtype has a buffer that holds x, and x is whole 16-byte vectors. Shape and
+        dtype only: they are the same on every rank, so every rank takes the same path (one
+        rank in the peer kernel's barrier and another in NCCL would wait for each other
+        forever)."""
         buffer = self.buffers.get(x.dtype)
-        return buffer is not None and x.numel() <= buffer.numel()
+        return buffer is not None and x.numel() <= buffer.numel() \
+            and x.numel() * x.element_size() % ALIGN == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x [T, H], as a new tensor (x is left as it was). One

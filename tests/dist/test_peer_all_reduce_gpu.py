@@ -2,8 +2,9 @@
 (engine/dist/peer_all_reduce.py), on two GPUs through the real TPGroup: inside one captured
 graph of several all-reduces, each with its own data, every sum is right on both ranks,
 replay after replay with new inputs (a buffer reused before a peer finished reading it would
-show here); outside a capture the all-reduce stays NCCL's (in place); what has no buffer (a
-dtype, a size) is left to NCCL. Needs 2 CUDA devices."""
+show here); outside a capture the all-reduce stays NCCL's (in place); what the kernel cannot
+take (a dtype without a buffer, fp16 among them; a size past the buffer or not whole 16-byte
+vectors) is left to NCCL. Needs 2 CUDA devices."""
 from __future__ import annotations
 
 import pytest
@@ -58,10 +59,15 @@ def _graph_sums(group: TPGroup, rows: int, dtype: torch.dtype) -> dict:
 def _fits(group: TPGroup) -> dict:
     dev = torch.device(group.cfg.device)
     peer = group.peer
+    if peer is None:
+        return {"peer": None}
     n = peer.buffers[torch.bfloat16].numel()
-    return {"bf16_fits": peer.fits(torch.empty(n, dtype=torch.bfloat16, device=dev)),
-            "too_big": peer.fits(torch.empty(n + 1, dtype=torch.bfloat16, device=dev)),
-            "float64": peer.fits(torch.empty(4, dtype=torch.float64, device=dev))}
+
+    def fits(numel: int, dtype: torch.dtype) -> bool:
+        return peer.fits(torch.empty(numel, dtype=dtype, device=dev))
+    return {"bf16_fits": fits(n, torch.bfloat16), "too_big": fits(n + 1, torch.bfloat16),
+            "float64": fits(4, torch.float64), "float16": fits(8, torch.float16),
+            "not_16_byte_vectors": fits(3, torch.bfloat16)}
 
 
 def _check(results: dict) -> list[dict]:
@@ -85,4 +91,5 @@ def test_what_has_no_buffer_is_left_to_nccl() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     for res in _check(run_ranks(_fits, 2, timeout_s=60, cuda=True)):
-        assert res == {"bf16_fits": True, "too_big": False, "float64": False}
+        assert res == {"bf16_fits": True, "too_big": False, "float64": False,
+                       "float16": False, "not_16_byte_vectors": False}

@@ -2,6 +2,7 @@
 each with a deadline; a paged-KV greedy driver for the sharded model tests."""
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import queue
 import socket
@@ -11,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.core.config import ModelConfig
-from pdserve.engine.dist.config import ParallelConfig
+from pdserve.engine.dist.config import GRAPH_ALL_REDUCE_BYTES, ParallelConfig
 from pdserve.engine.dist.group import TPGroup
 from pdserve.engine.dist.steps import greedy_batch, host_batch
 from pdserve.engine.exec.kv_cache import allocate_kv_cache
@@ -34,7 +35,11 @@ def _entry(fn: Callable, rank: int, tp: int, port: int, timeout_s: float, args: 
     select_triton_mode()  # an entry point: kernels interpreted on CPU (the GEMV path)
     try:
         address = f"tcp://127.0.0.1:{port}"
-        cfg = ParallelConfig.for_device(tp, rank, address, f"cuda:{rank}", timeout_s) if cuda \
+        # on CUDA the group captures graphs' all-reduces through peer memory, as the offline
+        # engine's with tp_cuda_graphs
+        cfg = dataclasses.replace(ParallelConfig.for_device(tp, rank, address, f"cuda:{rank}",
+                                                            timeout_s),
+                                  peer_all_reduce_bytes=GRAPH_ALL_REDUCE_BYTES) if cuda \
             else ParallelConfig(tp, rank, "gloo", address, timeout_s)
         group = TPGroup(cfg)
         try:
