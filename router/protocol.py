@@ -20,6 +20,7 @@ from pdserve.engine.core.sampling_params import (
     LOGIT_BIAS_MAX_ENTRIES,
     InvalidRequestError,
     SamplingParams,
+    bad_word_sequences,
 )
 from pdserve.router.errors import BadRequest
 from pdserve.router.frontend import CHAT_ROLES, Frontend, TemplateOptions
@@ -154,9 +155,8 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
 
 
 def _bad_words(body: dict, fe) -> dict:
-    """vLLM's bad_words (a list of strings) as token sequences for SamplingParams: each word
-    as written and with one leading space (the usual two tokenizations of a word inside a
-    text), duplicates dropped. {} when absent or empty."""
+    """vLLM's bad_words (a list of strings) as token sequences for SamplingParams
+    (bad_word_sequences: each word as written and after a space). {} when absent or empty."""
     words = body.get("bad_words")
     if words is None or words == []:
         return {}
@@ -165,13 +165,8 @@ def _bad_words(body: dict, fe) -> dict:
     if fe.tokenizer is None:
         raise BadRequest("bad_words: this model has no tokenizer; use logit_bias",
                          param="bad_words")
-    seqs: dict[tuple[int, ...], None] = {}
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(fe.tokenizer.encode(text, add_special_tokens=False))
-            if ids:
-                seqs[ids] = None
-    return {"bad_words_token_ids": tuple(seqs)}
+    seqs = bad_word_sequences(lambda t: fe.tokenizer.encode(t, add_special_tokens=False), words)
+    return {"bad_words_token_ids": seqs}
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool, bool]:

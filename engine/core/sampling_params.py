@@ -4,8 +4,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 
 
 class InvalidRequestError(ValueError):
@@ -113,9 +113,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's allowed_token_ids: only these ids may be sampled (None = all)
     allowed_token_ids: tuple[int, ...] | None = None
-    # vLLM's bad_words, as token sequences (the router tokenizes the words): a sequence's
-    # last token is banned wherever the output ends with the rest of it (a one-token
-    # sequence: always)
+    # vLLM's bad_words: words no output may complete (the engine or the router tokenizes
+    # them into bad_words_token_ids; only those travel on the wire)
+    bad_words: tuple[str, ...] | None = None
+    # as token sequences: a sequence's last token is banned wherever the output ends with
+    # the rest of it (a one-token sequence: always)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -127,6 +129,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in words):
+                raise InvalidRequestError("bad_words", "must be a list of non-empty strings")
+            object.__setattr__(self, "bad_words", tuple(words) or None)
         if self.bad_words_token_ids is not None:
             object.__setattr__(self, "bad_words_token_ids", _checked_bad_words(
                 self.bad_words_token_ids))
@@ -222,6 +230,18 @@ class SamplingParams:
     def has_allowed(self) -> bool:
         return self.allowed_token_ids is not None
 
+    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]] | None
+                                 ) -> SamplingParams:
+        """These params with bad_words as token sequences (bad_word_sequences), when they
+        have words and no sequences yet; encode None (no tokenizer) refuses the words."""
+        if self.bad_words is None or self.bad_words_token_ids is not None:
+            return self
+        if encode is None:
+            raise InvalidRequestError("bad_words", "this model has no tokenizer; pass "
+                                      "bad_words_token_ids")
+        return replace(self, bad_words_token_ids=bad_word_sequences(encode, self.bad_words)
+                       or None)
+
     @property
     def has_bad_words(self) -> bool:
         return self.bad_words_token_ids is not None
@@ -229,6 +249,20 @@ class SamplingParams:
     @property
     def has_grammar(self) -> bool:
         return self.structured is not None
+
+
+def bad_word_sequences(encode: Callable[[str], list[int]],
+                       words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as written and after one space (the
+    two usual tokenizations of a word inside a text), duplicates dropped. encode: text ->
+    ids without special tokens."""
+    seqs: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(encode(text))
+            if ids:
+                seqs[ids] = None
+    return tuple(seqs)
 
 
 def _checked_bad_words(seqs: object) -> tuple[tuple[int, ...], ...] | None:

@@ -1,8 +1,9 @@
-"""vLLM's bad_words (as token sequences) through the engine on a tiny random model (CPU): a
+"""vLLM's bad_words through the engine on a tiny random model (CPU), as token sequences: a
 one-token word is never sampled; a longer one never completes, while its last token still
 comes where the output does not end with the rest of it; it applies after logit_bias and to
 seeded sampling; validation names the field; the sequences cross the wire; MTP speculation
-leaves such requests token for token equal to plain decoding (they are not drafted for)."""
+leaves such requests token for token equal to plain decoding (they are not drafted for). As
+words (vLLM's offline API), on the embedded SmolLM2: the engine tokenizes them."""
 from __future__ import annotations
 
 import pytest
@@ -106,3 +107,26 @@ def test_speculation_leaves_bad_word_requests_equal_to_plain_decoding(
     alone = spec.generate(PROMPTS[0], ban)
     assert tokens(alone) == want[:1] and spec.engine.spec_stats.num_drafts == 0
     assert tokens(spec.generate(PROMPTS[:2], [ban, params()])) == want
+
+
+def test_offline_words_are_tokenized_by_the_engine(llm: LLM) -> None:
+    """SamplingParams(bad_words=[...]) as in vLLM's offline API: the engine tokenizes the
+    words (as the router does for HTTP) and the word never comes; a model without a
+    tokenizer refuses them naming the field."""
+    from pdserve.engine.core.sampling_params import bad_word_sequences
+
+    smol = LLM(**TINY)  # the embedded SmolLM2, with its tokenizer
+    prompt = "1, 2, 3, 4,"
+    greedy = dict(max_tokens=8, temperature=0.0)
+    plain = smol.generate(prompt, SamplingParams(**greedy))[0].outputs[0]
+    assert plain.text.lstrip().startswith("5")
+    banned = smol.generate(prompt, SamplingParams(**greedy, bad_words=["5"]))[0].outputs[0]
+    five = {q[-1] for q in bad_word_sequences(
+        lambda t: smol.engine.tokenizer.encode(t, add_special_tokens=False), ["5"])}
+    assert not five & set(banned.token_ids) and banned.text != plain.text
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(bad_words=[""])
+    assert e.value.param == "bad_words"
+    with pytest.raises(InvalidRequestError) as e:  # tiny-qwen3, a preset: no tokenizer
+        llm.generate(PROMPTS[0], params(bad_words=["x"]))
+    assert e.value.param == "bad_words"
