@@ -20,6 +20,7 @@ import torch
 
 from pdserve.engine.core.config import EngineConfig, compat_payload
 from pdserve.engine.core.tp import TPKVInfo
+from pdserve.engine.exec.heap import freeze_startup_heap
 from pdserve.kv_transfer.faults import FaultInjector
 from pdserve.kv_transfer.transport import KVTransport, make_transport
 from pdserve.worker.config import WorkerConfig
@@ -111,6 +112,7 @@ class FollowerRank:
         rank.group.store.set(ENDPOINT_KEY.format(rank=rank.rank),
                              transport.rank_endpoint().to_bytes())
         server.start()
+        freeze_startup_heap()  # following: full GC pauses out of the lockstep
         threading.Thread(target=rank._follow, name=f"tp-follow{rank.rank}", daemon=True).start()
         return rank
 

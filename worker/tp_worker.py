@@ -37,6 +37,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.engine.exec.heap import freeze_startup_heap
 from pdserve.worker.actor import DIE_DELAY_S, WorkerActor
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.tp_follower import ENDPOINT_KEY, die, rank_device, rank_transport
@@ -67,6 +68,7 @@ class TPWorkerActor(WorkerActor):
             for f in followers:  # none of them can join a group without rank 0
                 ray.kill(f, no_restart=True)
             raise
+        self.frozen_objects = freeze_startup_heap()  # serving: full GC pauses out of decode
         threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
 
     def _start(self, cfg: WorkerConfig):

@@ -11,6 +11,7 @@ import json
 import sys
 
 from pdserve.engine.dist.config import ParallelConfig
+from pdserve.engine.exec.heap import freeze_startup_heap
 
 
 def follower_main(argv: list[str]) -> int:
@@ -33,6 +34,7 @@ def follower_main(argv: list[str]) -> int:
         follower = None
         try:
             follower = rank.follower()  # captures its decode graphs with rank 0's
+            freeze_startup_heap()  # a process of our own: full GC pauses out of the lockstep
             follower.run()  # with speculative, its MTP head shard drafts too
         finally:
             if follower is not None:

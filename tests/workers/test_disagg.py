@@ -348,3 +348,16 @@ def test_cancel_during_the_pull_frees_both_sides_once_the_read_returns() -> None
     finally:
         for w in (p, d):
             ray.kill(w.actor, no_restart=True)
+
+
+def test_worker_processes_freeze_their_startup_heap(pair) -> None:
+    """Each worker actor, once serving, moved its start-up heap (torch, the model, Triton)
+    out of the garbage collector's scans (engine/exec/heap.py), so a full collection's
+    pause no longer lands in a decode step; the tests above ran on these frozen workers.
+    The test process, which only calls the library, is not frozen."""
+    import gc
+
+    for w in pair:
+        frozen = ray.get(w.actor.gc_frozen_objects.remote(), timeout=30)
+        assert frozen > 10_000, (w.cfg.worker_id, frozen)
+    assert gc.get_freeze_count() == 0
