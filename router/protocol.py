@@ -20,7 +20,6 @@ from pdserve.engine.core.sampling_params import (
     LOGIT_BIAS_MAX_ENTRIES,
     InvalidRequestError,
     SamplingParams,
-    bad_word_sequences,
 )
 from pdserve.router.errors import BadRequest
 from pdserve.router.frontend import CHAT_ROLES, Frontend, TemplateOptions
@@ -142,6 +141,11 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
     bias = _logit_bias(body, vocab_size)
     if bias:
         kw["logit_bias"] = bias
+    words = body.get("bad_words")
+    if words not in (None, []):  # vLLM's: tokenized with the params (_build_params)
+        if not isinstance(words, list):
+            raise BadRequest("bad_words: must be a list of non-empty strings", param="bad_words")
+        kw["bad_words"] = tuple(words)
     allowed = body.get("allowed_token_ids")
     if allowed is not None:  # vLLM's: only these ids may be sampled (ids: SamplingParams')
         if not isinstance(allowed, list):
@@ -152,21 +156,6 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
     if policy is not None:
         kw["transfer_failure_policy"] = policy
     return kw
-
-
-def _bad_words(body: dict, fe) -> dict:
-    """vLLM's bad_words (a list of strings) as token sequences for SamplingParams
-    (bad_word_sequences: each word as written and after a space). {} when absent or empty."""
-    words = body.get("bad_words")
-    if words is None or words == []:
-        return {}
-    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
-        raise BadRequest("bad_words: must be a list of non-empty strings", param="bad_words")
-    if fe.tokenizer is None:
-        raise BadRequest("bad_words: this model has no tokenizer; use logit_bias",
-                         param="bad_words")
-    seqs = bad_word_sequences(lambda t: fe.tokenizer.encode(t, add_special_tokens=False), words)
-    return {"bad_words_token_ids": seqs}
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
@@ -215,10 +204,15 @@ def _truncated(body: dict, prompts: list[list[int]], max_model_len: int) -> list
     return [p[-k:] for p in prompts]
 
 
-def _build_params(kw: dict, max_tokens: int, vocab_size: int) -> SamplingParams:
+def _build_params(kw: dict, max_tokens: int, fe: Frontend) -> SamplingParams:
+    """SamplingParams, bad_words as token sequences (what travels on the wire), checked
+    against the model's vocabulary; InvalidRequestError becomes a BadRequest naming it."""
+    encode = None if fe.tokenizer is None else (
+        lambda text: fe.tokenizer.encode(text, add_special_tokens=False))
     try:
         params = SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
-        params.check_vocab(vocab_size)  # allowed_token_ids (logit_bias: _logit_bias did)
+        params = params.with_bad_words_tokenized(encode)
+        params.check_vocab(fe.config.vocab_size)  # allowed_token_ids, bad_words
         return params
     except InvalidRequestError as e:
         raise BadRequest.from_invalid(e) from e
@@ -339,7 +333,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     # echo shows the prompt the model read: a cut one as its tokens decoded
     texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]
     prompts = cut
-    kw = _sampling_kwargs(body, fe.config.vocab_size) | _bad_words(body, fe)
+    kw = _sampling_kwargs(body, fe.config.vocab_size)
     lp = _logprob_count(body, "logprobs")
     if lp is not None:
         kw["logprobs"] = lp
@@ -362,7 +356,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
     if body.get("tools"):
         raise BadRequest("tools: only /v1/chat/completions takes tools", param="tools")
     kw["structured"], checks = output_constraint(body)  # response_format, structured_outputs
-    params = _build_params(kw, max_tokens, fe.config.vocab_size)
+    params = _build_params(kw, max_tokens, fe)
     return ParsedRequest("completion", model, prompts, params, stream, usage, lp is not None,
                          checks, echo=echo, prompt_only=prompt_only,
                          continuous_usage=continuous,
@@ -436,7 +430,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     tools = parse_tools(body)
     fmt = fe.tool_format()
     [ids] = _truncated(body, [chat_prompt_ids(body, fe, tools, fmt)], fe.max_model_len)
-    kw = _sampling_kwargs(body, fe.config.vocab_size) | _bad_words(body, fe)
+    kw = _sampling_kwargs(body, fe.config.vocab_size)
     kw["structured"], checks = output_constraint(body, tools, fmt)
     want = _get(body, "logprobs", _BOOL, False)
     top = _get(body, "top_logprobs", _INT)
@@ -456,7 +450,7 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
         max_tokens = _get(body, "max_tokens", _INT)
     if max_tokens is None:
         max_tokens = default_max_tokens(len(ids))
-    params = _build_params(kw, max_tokens, fe.config.vocab_size)
+    params = _build_params(kw, max_tokens, fe)
     # how this request's calls are read: one only without parallel_tool_calls; under a
     # forced tool_choice, call markup cut by max_tokens is never turned into content
     parsing = dataclasses.replace(fmt, single=not tools.parallel, forced=tools.forced,
