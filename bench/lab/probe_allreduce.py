@@ -2,6 +2,7 @@
 
     python -m bench.lab.probe_allreduce --out $OUT/allreduce.json     # needs 2 GPUs
     python -m bench.lab.probe_allreduce --comm direct --no-symm --out $OUT/direct.json
+    python -m bench.lab.probe_allreduce --comm none --out $OUT/symm.json   # symm_mem only
 
 Two processes, one GPU each. For hidden rows [T, 4096] bf16 (T = 1, 64, 256: a Qwen3-8B
 decode step's all-reduce at those batch sizes), per all-reduce:
