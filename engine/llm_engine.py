@@ -163,7 +163,7 @@ class LLMEngine:
         params = params.with_bad_words_tokenized(None if self.tokenizer is None else (
             lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
         resume = self._check_resume(list(resume_output_ids), params)
-        params.check_vocab(self.config.model.vocab_size)  # logit_bias ids index the logits
+        params.check_vocab(self.config.model.vocab_size)  # its token ids index the logits
         compiled = self._compiled(params)  # cached when a worker service compiled it first
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
@@ -401,10 +401,7 @@ class LLMEngine:
         self.runner.free_request(request_id)
 
     def _new_detok(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                      skip_special_tokens=params.skip_special_tokens,
-                                      min_tokens=params.min_tokens,
-                                      include_stop=params.include_stop_str_in_output)
+        return IncrementalDetokenizer.for_params(self.tokenizer, ids, params)
 
     def generate_until_done(self, deadline_s: float = 3600.0) -> list[RequestOutput]:
         """Run steps until every queued request finished (offline use)."""

@@ -172,10 +172,7 @@ class Frontend:
         """The request's detokenizer, as the engine makes it (its text options included)."""
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
-                                      skip_special_tokens=params.skip_special_tokens,
-                                      min_tokens=params.min_tokens,
-                                      include_stop=params.include_stop_str_in_output)
+        return IncrementalDetokenizer.for_params(self.tokenizer, prompt_ids, params)
 
 
 def load_frontend(model: str | None, max_model_len: int | None = None,

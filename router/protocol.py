@@ -141,17 +141,13 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
     bias = _logit_bias(body, vocab_size)
     if bias:
         kw["logit_bias"] = bias
-    words = body.get("bad_words")
-    if words not in (None, []):  # vLLM's: tokenized with the params (_build_params)
-        if not isinstance(words, list):
-            raise BadRequest("bad_words: must be a list of non-empty strings", param="bad_words")
-        kw["bad_words"] = tuple(words)
-    allowed = body.get("allowed_token_ids")
-    if allowed is not None:  # vLLM's: only these ids may be sampled (ids: SamplingParams')
-        if not isinstance(allowed, list):
-            raise BadRequest("allowed_token_ids: must be a list of token ids",
-                             param="allowed_token_ids")
-        kw["allowed_token_ids"] = tuple(allowed)
+    # vLLM's lists (their items: SamplingParams' checks; bad_words tokenized in _build_params)
+    for name, items in (("bad_words", "non-empty strings"), ("allowed_token_ids", "token ids")):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, list):
+                raise BadRequest(f"{name}: must be a list of {items}", param=name)
+            kw[name] = tuple(value)
     policy = _get(body, "transfer_failure_policy", _STR)
     if policy is not None:
         kw["transfer_failure_policy"] = policy

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pdserve.engine.core.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 # prompt tokens decoded as context so the first output token's spacing is right
@@ -64,6 +67,15 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_string: str | None = None
 
+
+    @classmethod
+    def for_params(cls, tokenizer: Decoder, prompt_token_ids: Sequence[int],
+                   params: SamplingParams) -> IncrementalDetokenizer:
+        """A request's detokenizer, its text options from its params (the engine's and the
+        router's alike)."""
+        return cls(tokenizer, prompt_token_ids, params.stop,
+                   skip_special_tokens=params.skip_special_tokens,
+                   min_tokens=params.min_tokens, include_stop=params.include_stop_str_in_output)
     def add(self, token_ids: Sequence[int]) -> DetokResult:
         """Feed new output tokens; returns the text that is safe to emit now."""
         if self.stopped:

@@ -246,11 +246,7 @@ class Sampler:
         if ban_rows:  # after the bias: +100 cannot lift a banned EOS
             out = self._ban(out, states, ban_rows)
         if bad:  # after the bias too: the bad words' next tokens, this step's
-            row_of = [i for i, ids in bad.items() for _ in ids]
-            ids = [t for b in bad.values() for t in b]
-            out = out.index_put((to_device(row_of, torch.int64, out.device),
-                                 to_device(ids, torch.int64, out.device)),
-                                torch.tensor(float("-inf"), device=out.device))
+            out = self._ban_bad_words(out, bad)
         if bitmask is not None:  # after the bias: +100 cannot lift a forbidden token
             out = apply_bitmask(out, bitmask)
         dev, vocab = logits.device, logits.shape[-1]
@@ -311,6 +307,15 @@ class Sampler:
         row_of, ids = _entries([states[i].min_tokens_ban for i in rows], rows, "min_tokens",
                                logits.device)
         return logits.index_put((row_of, ids), torch.tensor(float("-inf"), device=logits.device))
+
+    @staticmethod
+    def _ban_bad_words(logits: torch.Tensor, bans: dict[int, list[int]]) -> torch.Tensor:
+        """logits [B, V] with each row's bad-word bans of this step (row -> token ids, from
+        bad_word_bans on the host) at -inf, as _ban (out of place)."""
+        dev = logits.device
+        row_of = to_device([i for i, ids in bans.items() for _ in ids], torch.int64, dev)
+        ids = to_device([t for b in bans.values() for t in b], torch.int64, dev)
+        return logits.index_put((row_of, ids), torch.tensor(float("-inf"), device=dev))
 
     @staticmethod
     def _allow(logits: torch.Tensor, states: Sequence[SamplerState],

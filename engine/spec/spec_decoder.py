@@ -147,11 +147,11 @@ class DraftJob:
 
 def _speculable(req: Request) -> bool:
     """Whether a request may be drafted for. A logit_bias (or allowed_token_ids, bad_words)
-    request may not: greedy verify (and the device-side verify of verify_ahead.py, and the draft graphs)
-    take the argmax of the unbiased target logits, so its tokens would differ from
-    non-speculative decoding. It
-    decodes one token per step through the sampler, which applies the bias (cap_k does the
-    same for a request still short of its min_tokens: the sampler bans its EOS)."""
+    request may not: greedy verify (and the device-side verify of verify_ahead.py, and the
+    draft graphs) take the argmax of the unbiased target logits, so its tokens would differ
+    from non-speculative decoding. It decodes one token per step through the sampler, which
+    applies the bias (cap_k does the same for a request still short of its min_tokens: the
+    sampler bans its EOS)."""
     p = req.sampling_params
     return not p.has_penalties and not p.has_logit_bias and not p.has_allowed \
         and not p.has_bad_words and p.logprobs is None
