@@ -35,6 +35,7 @@ from pdserve.engine.dist.rank import LocalRanks, check_tp_args
 from pdserve.engine.dist.shard import bind_context
 from pdserve.engine.exec.cuda_graphs import maybe_decode_graphs
 from pdserve.engine.exec.kv_cache import engine_kv_cache
+from pdserve.engine.exec.warmup import warm_up
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.model.fp8_convert import check_fp8_kernels
@@ -111,12 +112,13 @@ def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,
     device = parallel.device if parallel is not None else (args.device or default_device())
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     source = resolve_model(args.model)
-    backend = None
+    backend, spec = None, args.spec_config()
     if args.use_triton:  # an entry point of the offline API: pick the Triton mode first
         select_triton_mode()
         from pdserve.engine.model.triton_attention import TritonAttentionBackend
 
-        backend = TritonAttentionBackend()
+        backend = TritonAttentionBackend(
+            verify_rows=spec.num_speculative_tokens + 1 if spec is not None else 1)
     group = join() if join is not None and args.tensor_parallel_size <= 1 else None
     tp, rank = _rank_of(args, parallel, group)
     net, model_cfg, tokenizer = load_model(source, dtype=dtype, device=device, seed=args.seed,
@@ -131,7 +133,6 @@ def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,
         net = bind_context(net, TPContext(group, model_cfg.vocab_size))
     check_fp8_kernels(net, args.use_triton)
     net.use_fused_ops(args.use_triton)
-    spec = args.spec_config()
     head, head_id = None, ""
     if spec is not None:  # the KV cache gets one more layer per MTP layer
         head, model_cfg, head_id = resolve_mtp_shard(source, model_cfg, tp, rank, as_dtype(dtype),
@@ -196,6 +197,8 @@ def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> L
         engine = LLMEngine(parts.config, parts.net, parts.tokenizer, spec=parts.spec,
                            mtp_head=parts.head, mtp_head_id=parts.head_id,
                            leader=ranks.leader if ranks is not None else None)
+        if args.warmup:  # Triton compiles here, not in a served step
+            warm_up(engine)
     except BaseException:
         if ranks is not None:
             ranks.close()

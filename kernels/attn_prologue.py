@@ -61,7 +61,8 @@ def rope_rows(rows_ptr, d, mask, cos, sin, w_ptr, eps, HALF: tl.constexpr,
     return x * cos + tl.where(d < HALF, -1.0, 1.0) * xs * sin
 
 
-@jit
+# T (the step's tokens) changes every step: not specialized, one compile (engine/exec/warmup.py)
+@jit(do_not_specialize=["T"])
 def _prologue_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr,
                      kc_ptr, vc_ptr, slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                      stride_vt, stride_vh, stride_cos, stride_sin, stride_ot, stride_oh,

@@ -78,7 +78,9 @@ MAX_GROUP_ROWS = 64  # rows_per_seq * (Hq / Hkv) query rows per program at most
 MERGE_TILE = 16384  # fp32 elements of one [rows, splits, D] tile when merging partials
 
 
-@jit
+# eager steps' block tables are as wide as their longest sequence: the width is not
+# specialized, or each (== 1, % 16) compiled in a served step (engine/exec/warmup.py)
+@jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
                    kc_ptr,
                    vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, count_ptr,

@@ -91,7 +91,9 @@ def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@jit
+# num_seqs and the block table's width change from step to step: specialized (== 1, % 16)
+# they made up to 9 compiles of each tile class in served steps (engine/exec/warmup.py)
+@jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
                     out_ptr, stride_qt, stride_qh, stride_kc_b, stride_kc_o, stride_kc_h,
                     stride_vc_b, stride_vc_o, stride_vc_h, stride_ks_b, stride_ks_h,

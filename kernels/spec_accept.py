@@ -23,7 +23,9 @@ import triton.language as tl
 from pdserve.kernels._triton import check_launchable, check_tensor, jit, next_pow2
 
 
-@jit
+# the block table's width and the chain's stride change from step to step: not specialized,
+# or each (== 1, % 16) compiled in a served step (engine/exec/warmup.py)
+@jit(do_not_specialize=["stride_chain", "stride_table"])
 def _accept_kernel(argmax_ptr, drafts_ptr, ids_ptr, sel_ptr, cpos_ptr, cslots_ptr, cseq_ptr,
                    tables_ptr, stride_chain, stride_table, block_size, K, Q: tl.constexpr,
                    QP: tl.constexpr, CHAIN: tl.constexpr, FORCED: tl.constexpr):

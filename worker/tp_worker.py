@@ -38,6 +38,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.exec.heap import freeze_startup_heap
+from pdserve.engine.exec.warmup import warm_up
 from pdserve.worker.actor import DIE_DELAY_S, WorkerActor
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.tp_follower import ENDPOINT_KEY, die, rank_device, rank_transport
@@ -100,6 +101,8 @@ class TPWorkerActor(WorkerActor):
         # as build_worker_engine does: a prefill worker ships the last hidden state (with
         # MTP the decode worker drafts from it; the MTP layer's KV travels in the blocks)
         engine.keep_hidden = cfg.role == "prefill"
+        if cfg.engine.warmup:  # every rank compiles now, not in a served step
+            warm_up(engine)
         kv = KVLeader(KVChannel(self.group))
         endpoints = self._gather_endpoints(store, tp, timeout)
         ray.get(started, timeout=timeout)  # a follower that failed to start says why here

@@ -151,6 +151,23 @@ class BlockManager:
             self.block_hashes[block] = h
         self._num_registered[req.request_id] = num_full
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and zero the counters, as vLLM's reset_prefix_cache. Only
+        while no request holds blocks (the start-up warm-up's prompts must not become hits,
+        nor count in the metrics, of the first served requests)."""
+        if self._owners:
+            raise RuntimeError(f"reset_prefix_cache: {len(self._owners)} requests still hold "
+                               f"blocks")
+        for block in self._evictable:
+            del self.hash_to_block[self.block_hashes[block]]
+            self.block_hashes[block] = None
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        self._req_hashes.clear()
+        self._num_registered.clear()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.num_allocations = self.num_evictions = 0
+
     # -- allocation ---------------------------------------------------------------------
     def _take_block(self) -> int:
         if self._free:

@@ -69,6 +69,10 @@ class EngineArgs:
     # graphs). Off unless asked for: NCCL collectives inside graphs hung on the two-H200 test
     # machine (docs/tensor_parallel.md, Performance), and the GPU test has not passed yet
     tp_cuda_graphs: bool = False
+    # run the step shapes serving will run before taking requests, so Triton compiles its
+    # kernels' specializations at start-up rather than inside served steps (CUDA with
+    # use_triton only; engine/exec/warmup.py)
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.speculative == "none":  # the CLI's spelling of off

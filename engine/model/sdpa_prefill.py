@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 1024  # below this the gather + dispatch is not worth it
+PLAN_STEPS = 8  # sequence lengths per power of two that SDPA runs at (padded_len)
 BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
             SDPBackend.EFFICIENT_ATTENTION]
 
@@ -51,8 +52,39 @@ def fresh_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         k = k_cache[blocks].flatten(0, 1)[:S]  # [S, Hkv, D] contiguous gather
         v = v_cache[blocks].flatten(0, 1)[:S]
-    with sdpa_kernel(BACKENDS):
+    return causal_attention(q, k, v, scale)
+
+
+def padded_len(s: int) -> int:
+    """s rounded up to one of PLAN_STEPS lengths per power of two (under 1/PLAN_STEPS more
+    rows). cuDNN builds an execution plan for each new sequence length, ~40 ms on an H200,
+    which every prompt of a new length paid in its prefill step
+    (bench/results/jit_h200_2026-11-29.json); the start-up warm-up builds these few."""
+    step = max(1, (1 << (s.bit_length() - 1)) // PLAN_STEPS)
+    return -(-s // step) * step
+
+
+def plan_lengths(max_len: int) -> list[int]:
+    """The shortest prompt of each padded length from MIN_TOKENS up to max_len: one fresh
+    prefill of each builds every plan a prompt of <= max_len tokens can need."""
+    out, s = [], MIN_TOKENS
+    while s <= max_len:
+        out.append(s)
+        s = padded_len(s) + 1
+    return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     backends: list[SDPBackend] = BACKENDS) -> torch.Tensor:
+    """Causal SDPA of q [S, Hq, D] over k, v [S, Hkv, D] -> [S, Hq, D] (a strided view),
+    computed at padded_len(S) rows: rows appended after a causal sequence change nothing
+    before them, so the first S rows are exact."""
+    S = q.shape[0]
+    pad = padded_len(S) - S
+    if pad:  # [S, H, D] -> [S + pad, H, D], zeros at the end
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+    with sdpa_kernel(backends):
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=True)  # [1, Hq, S, D]
-    return o[0].transpose(0, 1)
+            is_causal=True, scale=scale, enable_gqa=True)  # [1, Hq, S + pad, D]
+    return o[0].transpose(0, 1)[:S]

@@ -26,14 +26,16 @@ from pdserve.kernels.prefill_attention import paged_prefill_attention
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: AttentionMetadata, scale: float, num_splits: int | None = None,
-              kv_scales: KVScales | None = None) -> torch.Tensor:
+              kv_scales: KVScales | None = None, max_rows: int = MAX_GROUP_ROWS
+              ) -> torch.Tensor:
     """Same function as pdserve.engine.model.attention.paged_attention_torch: q [T, Hq, D] over layer views
     [NB, BS, Hkv, D] -> [T, Hq, D]. Decode steps, and verify steps where every sequence brings
     the same few tokens (MTP: the last token + k drafts), take the split-K decode kernel (its
     split count comes from the block table's width unless given, so keep that width fixed
     under CUDA graphs); anything else takes the chunked-prefill kernel. An fp8 cache comes
-    with its kv_scales, which every kernel reads."""
-    rows = _uniform_rows(q, k_cache, meta)
+    with its kv_scales, which every kernel reads. max_rows: uniform steps of more rows per
+    sequence take the prefill kernel (TritonAttentionBackend's verify_rows)."""
+    rows = _uniform_rows(q, k_cache, meta, max_rows)
     if rows:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       scale, num_splits=num_splits, rows_per_seq=rows,
@@ -51,7 +53,7 @@ def attend_with_prologue(backend: AttentionBackend, q: torch.Tensor, prologue: P
     the backend attends over the rotated q. With an fp8 cache (kv_scales) the quantization
     happens inside whichever kernel writes the cache."""
     if isinstance(backend, TritonAttentionBackend) and not backend.takes_sdpa(q, meta):
-        rows = _uniform_rows(q, k_cache, meta)
+        rows = _uniform_rows(q, k_cache, meta, backend.verify_rows)
         if rows:
             return fused_decode_attention(q, prologue, k_cache, v_cache, meta.block_tables,
                                           meta.seq_lens, scale, num_splits=backend.num_splits,
@@ -63,13 +65,14 @@ def attend_with_prologue(backend: AttentionBackend, q: torch.Tensor, prologue: P
     return backend.attend(q, k_cache, v_cache, meta, scale, **fp8)
 
 
-def _uniform_rows(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
-    """R when every sequence of the step brings exactly R new tokens and R query rows per KV
-    head fit one decode program; 0 otherwise (host lists only: no device read)."""
+def _uniform_rows(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata,
+                  max_rows: int) -> int:
+    """R when every sequence of the step brings exactly R <= max_rows new tokens and R query
+    rows per KV head fit one decode program; 0 otherwise (host lists only: no device read)."""
     if meta.is_decode_only:
         return 1
     r, group = meta.uniform_query_len, q.shape[1] // k_cache.shape[2]
-    if r * group > MAX_GROUP_ROWS or r * len(meta.query_lens_cpu) != q.shape[0]:
+    if r > max_rows or r * group > MAX_GROUP_ROWS or r * len(meta.query_lens_cpu) != q.shape[0]:
         return 0
     return r
 
@@ -80,8 +83,13 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None, fresh_prefill_sdpa: bool = True) -> None:
+    def __init__(self, num_splits: int | None = None, fresh_prefill_sdpa: bool = True,
+                 verify_rows: int = 1) -> None:
         self.num_splits = num_splits  # fixed decode split count (None: chosen per shape)
+        # the most new tokens per sequence a uniform step takes to the decode kernel: MTP's
+        # k + 1 (verify steps). Each R is a compile of its own (~2-6 s cold on an H200), so a
+        # prefill step whose prompts happen to be equally long takes the prefill kernel
+        self.verify_rows = verify_rows
         # one fresh long prompt -> SDPA's cuDNN/flash kernels (engine/model/sdpa_prefill.py)
         self.fresh_prefill_sdpa = fresh_prefill_sdpa
 
@@ -105,4 +113,4 @@ class TritonAttentionBackend:
                 sdpa_prefill.log.warning("fresh-prefill SDPA disabled: %s", e)
                 self.fresh_prefill_sdpa = False
         return attention(q, k_cache, v_cache, meta, scale, num_splits=self.num_splits,
-                         kv_scales=kv_scales)
+                         kv_scales=kv_scales, max_rows=self.verify_rows)

@@ -328,3 +328,24 @@ def test_random_workload_keeps_invariants(seed: int) -> None:
         bm.free(req)
     check_invariants(bm, [])
     assert bm.num_used_blocks == 0
+
+
+def test_reset_prefix_cache_forgets_every_cached_block_and_the_counters() -> None:
+    bm = BlockManager(CacheConfig(block_size=16, num_blocks=10))
+    prompt = list(range(40))
+    a = make_req("a", prompt)
+    admit(bm, a)
+    with pytest.raises(RuntimeError, match="1 requests still hold blocks"):
+        bm.reset_prefix_cache()
+    assert bm.free(a)
+    assert bm.num_evictable_blocks == 2 and bm.prefix_cache_queries == 40
+    bm.reset_prefix_cache()
+    check_invariants(bm, [])
+    assert bm.num_evictable_blocks == 0 and bm.hash_to_block == {}
+    assert bm.num_free_blocks == bm.num_blocks
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits, bm.num_allocations,
+            bm.num_evictions) == (0, 0, 0, 0)
+    b = make_req("b", prompt)  # the same prompt again: no longer a hit
+    assert admit(bm, b) == []
+    assert bm.prefix_cache_hits == 0 and bm.num_allocations == 3
+    check_invariants(bm, [b])
