@@ -16,7 +16,7 @@ is on, exactly the serving path), then is forgotten:
   2. fresh prompts of 1024 tokens and up, one per length class that PyTorch's SDPA runs
      (engine/model/sdpa_prefill.py padded_len: cuDNN builds a plan, ~40 ms, per length);
      then a prompt one chunk + 33 tokens long: a full chunk, then a chunk over its context;
-  3. max_num_seqs short requests that end one step apart: every decode batch size from
+  3. max_num_seqs short requests that end SPACING steps apart: every decode batch size from
      max_num_seqs down to 1 (the eager LM head and argmax pick tiles by rows; with MTP, every
      draft count of SpecConfig's caps).
 Afterwards the prefix cache and the engine's counters are reset, so the first request
@@ -45,6 +45,7 @@ WARMUP_BUDGET_S = 600.0  # a cold machine compiles ~25 kernels; a stuck step mus
 # small-row GEMVs (kernels/gemv.py, steps of <= 16 tokens)
 PREFILL_LENGTHS = (2, 3, 5, 9, 16, 17, 33, 65, 129, 257)
 REQUEST_PREFIX = "pdserve-warmup-"
+SPACING = 3  # decode steps between two batch sizes
 
 
 @dataclass(frozen=True)
@@ -118,12 +119,15 @@ def plan(engine: LLMEngine) -> list[tuple[str, list[tuple[list[int], int]]]]:
     long = min(sched.max_num_batched_tokens + 33, room)
     if long > sched.max_num_batched_tokens:
         phases.append(("a prefill over two chunks", [(prompt(long), 2)]))
-    # request i decodes 1 + i steps after a shared prefill step, so one finishes per step:
-    # prompts of 2-5 tokens keep all n prefills in that one step
+    # request i decodes 1 + SPACING * i tokens after a shared prefill step, so one finishes
+    # every SPACING steps and the batch steps down from n to 1; between finishes the batch
+    # decodes steadily, which overlapped decode and MTP's verify-ahead need (a request on its
+    # last token keeps the whole batch off them). Prompts of 2-5 tokens keep all n
+    # prefills in that one step.
     n = sched.max_num_seqs
     lens = [min(2 + i % 4, room) for i in range(n)]
     phases.append((f"decode batches of {n} down to 1",
-                   [(prompt(p), max(1, min(2 + i, sched.max_model_len - p)))
+                   [(prompt(p), max(1, min(2 + SPACING * i, sched.max_model_len - p)))
                     for i, p in enumerate(lens)]))
     return phases
 
