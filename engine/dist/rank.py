@@ -48,8 +48,9 @@ def check_tp_args(args: EngineArgs) -> None:
                           f"tensor_parallel_size={tp} yet (use 'auto' or 'off')")
     if args.use_cuda_graphs and not args.tp_cuda_graphs:
         raise ConfigError(f"use_cuda_graphs: at tensor_parallel_size={tp} CUDA graphs are "
-                          f"experimental: their GPU test has not passed whole yet "
-                          f"(docs/tensor_parallel.md); tp_cuda_graphs=True runs them anyway")
+                          f"experimental: a rank that dies inside a graph replay leaves the "
+                          f"others waiting without a deadline (docs/tensor_parallel.md); "
+                          f"tp_cuda_graphs=True runs them anyway")
 
 
 def check_tp_serving_args(args: EngineArgs) -> None:
