@@ -6,9 +6,10 @@ new-token run (kernels/prefill_attention.py _tile_config), the argmax's chunks p
 the batch's rows, the eager LM head's GEMV its row count. CUDA graph capture compiles only the
 decode forwards. On an H200 with an empty Triton cache a Qwen3-8B engine compiled 13 more
 kernels in its first 180 served steps, 0.1-2.2 s each (11 s in all), each one stalling every
-request in its step: TTFTs of 5-6 s in the first second of a benchmark
-(`python -m bench.lab.diag_jit`, bench/results/jit_h200_2026-11-29.json). A warm disk cache
-turns each into a ~5 ms load, but every new machine, image or Triton version starts cold.
+request in its step (`python -m bench.lab.diag_jit`, bench/results/jit_h200_2026-11-29.json);
+in a disaggregated benchmark on fresh machines TTFT reached 6.6 s
+(bench/results/payoff_h200x2_2026-11-29_seed1.json). A warm disk cache turns each compile
+into a ~5 ms load, but every new machine, image or Triton version starts cold.
 
 What runs, through the engine's own add_request/step (so on every TP rank, with MTP when it
 is on, exactly the serving path), then is forgotten:
@@ -21,7 +22,8 @@ is on, exactly the serving path), then is forgotten:
      draft count of SpecConfig's caps).
 Afterwards the prefix cache and the engine's counters are reset, so the first request
 finds the engine as it would have without the warm-up. Only CUDA with Triton kernels warms
-up (the CPU interpreter compiles nothing). ~1-5 s with a warm cache.
+up (the CPU interpreter compiles nothing). Cost, Qwen3-8B on a fresh H200 (64 sequences,
+2048-token chunks): start-up 25.6 -> 41.8 s, 26.5 s of it compiling 31 kernels.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WARMUP_BUDGET_S = 600.0  # a cold machine compiles ~25 kernels; a stuck step must not hang start-up
+WARMUP_BUDGET_S = 600.0  # cold, ~30 kernels compile (~30 s); a stuck step must not hang start-up
 # next_pow2 2 .. 512: every prefill attention tile class; 16: the rows % 16 class of the
 # small-row GEMVs (kernels/gemv.py, steps of <= 16 tokens)
 PREFILL_LENGTHS = (2, 3, 5, 9, 16, 17, 33, 65, 129, 257)

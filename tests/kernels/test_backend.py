@@ -74,3 +74,21 @@ def test_model_forward_prefill_then_decode(device, close):
             got = tri_model(ids, positions, meta, kv_tri)
         close(got, want, torch.float32)
     close(kv_tri, kv_ref, torch.float32)
+
+
+def test_uniform_steps_take_the_decode_kernel_only_up_to_verify_rows(device) -> None:
+    """Each rows-per-sequence R is a decode-kernel compile of its own (engine/exec/warmup.py):
+    equally long prompts of a plain engine take the prefill kernel, MTP's k + 1 the decode
+    kernel; the engine sizes verify_rows from the speculative config."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.model.triton_attention import _uniform_rows
+
+    meta, q, _, _, kv = _step([3, 3], [9, 14], device, seed=4)
+    k_cache = kv[:, 0, 0]
+    assert _uniform_rows(q, k_cache, meta, TritonAttentionBackend().verify_rows) == 0
+    assert _uniform_rows(q, k_cache, meta, TritonAttentionBackend(verify_rows=3).verify_rows) == 3
+    decode = make_metadata([1, 1], [9, 14], [[0, 1], [2, 3]], BS, device=device)
+    assert _uniform_rows(q[:2], k_cache, decode, 1) == 1
+    llm = LLM("tiny-qwen3", device="cpu", use_triton=True, speculative="mtp",
+              num_speculative_tokens=2, num_blocks=64)
+    assert llm.engine.runner.model.layers[0].self_attn.backend.verify_rows == 3
