@@ -7,7 +7,7 @@ from pdserve.proto import pdserve_pb2 as pb
 
 _OPTIONAL = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "min_tokens",
-             "prompt_logprobs")
+             "prompt_logprobs", "cache_salt")
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from pdserve.engine.core.block_manager import compute_block_hashes
+from pdserve.engine.core.block_manager import compute_block_hashes, root_hash
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.convert import (
@@ -71,7 +71,9 @@ class ChoiceRun:
         self.rid, self.index, self.prompt_ids, self.params = request_id, index, prompt_ids, params
         self.arrival, self.deadline, self.emit = arrival, deadline, emit
         self.proto_params = params_to_proto(params)
-        self.hashes = compute_block_hashes(prompt_ids, self.cfg.block_size)
+        # the engines' own hashes (salted as theirs are): prefix affinity routes on them
+        self.hashes = compute_block_hashes(prompt_ids, self.cfg.block_size,
+                                           root_hash(params.cache_salt))
         self.need_blocks = blocks_needed(len(prompt_ids) + 1, self.cfg.block_size)
         self.stages = StageTimes()
         self.dispatched = 0.0

@@ -148,6 +148,9 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
             if not isinstance(value, list):
                 raise BadRequest(f"{name}: must be a list of {items}", param=name)
             kw[name] = tuple(value)
+    salt = _get(body, "cache_salt", _STR)  # non-empty, bounded: SamplingParams' check
+    if salt is not None:
+        kw["cache_salt"] = salt
     policy = _get(body, "transfer_failure_policy", _STR)
     if policy is not None:
         kw["transfer_failure_policy"] = policy
@@ -227,7 +230,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "spaces_between_special_tokens": ((None, True), "not supported"),
     "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),
     "priority": ((None, 0), "not supported: requests are served first come, first served"),
-    "cache_salt": ((None,), "not supported: the prefix cache is shared by all requests"),
     "return_token_ids": ((None, False), "not supported (the gRPC API returns token ids)"),
     "logits_processors": ((None, []), "not supported"),
     "vllm_xargs": ((None, {}), "not supported"),

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pdserve.engine.core.config import CacheConfig
 from pdserve.engine.core.request import Request
 
-ROOT_HASH = 0  # the parent hash of a sequence's first block
+ROOT_HASH = 0  # the parent hash of a sequence's first block (no cache_salt)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -43,6 +43,15 @@ class NoFreeBlocksError(RuntimeError):
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     """Process-stable 64-bit hash of one full block: blake2b(parent, tokens), little-endian."""
     data = struct.pack(f"<Q{len(token_ids)}q", parent_hash, *token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """The parent hash of a prompt's first block: ROOT_HASH, or one derived from its
+    cache_salt (SamplingParams), so that equal prompts under other salts share no block."""
+    if cache_salt is None:
+        return ROOT_HASH
+    data = b"pdserve-cache-salt\0" + cache_salt.encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
@@ -112,7 +121,7 @@ class BlockManager:
         if len(hashes) < num_blocks:  # only build the token list when a new block is full
             start = len(hashes) * self.block_size
             tokens = req.all_token_ids[start:num_blocks * self.block_size]
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(req.sampling_params.cache_salt)
             hashes += compute_block_hashes(tokens, self.block_size, parent)
         return hashes[:num_blocks]
 

@@ -33,6 +33,7 @@ LOGIT_BIAS_MAX = 100.0
 LOGIT_BIAS_MAX_ENTRIES = 300
 BAD_WORDS_MAX = 256  # bad-word token sequences per request (a word tokenizes to up to two)
 BAD_WORD_MAX_TOKENS = 64
+CACHE_SALT_MAX_CHARS = 1024
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_CHOICES = 1024
 
@@ -119,6 +120,9 @@ class SamplingParams:
     # as token sequences: a sequence's last token is banned wherever the output ends with
     # the rest of it (a one-token sequence: always)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # vLLM's cache_salt: mixed into the prompt's first block hash, so only requests with the
+    # same salt share prefix-cache blocks (one tenant cannot time another's cached prompts)
+    cache_salt: str | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +143,11 @@ class SamplingParams:
             object.__setattr__(self, "bad_words_token_ids", _checked_bad_words(
                 self.bad_words_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt
+                                 or len(salt) > CACHE_SALT_MAX_CHARS):
+            raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most "
+                                      f"{CACHE_SALT_MAX_CHARS} characters")
         if type(self.top_k) is int and self.top_k == 0:  # vLLM's other "off"
             object.__setattr__(self, "top_k", -1)
         self._validate()

@@ -17,7 +17,7 @@ from pdserve.engine.core.block_manager import (
 )
 from pdserve.engine.core.config import CacheConfig
 from pdserve.engine.core.request import Request
-from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import InvalidRequestError, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -349,3 +349,25 @@ def test_reset_prefix_cache_forgets_every_cached_block_and_the_counters() -> Non
     assert admit(bm, b) == []
     assert bm.prefix_cache_hits == 0 and bm.num_allocations == 3
     check_invariants(bm, [b])
+
+
+def test_cache_salt_seeds_the_chain_so_only_equal_salts_share_blocks() -> None:
+    """vLLM's cache_salt (SamplingParams): equal prompts under another salt, or none, find
+    nothing cached; under the same salt they hit."""
+    from pdserve.engine.core.block_manager import ROOT_HASH, root_hash
+
+    assert root_hash(None) == ROOT_HASH and root_hash("a") != root_hash("b") != ROOT_HASH
+    bm = BlockManager(CacheConfig(block_size=16, num_blocks=20))
+    prompt = list(range(40))
+
+    def salted(rid: str, salt: str | None) -> Request:
+        return Request(rid, list(prompt), SamplingParams(max_tokens=4, cache_salt=salt))
+
+    live = [salted("a", "tenant-a")]
+    assert admit(bm, live[0]) == []
+    for rid, salt, hits in (("b", "tenant-b", 0), ("c", None, 0), ("d", "tenant-a", 2)):
+        live.append(salted(rid, salt))
+        assert len(admit(bm, live[-1])) == hits, rid
+    check_invariants(bm, live)
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        SamplingParams(cache_salt="")

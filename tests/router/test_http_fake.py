@@ -374,7 +374,8 @@ BAD = [
         ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 10 ** 9),
         ("return_tokens_as_token_ids", "yes"), ("skip_special_tokens", 0),
         ("spaces_between_special_tokens", False), ("length_penalty", 0.5), ("priority", 1),
-        ("cache_salt", "tenant-a"), ("return_token_ids", True), ("request_id", "a b"),
+        ("cache_salt", ""), ("cache_salt", 7), ("cache_salt", "s" * 1025),
+        ("return_token_ids", True), ("request_id", "a b"),
         ("request_id", 7), ("logits_processors", ["x"]),
         ("kv_transfer_params", {"do_remote_decode": True}), ("add_special_tokens", "no"),
         ("top_logprobs", 2))],
@@ -665,3 +666,17 @@ def test_batched_prompts_return_every_completion(cluster):
     assert finished == [0, 1, 2]
     too_many = client.post("/v1/completions", json={"prompt": ["hi"] * 200, "n": 2})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+
+
+def test_cache_salt_reaches_the_params_and_the_wire(frontend):
+    """vLLM's cache_salt: taken on both chat and completions, and sent to the workers, whose
+    block hashes (and the router's prefix affinity) it seeds."""
+    from pdserve.proto.convert import params_from_proto
+
+    for parsed in (parse_completion({"prompt": "hi", "cache_salt": "tenant-a"}, frontend),
+                   parse_chat({"messages": [{"role": "user", "content": "x"}],
+                               "cache_salt": "tenant-a"}, frontend, lambda n: 8)):
+        assert parsed.params.cache_salt == "tenant-a"
+        assert params_from_proto(params_to_proto(parsed.params)).cache_salt == "tenant-a"
+    unsalted = parse_completion({"prompt": "hi"}, frontend).params
+    assert params_from_proto(params_to_proto(unsalted)).cache_salt is None

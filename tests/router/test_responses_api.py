@@ -120,9 +120,10 @@ def test_tools_text_format_and_sampling_reach_the_chat_request(frontend):
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     req = parse_responses({"input": "x", "tools": tools, "tool_choice": "required",
                            "parallel_tool_calls": False, "max_output_tokens": 7,
-                           "temperature": 0.5, "seed": 3, "store": True,
+                           "temperature": 0.5, "seed": 3, "store": True, "cache_salt": "t1",
                            "include": ["reasoning.encrypted_content"]}, frontend, _max)
     p = req.parsed
+    assert p.params.cache_salt == "t1"
     assert p.kind == "response" and p.tool_format is not None
     assert p.tool_format.forced and p.tool_format.single and p.params.structured is not None
     assert (p.params.max_tokens, p.params.temperature, p.params.seed) == (7, 0.5, 3)
