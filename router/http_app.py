@@ -353,9 +353,38 @@ def _full_body(parsed: ParsedRequest, head: dict, deltas: list[Delta], fe) -> di
             for choice, d in zip(choices, deltas):
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(d.prompt_logprobs, top, fe)
         obj = "text_completion"
+    if parsed.token_ids:
+        ids = _TokenIdFields(parsed)
+        choices = [ids.choice(c, d) for c, d in zip(choices, deltas)]
+        extra.update(ids.head())
     prompt_tokens = sum(len(p) for p in parsed.prompts)
     return {**head, "object": obj, "choices": choices, **extra,
             "usage": usage_body(prompt_tokens, deltas)}
+
+
+class _TokenIdFields:
+    """vLLM's return_token_ids: each choice's output token ids ("token_ids"; streamed, the
+    chunk's own), and the prompt's ("prompt_token_ids": per choice on completions, once per
+    response on chat; streamed, only in the first chunk of each)."""
+
+    def __init__(self, parsed: ParsedRequest) -> None:
+        self.parsed, self.chat = parsed, parsed.kind == "chat"
+        self._sent_head = False
+        self._prompted: set[int] = set()  # completions: choices whose prompt ids went out
+
+    def choice(self, choice: dict, d: Delta) -> dict:
+        out = {**choice, "token_ids": list(d.token_ids)}
+        if not self.chat and d.index not in self._prompted:
+            self._prompted.add(d.index)
+            out["prompt_token_ids"] = self.parsed.prompts[d.index // self.parsed.params.n]
+        return out
+
+    def head(self) -> dict:
+        """{"prompt_token_ids": ...} for a chat response's first body or chunk, else {}."""
+        if not self.chat or self._sent_head:
+            return {}
+        self._sent_head = True
+        return {"prompt_token_ids": self.parsed.prompts[0]}
 
 
 class _RunningUsage:
@@ -391,9 +420,10 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
     parsers = collections.defaultdict(tools.stream) if tools is not None else None
     running = _RunningUsage(parsed)
     names = _names(parsed, fe)
+    ids = _TokenIdFields(parsed) if parsed.token_ids else None
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        body = {**head, "choices": choices}
+        body = {**head, **(ids.head() if ids is not None else {}), "choices": choices}
         if parsed.include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
@@ -410,8 +440,11 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                                     running.so_far(delta.index))
                     stream = parsers[delta.index] if parsers is not None else None
                     choice = chat_chunk_choice(delta, names, parsed.logprobs, stream)
+                    if ids is not None:
+                        choice = ids.choice(choice, delta)
                     usage = running.add(delta)
-                    if choice["delta"] or choice["finish_reason"] or choice["logprobs"]:
+                    if choice["delta"] or choice["finish_reason"] or choice["logprobs"] \
+                            or choice.get("token_ids"):  # held markup's tokens still go out
                         yield chunk([choice], usage)  # not while the tool parser holds markup back
                 else:
                     if parsed.echo and delta.index not in seen:
@@ -421,7 +454,8 @@ async def _sse(parsed: ParsedRequest, head: dict, gen: AsyncIterator[Delta], fir
                         delta = without_output(delta)
                     off = offsets.get(delta.index, 0)
                     offsets[delta.index] = off + len(delta.text)
-                    yield chunk([completion_choice(delta, names, parsed.logprobs, off)],
+                    choice = completion_choice(delta, names, parsed.logprobs, off)
+                    yield chunk([ids.choice(choice, delta) if ids is not None else choice],
                                 running.add(delta))
                 if delta.finish_reason:
                     finals.append(delta)

@@ -63,6 +63,8 @@ class ParsedRequest:
     # vLLM's stream_options.continuous_usage_stats (with include_usage): usage in every chunk
     continuous_usage: bool = False
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' "token_id:N"
+    # vLLM's return_token_ids: each choice's output token ids and the prompt's, beside the text
+    token_ids: bool = False
     # vLLM's prompt_logprobs field: the top N per prompt token, rendered in vLLM's shape
     prompt_logprobs: int | None = None
     # completions: each prompt as the client wrote it (None: sent as token ids), for echo
@@ -230,7 +232,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "spaces_between_special_tokens": ((None, True), "not supported"),
     "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),
     "priority": ((None, 0), "not supported: requests are served first come, first served"),
-    "return_token_ids": ((None, False), "not supported (the gRPC API returns token ids)"),
     "logits_processors": ((None, []), "not supported"),
     "vllm_xargs": ((None, {}), "not supported"),
     "kv_transfer_params": ((None, {}), "not supported: pdserve moves the KV itself"),
@@ -359,6 +360,7 @@ def parse_completion(body: dict, fe: Frontend) -> ParsedRequest:
                          checks, echo=echo, prompt_only=prompt_only,
                          continuous_usage=continuous,
                          tokens_as_ids=_get(body, "return_tokens_as_token_ids", _BOOL, False),
+                         token_ids=_get(body, "return_token_ids", _BOOL, False),
                          prompt_logprobs=want_prompt, prompt_texts=texts,
                          request_id=_request_id(body))
 
@@ -457,4 +459,5 @@ def parse_chat(body: dict, fe: Frontend, default_max_tokens: Callable[[int], int
     return ParsedRequest("chat", model, [ids], params, stream, usage, bool(want), checks, parsing,
                          prompt_logprobs=want_prompt, request_id=_request_id(body),
                          continuous_usage=continuous,
-                         tokens_as_ids=_get(body, "return_tokens_as_token_ids", _BOOL, False))
+                         tokens_as_ids=_get(body, "return_tokens_as_token_ids", _BOOL, False),
+                         token_ids=_get(body, "return_token_ids", _BOOL, False))

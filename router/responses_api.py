@@ -39,6 +39,8 @@ _REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
                                        "truncated; one too long is refused)"),
     "top_logprobs": ((None, 0), "not supported on /v1/responses (use /v1/chat/completions)"),
     "max_tool_calls": ((None,), "not supported"),
+    "return_token_ids": ((None, False), "not supported on /v1/responses (use "
+                                        "/v1/chat/completions)"),
     # the chat API's names: refused, never silently dropped (what they ask would not happen)
     "messages": ((None,), "not a Responses field: use input"),
     "max_tokens": ((None,), "not a Responses field: use max_output_tokens"),

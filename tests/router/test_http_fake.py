@@ -204,6 +204,39 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(cluster, fronten
                c["bytes"] == list(c["token"].encode()) for c in content)
 
 
+def test_return_token_ids_gives_output_and_prompt_ids_whole_and_streamed(cluster, frontend):
+    """vLLM's return_token_ids: completions put prompt_token_ids and token_ids in each choice;
+    chat puts prompt_token_ids in the response and token_ids in each choice. Streamed, the
+    prompt's ids come once (a completion choice's first chunk, a chat stream's first chunk),
+    each chunk's token_ids are its own. Without the field, none of them."""
+    _, _, client = cluster
+    prompt = frontend.encode_prompt("Hello there")
+    want = [prompt[-1] + 1 + i for i in range(3)]
+    body = {"prompt": "Hello there", "max_tokens": 3, "n": 2, "return_token_ids": True}
+    r = client.post("/v1/completions", json=body).json()
+    for c in r["choices"]:
+        assert c["token_ids"] == want and c["prompt_token_ids"] == prompt
+    plain = client.post("/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as st:
+        events = sse_events(st)[:-1]
+    for i in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+        assert [c.get("prompt_token_ids") for c in mine] == [prompt] + [None] * (len(mine) - 1)
+        assert [t for c in mine for t in c["token_ids"]] == want
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "return_token_ids": True}
+    whole = client.post("/v1/chat/completions", json=chat).json()
+    assert len(whole["prompt_token_ids"]) == whole["usage"]["prompt_tokens"]
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == 2 and ids[0] == whole["prompt_token_ids"][-1] + 1
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as st:
+        events = sse_events(st)[:-1]
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == ids
+
+
 def test_truncate_prompt_tokens_keeps_the_last_k(cluster, frontend):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what the model reads
     (usage counts them; echo shows them); -1 keeps up to the context length."""
@@ -375,7 +408,7 @@ BAD = [
         ("return_tokens_as_token_ids", "yes"), ("skip_special_tokens", 0),
         ("spaces_between_special_tokens", False), ("length_penalty", 0.5), ("priority", 1),
         ("cache_salt", ""), ("cache_salt", 7), ("cache_salt", "s" * 1025),
-        ("return_token_ids", True), ("request_id", "a b"),
+        ("return_token_ids", "yes"), ("request_id", "a b"),
         ("request_id", 7), ("logits_processors", ["x"]),
         ("kv_transfer_params", {"do_remote_decode": True}), ("add_special_tokens", "no"),
         ("top_logprobs", 2))],

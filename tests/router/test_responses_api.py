@@ -97,6 +97,7 @@ def test_input_items_become_chat_messages():
                 {"type": "function_call_output", "call_id": "c9", "output": "y"}]},
      "input[1].call_id"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"input": "x", "return_token_ids": True}, "return_token_ids"),
 ])
 def test_bad_requests_name_the_responses_field(frontend, body, param):
     with pytest.raises(BadRequest) as e:
