@@ -221,7 +221,7 @@ def _engine_config(args: EngineArgs, model_cfg: ModelConfig, device: str, dtype:
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=max_len),
+                                  max_model_len=max_len, policy=args.scheduling_policy),
         device=device, dtype=dtype, use_triton=args.use_triton,
         use_cuda_graphs=args.use_cuda_graphs, overlap_decode=args.overlap_decode, seed=args.seed,
         identity=identity)

@@ -14,7 +14,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                             ignore_eos=p.ignore_eos, transfer_failure_policy=p.transfer_failure_policy,
                             keep_special_tokens=not p.skip_special_tokens,
-                            include_stop_str_in_output=p.include_stop_str_in_output)
+                            include_stop_str_in_output=p.include_stop_str_in_output,
+                            priority=p.priority)
     for name in _OPTIONAL:
         value = getattr(p, name)
         if value is not None:
@@ -73,6 +74,7 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
                           skip_special_tokens=not msg.keep_special_tokens,
                           include_stop_str_in_output=msg.include_stop_str_in_output,
                           transfer_failure_policy=msg.transfer_failure_policy or "retry",
+                          priority=msg.priority,
                           **kwargs)  # type: ignore[arg-type]
 
 

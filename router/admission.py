@@ -11,6 +11,10 @@ completion of the next, rather than queueing it behind all 200. The documented b
 request waiting at the gate is granted a slot within the next R slot releases, where R is
 the number of requests waiting at the gate ahead of it (at most --max-inflight); how many
 completions those requests carry does not matter.
+
+With --scheduling-policy priority, vLLM's request priority orders the gate first: a free
+slot goes to the lowest priority value waiting, round-robin among the requests of that
+value (the bound above holds within a priority). Under fcfs every request has priority 0.
 """
 from __future__ import annotations
 
@@ -54,17 +58,18 @@ class FairGate:
     def __init__(self, slots: Callable[[], int]) -> None:
         self._slots = slots
         self._held = 0
-        # key -> its waiters in arrival order; the dict's order is the round-robin order
-        self._waiting: collections.OrderedDict[Hashable, collections.deque[asyncio.Future]] = \
-            collections.OrderedDict()
+        # priority -> (key -> its waiters in arrival order; the dict's order is the
+        # round-robin order among that priority's requests)
+        self._levels: dict[int, collections.OrderedDict[Hashable,
+                                                        collections.deque[asyncio.Future]]] = {}
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(q) for q in self._waiting.values())
+        return sum(len(q) for level in self._levels.values() for q in level.values())
 
     @contextlib.asynccontextmanager
-    async def slot(self, key: Hashable) -> AsyncIterator[None]:
-        await self.acquire(key)
+    async def slot(self, key: Hashable, priority: int = 0) -> AsyncIterator[None]:
+        await self.acquire(key, priority)
         try:
             yield
         finally:
@@ -75,14 +80,16 @@ class FairGate:
         self._held -= 1
         self._grant()
 
-    async def acquire(self, key: Hashable) -> None:
-        """Wait for key's turn and a free slot. Cancellable at any point (a timeout
-        around it included): a slot granted as the waiter was cancelled goes to the next."""
-        if not self._waiting and self._held < max(1, self._slots()):
+    async def acquire(self, key: Hashable, priority: int = 0) -> None:
+        """Wait for key's turn (among the requests of its priority, after every lower
+        priority value) and a free slot. Cancellable at any point (a timeout around it
+        included): a slot granted as the waiter was cancelled goes to the next."""
+        if not self._levels and self._held < max(1, self._slots()):
             self._held += 1
             return
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(key, collections.deque()).append(fut)
+        level = self._levels.setdefault(priority, collections.OrderedDict())
+        level.setdefault(key, collections.deque()).append(fut)
         try:
             await fut
         except asyncio.CancelledError:
@@ -90,25 +97,32 @@ class FairGate:
                 self._held -= 1
                 self._grant()
             else:
-                self._forget(key, fut)
+                self._forget(key, priority, fut)
             raise
 
     def _grant(self) -> None:
-        while self._waiting and self._held < max(1, self._slots()):
-            key, queue = next(iter(self._waiting.items()))
+        while self._levels and self._held < max(1, self._slots()):
+            priority = min(self._levels)
+            waiting = self._levels[priority]
+            key, queue = next(iter(waiting.items()))
             fut = queue.popleft()
-            del self._waiting[key]
+            del waiting[key]
             if queue:  # its next completion waits for the key's next turn, at the back
-                self._waiting[key] = queue
+                waiting[key] = queue
+            if not waiting:
+                del self._levels[priority]
             if not fut.done():
                 self._held += 1
                 fut.set_result(None)
 
-    def _forget(self, key: Hashable, fut: asyncio.Future) -> None:
-        queue = self._waiting.get(key)
+    def _forget(self, key: Hashable, priority: int, fut: asyncio.Future) -> None:
+        waiting = self._levels.get(priority, {})
+        queue = waiting.get(key)
         if queue is None:
             return
         with contextlib.suppress(ValueError):
             queue.remove(fut)
         if not queue:
-            del self._waiting[key]
+            del waiting[key]
+        if not waiting:
+            self._levels.pop(priority, None)

@@ -47,6 +47,9 @@ class RouterConfig:
     retry_after_s: int = 1  # Retry-After on 429 / 503
     log_requests: bool = False  # one JSON line per finished completion (router/deltas.py Trace)
     router_id: str = "router-0"
+    # the workers' scheduling policy: "priority" lets requests carry vLLM's priority, which
+    # also orders the router's queue (router/admission.py FairGate); "fcfs" refuses it
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_inflight"):
@@ -54,6 +57,9 @@ class RouterConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.retry_budget < 0 or self.disagg_threshold < 0:
             raise ValueError("retry_budget, disagg_threshold: must be >= 0")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got "
+                             f"{self.scheduling_policy!r}")
         for name in ("prefill_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
@@ -101,6 +107,10 @@ class RouterCore:
         bad_deadline = timeout_problem(job.timeout_s)
         if bad_deadline:
             raise BadRequest(bad_deadline, param="timeout_s")
+        if job.params.priority and self.cfg.scheduling_policy != "priority":
+            raise BadRequest(f"priority: {job.params.priority}: this server serves first come, "
+                             f"first served (start it with --scheduling-policy priority)",
+                             param="priority")
         if self.draining:
             raise Draining("server is draining; retry on another instance",
                            retry_after_s=self.cfg.retry_after_s)
@@ -233,7 +243,7 @@ class RouterCore:
         run.set_waiting(True)
         try:
             async with asyncio.timeout(max(0.0, run.remaining())):
-                await self.gate.acquire(key)
+                await self.gate.acquire(key, run.params.priority)
         except TimeoutError:
             raise RequestTimeout(f"request {run.rid}: no decode stream slot came free before "
                                  "the deadline (all decode workers at capacity)") from None

@@ -177,6 +177,7 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
                          num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                          max_model_len=args.max_model_len,
                          max_num_batched_tokens=args.max_num_batched_tokens,
+                         scheduling_policy=args.scheduling_policy,
                          use_triton=fast, use_cuda_graphs=fast)
     refs = []
     for role, count in roles:
@@ -330,7 +331,8 @@ async def _serve(args: argparse.Namespace) -> int:
                            retry_budget=args.retry_budget, request_timeout_s=args.request_timeout,
                            prefill_timeout_s=args.prefill_timeout,
                            stall_timeout_s=args.stall_timeout, router_id=router_id,
-                           log_requests=args.log_requests)
+                           log_requests=args.log_requests,
+                           scheduling_policy=args.scheduling_policy)
         tls = TLSConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
         try:
             stack = await start_stack(refs, frontend, cfg, cluster_secret=secret,

@@ -120,7 +120,7 @@ def _sampling_kwargs(body: dict, vocab_size: int) -> dict:
                  "repetition_penalty"):
         if body.get(name) is not None:
             kw[name] = _get(body, name, _NUM)
-    for name in ("n", "top_k", "seed", "min_tokens"):
+    for name in ("n", "top_k", "seed", "min_tokens", "priority"):
         if body.get(name) is not None:
             kw[name] = _get(body, name, _INT)
     if kw.get("n", 1) > MAX_N:
@@ -231,7 +231,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     # vLLM's sampling and output extensions pdserve does not implement
     "spaces_between_special_tokens": ((None, True), "not supported"),
     "length_penalty": ((None, 1, 1.0), "not supported (a beam-search parameter)"),
-    "priority": ((None, 0), "not supported: requests are served first come, first served"),
     "logits_processors": ((None, []), "not supported"),
     "vllm_xargs": ((None, {}), "not supported"),
     "kv_transfer_params": ((None, {}), "not supported: pdserve moves the KV itself"),

@@ -55,7 +55,7 @@ _INCLUDE_OK = ("reasoning.encrypted_content",)
 # vLLM's sampling extensions passed through to the chat parser as they are
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
            "presence_penalty", "frequency_penalty", "logit_bias", "parallel_tool_calls",
-           "stream", "request_id", "model", "cache_salt")
+           "stream", "request_id", "model", "cache_salt", "priority")
 _TEXT_PARTS = ("input_text", "output_text")
 
 

@@ -59,6 +59,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                                                   "per-worker request cap")
     a("--max-num-batched-tokens", type=int, default=2048,
       help="tokens per engine step (the prefill chunk size; default 2048)")
+    a("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+      help="fcfs: first come, first served; priority: requests' vLLM priority field (lower "
+           "first) orders the router's queue and every worker's, and picks who is preempted")
     a("--eager", action="store_true",
       help="on CUDA, run the torch reference ops without Triton kernels or CUDA graphs")
     a("--lease-ttl", type=float, default=30.0, help="seconds a prefill worker pins KV for a reader")

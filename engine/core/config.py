@@ -166,8 +166,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     max_model_len: int = 4096
+    # waiting order and preemption: "fcfs" (arrival) or "priority" (SamplingParams.priority,
+    # lower first, then arrival; engine/core/request_queue.py)
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        _require(self.policy in ("fcfs", "priority"), "scheduling_policy",
+                 f"must be 'fcfs' or 'priority', got {self.policy!r}")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
         _require(self.max_model_len > 0, "max_model_len", "must be > 0")

@@ -21,6 +21,7 @@ from pdserve.engine.core.config import (
 )
 
 OVERLAP_MODES = ("auto", "on", "off")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model dtype; fp8: e4m3 with per-block scales
 
@@ -40,6 +41,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own
     enable_prefix_caching: bool = True
+    # "fcfs" (arrival order) or "priority" (SamplingParams.priority, lower first; vLLM's
+    # --scheduling-policy): the waiting order and who is preempted first
+    scheduling_policy: str = "fcfs"
     # Triton kernels (fused norms, SiLU-mul, attention prologue, paged attention); on CPU they
     # run in Triton's interpreter (tests). CUDA graphs (needs use_triton, CUDA): decode steps
     # replay graphs captured when the engine is built (engine/exec/cuda_graphs.py).
@@ -85,6 +89,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ConfigError(f"{name}: must be an int >= 1 or None, got {value!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, "
+                              f"got {self.scheduling_policy!r}")
         if self.overlap_decode not in OVERLAP_MODES:
             raise ConfigError(f"overlap_decode: must be one of {OVERLAP_MODES}, "
                               f"got {self.overlap_decode!r}")

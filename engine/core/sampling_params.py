@@ -123,6 +123,9 @@ class SamplingParams:
     # vLLM's cache_salt: mixed into the prompt's first block hash, so only requests with the
     # same salt share prefix-cache blocks (one tenant cannot time another's cached prompts)
     cache_salt: str | None = None
+    # vLLM's priority: with scheduling_policy "priority", lower is served (and kept from
+    # preemption) first; equal priorities by arrival. Must be 0 under "fcfs"
+    priority: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +174,9 @@ class SamplingParams:
              f"must be an integer in [1, {UINT32_MAX}], got {self.max_tokens!r}")
         need(is_num(self.temperature) and not math.isnan(self.temperature)
              and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        need(is_int(self.priority) and -INT32_MAX - 1 <= self.priority <= INT32_MAX,
+             "priority", f"must be an integer in [{-INT32_MAX - 1}, {INT32_MAX}], "
+                         f"got {self.priority!r}")
         need(is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX), "top_k",
              f"must be -1 or 0 (off) or in [1, {INT32_MAX}], got {self.top_k!r}")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",

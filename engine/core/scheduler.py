@@ -2,11 +2,13 @@
 
 Plain Python, no torch. Each step:
   1. running requests, decodes first (1 token each), then running chunked prefills, each cut
-     to the remaining token budget. When one cannot get a block, the most recently admitted
-     running request is preempted (LIFO, recompute): its blocks are freed, it goes back to
-     the front of the waiting queue with its outputs kept, and is re-prefilled later.
-  2. if nobody was preempted, waiting requests in FIFO order while budget, max_num_seqs and
-     blocks allow; a prompt longer than the remaining budget is split into chunks.
+     to the remaining token budget. When one cannot get a block, a running request is
+     preempted (recompute): under the fcfs policy the most recently admitted, under
+     priority the lowest priority (engine/core/request_queue.py); its blocks are freed, it
+     goes back to the waiting queue with its outputs kept, and is re-prefilled later.
+  2. if nobody was preempted, waiting requests in the policy's order (arrival, or priority
+     then arrival) while budget, max_num_seqs and blocks allow; the head waits for blocks,
+     nobody overtakes it; a prompt longer than the remaining budget is split into chunks.
 A scheduled request computes tokens all_token_ids[start : start + num_new_tokens] and
 samples iff that reaches its last token.
 
@@ -32,11 +34,11 @@ Only this module changes Request.status.
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from pdserve.engine.core.block_manager import BlockManager, NoFreeBlocksError
 from pdserve.engine.core.config import CacheConfig, SchedulerConfig
 from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.request_queue import make_queue
 from pdserve.engine.core.sampling_params import DuplicateRequestError, InvalidRequestError
 from pdserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -49,7 +51,7 @@ class Scheduler:
         self.config = scheduler_config
         self.block_manager = BlockManager(cache_config)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_queue(scheduler_config.policy)
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.waiting_for_kv: dict[str, Request] = {}  # decode role: remote read in flight
         self.held: dict[str, Request] = {}  # prefill role: finished, blocks pinned for a reader
@@ -88,10 +90,15 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------------
     def _check_admissible(self, req: Request) -> None:
-        """Reject what could never finish: over the context length or the whole KV pool."""
+        """Reject what could never finish (over the context length or the whole KV pool),
+        and a priority that the fcfs policy would ignore."""
         rid = req.request_id
         if rid in self.requests or rid in self.held:
             raise DuplicateRequestError(rid)
+        if req.sampling_params.priority and self.config.policy != "priority":
+            raise InvalidRequestError("priority", f"{req.sampling_params.priority}: requests "
+                                      f"are served first come, first served; priorities need "
+                                      f"scheduling_policy='priority' (--scheduling-policy)")
         prompt, max_tokens = req.num_prompt_tokens, req.sampling_params.max_tokens
         for limit, what in ((self.config.max_model_len, "the context length (max_model_len)"),
                             (self.block_manager.num_blocks * self.block_manager.block_size,
@@ -107,7 +114,7 @@ class Scheduler:
         self._check_admissible(req)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def add_remote_request(self, req: Request) -> list[int]:
         """Decode role: allocate blocks for a request prefilled elsewhere and park it as
@@ -146,7 +153,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)  # it has waited already
+        self.waiting.put_back([req])  # it has waited already
         self.num_kv_recomputes += 1
         return True
 
@@ -276,7 +283,7 @@ class Scheduler:
             return True, 0
         refund = 0
         while not self.block_manager.append_slots(req, num_new):
-            victim = self.running[-1]  # the most recently admitted
+            victim = self.waiting.victim(self.running)  # fcfs: the most recently admitted
             victim_slot = scheduled.pop(victim.request_id, None)
             if victim_slot is not None:
                 refund += victim_slot.num_new_tokens
@@ -295,8 +302,8 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        # victims go newest first, so each older one lands in front: admission order is kept
-        self.waiting.appendleft(req)
+        # fcfs: victims go newest first, so each older one lands in front (admission order)
+        self.waiting.put_back([req])
 
     def _schedule_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> None:
         bm = self.block_manager
@@ -304,9 +311,9 @@ class Scheduler:
         skipped: list[Request] = []  # siblings waiting for their leader; they keep their place
         while (self.waiting and budget > 0 and len(self.running) < limit
                and len(scheduled) < limit):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if self._waits_for_leader(req):
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             # prompt logprobs need every prompt position computed: no cached prefix
             computed = [] if req.sampling_params.prompt_logprobs is not None else \
@@ -316,15 +323,15 @@ class Scheduler:
             lookahead = self.num_lookahead_tokens if completes else 0
             if not (lookahead and bm.allocate(req, num_new + lookahead, computed)) \
                     and not bm.allocate(req, num_new, computed):
-                break  # FIFO: the head waits for blocks, nobody overtakes it
-            self.waiting.popleft()
+                break  # the head waits for blocks, nobody overtakes it
+            self.waiting.pop()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             scheduled[req.request_id] = ScheduledRequest(req, num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.put_back(skipped)
 
     def _waits_for_leader(self, req: Request) -> bool:
         """A sibling waits until its leader's prompt KV is computed (then in the cache)."""

@@ -77,9 +77,9 @@ class FakeKV:
 
 
 def make_sched(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_seqs: int = 16,
-               max_len: int = 512, caching: bool = True) -> Scheduler:
+               max_len: int = 512, caching: bool = True, policy: str = "fcfs") -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_len),
+                                     max_model_len=max_len, policy=policy),
                      CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                  enable_prefix_caching=caching), (EOS,))
 
@@ -225,7 +225,7 @@ def test_preemption_is_lifo_and_keeps_outputs() -> None:
     out, _ = step(sched, kv)  # position 8 needs a new block: the newest (c) is preempted
     assert out.preempted == [c] and c.status == RequestStatus.PREEMPTED
     assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
-    assert sched.waiting[0] is c and c.num_computed_tokens == 0 and not c.block_table
+    assert sched.waiting.peek() is c and c.num_computed_tokens == 0 and not c.block_table
     assert c.output_token_ids == outputs_before and sched.num_preemptions == 1
     run_all(sched, kv)
     for r in reqs:
@@ -484,8 +484,9 @@ def test_prefill_role_holds_blocks_until_released() -> None:
 def test_random_workloads_finish_with_reference_outputs(seed: int) -> None:
     rng = random.Random(seed)
     bs = rng.choice([2, 4, 8])
+    policy = "priority" if seed % 2 else "fcfs"  # priorities drawn from -2..2 below
     sched = make_sched(num_blocks=rng.randint(4, 16), block_size=bs, budget=rng.randint(1, 40),
-                       max_seqs=rng.randint(1, 6), caching=rng.random() < 0.8)
+                       max_seqs=rng.randint(1, 6), caching=rng.random() < 0.8, policy=policy)
     pool = sched.block_manager.num_blocks * bs
     kv = FakeKV(sched)
     stems = [[rng.randrange(3, 9) for _ in range(pool)] for _ in range(2)]
@@ -497,8 +498,10 @@ def test_random_workloads_finish_with_reference_outputs(seed: int) -> None:
         prompt = rng.choice(stems)[:plen]
         max_tokens = rng.randint(1, pool - plen)
         n = rng.choice([1, 1, 2, 3])
+        priority = rng.randint(-2, 2) if policy == "priority" else 0
         for j in range(n):
-            req = make_req(f"q{i}-{j}", prompt, max_tokens, parent=None if j == 0 else f"q{i}-0")
+            req = make_req(f"q{i}-{j}", prompt, max_tokens, parent=None if j == 0 else f"q{i}-0",
+                           priority=priority)
             sched.add_request(req)
             reqs.append(req)
             expected[req.request_id] = reference(prompt, max_tokens)
@@ -520,3 +523,36 @@ def test_random_workloads_finish_with_reference_outputs(seed: int) -> None:
             assert r.status == RequestStatus.FINISHED_LENGTH
             assert r.output_token_ids == expected[r.request_id]
     assert sched.block_manager.num_used_blocks == 0
+
+
+def test_priority_policy_admits_lower_values_first_and_preempts_the_highest() -> None:
+    """vLLM's priority scheduling: waiting requests go in (priority, arrival) order; under
+    memory pressure the running request with the largest (priority, arrival) is preempted,
+    whatever the admission order, and goes back to the queue by its key."""
+    sched = make_sched(num_blocks=4, block_size=4, max_seqs=2, policy="priority")
+    kv = FakeKV(sched)
+    reqs = {n: make_req(n, [k] * 7, max_tokens=8, priority=p)
+            for n, k, p in (("low", 3, 5), ("high", 4, -1), ("mid", 5, 0))}
+    for r in reqs.values():
+        sched.add_request(r)
+    out, _ = step(sched, kv)  # two seats: the two lowest values, in value order
+    assert [s.request.request_id for s in out.scheduled] == ["high", "mid"]
+    sched.add_request(urgent := make_req("urgent", [6] * 3, max_tokens=4, priority=-9))
+    assert [r.request_id for r in sched.waiting] == ["urgent", "low"]
+    step(sched, kv)  # position 7 fits in block 1 for both running
+    out, _ = step(sched, kv)  # position 8 needs a block, none is free: "mid" (value 0) goes
+    assert [r.request_id for r in out.preempted] == ["mid"]
+    assert [r.request_id for r in sched.waiting] == ["urgent", "mid", "low"]
+    run_all(sched, kv)
+    for r in [*reqs.values(), urgent]:
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+def test_fcfs_refuses_a_priority_naming_the_field() -> None:
+    with pytest.raises(InvalidRequestError, match="priority") as e:
+        make_sched().add_request(make_req("a", [1, 2], priority=3))
+    assert e.value.param == "priority"
+    with pytest.raises(InvalidRequestError, match="priority"):
+        SamplingParams(priority=2**31)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        make_sched(policy="lifo")

@@ -36,6 +36,7 @@ class FakeWorker(pbg.WorkerServicer):
         self.cancelled: list[str] = []  # decode: streams the caller closed early
         self.aborted: list[str] = []
         self.prefills: list[str] = []
+        self.params_seen: list[pb.SamplingParams] = []  # every Prefill's and Decode's params
         self.peers: set[tuple[str, str]] = set()
         self.seen: set[tuple[int, ...]] = set()  # prefill: prompts prefilled (prefix cache)
         # failure switches
@@ -96,6 +97,7 @@ class FakeWorker(pbg.WorkerServicer):
     # -- RPCs ------------------------------------------------------------------------------
     def Prefill(self, req: pb.PrefillRequest, context) -> pb.PrefillResult:
         self.prefills.append(req.request_id)
+        self.params_seen.append(req.params)
         if self.invalid_detail:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.invalid_detail)
         with self.lock:
@@ -132,6 +134,7 @@ class FakeWorker(pbg.WorkerServicer):
 
     def Decode(self, req: pb.DecodeRequest, context):
         rid, remote = req.request_id, req.HasField("prefill")
+        self.params_seen.append(req.params)
         if self.invalid_detail:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.invalid_detail)
         src = FakeWorker.registry.get(req.prefill.kv.worker_id) if remote else None

@@ -34,13 +34,14 @@ def test_deadline_in_range(t: float | None) -> None:
     assert timeout_problem(t) is None
 
 
-async def _order_of_grants(jobs: dict[str, int], slots: int) -> list[str]:
+async def _order_of_grants(jobs: dict[str, int], slots: int,
+                           priorities: dict[str, int] | None = None) -> list[str]:
     """Each job's completions wait at a gate of `slots`; the order in which they get in."""
     gate, order = FairGate(lambda: slots), []
     release = asyncio.Event()
 
     async def completion(key: str) -> None:
-        async with gate.slot(key):
+        async with gate.slot(key, (priorities or {}).get(key, 0)):
             order.append(key)
             await release.wait()
             await asyncio.sleep(0)
@@ -62,6 +63,14 @@ def test_requests_take_turns_whatever_their_size() -> None:
     assert order.index("small") < 3
     assert order[:6] == ["big-a", "big-b", "small", "big-a", "big-b", "big-a"]
     assert order.count("big-a") == order.count("big-b") == 200
+
+
+def test_lower_priority_values_go_first_and_take_turns_among_themselves() -> None:
+    """--scheduling-policy priority: every completion of a lower value is in before any of
+    a higher one, arrival order notwithstanding; requests of one value take turns."""
+    order = asyncio.run(_order_of_grants({"batch": 3, "chat-a": 2, "chat-b": 2, "vip": 1},
+                                         slots=1, priorities={"batch": 7, "vip": -1}))
+    assert order == ["vip", "chat-a", "chat-b", "chat-a", "chat-b", "batch", "batch", "batch"]
 
 
 def test_slots_bound_concurrency_and_follow_the_pool() -> None:

@@ -713,3 +713,26 @@ def test_cache_salt_reaches_the_params_and_the_wire(frontend):
         assert params_from_proto(params_to_proto(parsed.params)).cache_salt == "tenant-a"
     unsalted = parse_completion({"prompt": "hi"}, frontend).params
     assert params_from_proto(params_to_proto(unsalted)).cache_salt is None
+
+
+def test_priority_policy_takes_vllms_priority_to_both_workers(frontend):
+    """A router started with --scheduling-policy priority takes vLLM's priority field (the
+    fcfs one refuses it, see the bad-input cases) and sends it, with cache_salt, to the
+    prefill and the decode worker, whose engines order their queues by it."""
+    ws = {wid: FakeWorker(wid, role).start() for wid, role in (("pp0", "prefill"),
+                                                                ("pd0", "decode"))}
+    cfg = RouterConfig(block_size=16, router_id="router-prio", scheduling_policy="priority")
+    rt = RouterThread([FakeRef(w) for w in ws.values()], frontend, cfg, api_key=KEY)
+    try:
+        with httpx.Client(base_url=rt.url, headers=AUTH, timeout=30) as client:
+            r = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 2,
+                                                     "priority": -3, "cache_salt": "t"})
+            assert r.status_code == 200, r.text
+            bad = client.post("/v1/completions", json={"prompt": "hi", "priority": 0.5})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+        seen = ws["pp0"].params_seen + ws["pd0"].params_seen
+        assert len(seen) == 2 and all(p.priority == -3 and p.cache_salt == "t" for p in seen)
+    finally:
+        rt.stop()
+        for w in ws.values():
+            w.stop()
