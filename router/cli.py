@@ -57,6 +57,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="fp8: the KV cache holds e4m3 values with a scale per block, layer "
                         "and KV head (half the bytes of bf16); auto: the model dtype")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="on CUDA, take requests without first running serving's step shapes "
+                        "(Triton then compiles inside the first served steps)")
 
 
 def check_speculative(args: argparse.Namespace, check_files: bool = True) -> str | None:
@@ -87,6 +90,7 @@ def engine_args(args: argparse.Namespace, **fields: object) -> EngineArgs:
                       mtp_head=args.mtp_head, draft_vocab=args.draft_vocab,
                       quantization=getattr(args, "quantization", None),
                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                      warmup=getattr(args, "warmup", True),
                       **fields)  # type: ignore[arg-type]
 
 

@@ -92,7 +92,8 @@ def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
                         lambda cfg, **kw: launched.append(cfg) or types.SimpleNamespace())
     args = build_parser().parse_args(["serve", "--prefill", "2", "--decode", "1", "--speculative",
                                       "mtp", "--num-speculative-tokens", "3", "--mtp-head",
-                                      os.path.relpath(HEAD), "--draft-vocab", "16384"])
+                                      os.path.relpath(HEAD), "--draft-vocab", "16384",
+                                      "--scheduling-policy", "priority", "--no-warmup"])
     assert _check(args) is None
     _launch_workers(args, SECRET)
     assert sorted(c.role for c in launched) == ["decode", "prefill", "prefill"]
@@ -100,13 +101,16 @@ def test_serve_gives_every_worker_the_speculative_setting(monkeypatch) -> None:
     assert SECRET not in repr(launched[0])  # and it never shows in a log line
     assert {(c.engine.speculative, c.engine.num_speculative_tokens, c.engine.mtp_head,
              c.engine.draft_vocab) for c in launched} == {("mtp", 3, str(HEAD), 16384)}
+    assert {(c.engine.scheduling_policy, c.engine.warmup) for c in launched} == {
+        ("priority", False)}  # the same policy on both halves of the split
     # (an absolute head path: Ray workers may run elsewhere)
     launched.clear()
     args = build_parser().parse_args(["serve"])
     assert _check(args) is None
     _launch_workers(args, SECRET)
-    assert {(c.engine.speculative, c.engine.num_speculative_tokens, c.engine.mtp_head)
-            for c in launched} == {(None, None, None)}
+    assert {(c.engine.speculative, c.engine.num_speculative_tokens, c.engine.mtp_head,
+             c.engine.scheduling_policy, c.engine.warmup)
+            for c in launched} == {(None, None, None, "fcfs", True)}
 
 
 def test_serve_refuses_a_head_of_another_model_before_starting_workers() -> None:
