@@ -4,7 +4,7 @@ Plain Python, no torch. Each step:
   1. running requests, decodes first (1 token each), then running chunked prefills, each cut
      to the remaining token budget. When one cannot get a block, a running request is
      preempted (recompute): under the fcfs policy the most recently admitted, under
-     priority the lowest priority (engine/core/request_queue.py); its blocks are freed, it
+     priority the largest priority value (engine/core/request_queue.py); its blocks are freed, it
      goes back to the waiting queue with its outputs kept, and is re-prefilled later.
   2. if nobody was preempted, waiting requests in the policy's order (arrival, or priority
      then arrival) while budget, max_num_seqs and blocks allow; the head waits for blocks,
@@ -52,7 +52,7 @@ class Scheduler:
         self.block_manager = BlockManager(cache_config)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = make_queue(scheduler_config.policy)
-        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.running: list[Request] = []  # admission order (fcfs preempts the last first)
         self.waiting_for_kv: dict[str, Request] = {}  # decode role: remote read in flight
         self.held: dict[str, Request] = {}  # prefill role: finished, blocks pinned for a reader
         self.requests: dict[str, Request] = {}  # every unfinished request
