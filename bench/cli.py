@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="multiply trace timestamps (0.5 = replay twice as fast)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrival rate in req/s; inf = all at once (default)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps between arrivals, as vllm bench serve's: 1 "
+                        "is Poisson (default), below 1 burstier, above 1 more even")
     p.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 1,2,4,inf")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--slo", default=None, help="goodput SLOs in seconds: ttft=1.0,tpot=0.025")
@@ -68,6 +71,8 @@ def _parse_rates(args: argparse.Namespace) -> list[float]:
     for r in rates:
         if not r > 0:
             raise ValueError(f"--rates/--request-rate: each rate must be > 0, got {r}")
+    if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        raise ValueError(f"--burstiness: must be a finite number > 0, got {args.burstiness}")
     return rates
 
 
@@ -125,7 +130,8 @@ def _run_rates(args: argparse.Namespace, model: str, rates: list[float], runs: l
     for i, rate in enumerate(rates if not args.trace else [math.inf]):
         cfg = loadgen.LoadConfig(
             base_url=args.base_url, model=model, endpoint=args.endpoint, api_key=args.api_key,
-            request_rate=rate, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+            request_rate=rate, burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
             temperature=args.temperature, timeout_s=args.timeout, seed=args.seed + i,
             progress=not args.no_progress)
         before: list = []  # the server's stage histograms once the warm-up is over

@@ -63,6 +63,7 @@ class LoadConfig:
     endpoint: str = "/v1/completions"  # or /v1/chat/completions
     api_key: str | None = None
     request_rate: float = math.inf  # req/s of a Poisson process; inf = all at once
+    burstiness: float = 1.0  # gamma shape of the gaps (vllm bench serve's): 1 = Poisson
     max_concurrency: int | None = None  # cap on requests in flight
     ignore_eos: bool = False  # send vLLM/SGLang's ignore_eos (not an OpenAI field)
     temperature: float = 0.0
@@ -207,7 +208,7 @@ async def run_load_async(specs: list[RequestSpec], cfg: LoadConfig,
     if all(s.arrival_s is not None for s in specs):
         arrivals = [float(s.arrival_s) for s in specs]  # type: ignore[arg-type]
     else:
-        arrivals = poisson_arrivals(len(specs), cfg.request_rate, cfg.seed)
+        arrivals = poisson_arrivals(len(specs), cfg.request_rate, cfg.seed, cfg.burstiness)
     async with _client(cfg) as client:
         warmup_failures = 0
         if warmup:

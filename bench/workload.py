@@ -164,17 +164,23 @@ def trace_workload(entries: list[TraceEntry], block_size: int = 512,
     return specs
 
 
-def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival offsets (s) of n requests from a Poisson process of `rate` req/s; rate = inf
-    sends everything at t=0. The first request leaves at t=0."""
+def poisson_arrivals(n: int, rate: float, seed: int = 0, burstiness: float = 1.0
+                     ) -> list[float]:
+    """Arrival offsets (s) of n requests at `rate` req/s; rate = inf sends everything at t=0.
+    The first request leaves at t=0. Gaps are gamma-distributed with shape `burstiness` and
+    mean 1 / rate, as vllm bench serve's --burstiness: 1 is a Poisson process, below 1
+    burstier, above 1 more even."""
     if rate <= 0 or math.isnan(rate):
         raise ValueError(f"request_rate: must be > 0 (or inf), got {rate}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness: must be a finite number > 0, got {burstiness}")
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(n):
-        if i > 0:
-            t += rng.expovariate(rate)
+        if i > 0:  # burstiness 1: the exponential draws of earlier runs, seed for seed
+            t += rng.expovariate(rate) if burstiness == 1.0 else \
+                rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
         out.append(t)
     return out

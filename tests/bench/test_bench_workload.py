@@ -93,6 +93,19 @@ def test_poisson_arrivals_rate():
         poisson_arrivals(3, 0.0)
 
 
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_burstiness_keeps_the_rate_and_shapes_the_gaps(burstiness):
+    """vllm bench serve's --burstiness: gamma gaps of shape b and mean 1 / rate, so the
+    coefficient of variation is 1 / sqrt(b) (Poisson: b = 1, CV 1)."""
+    times = poisson_arrivals(8000, rate=20.0, seed=5, burstiness=burstiness)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert statistics.mean(gaps) == pytest.approx(1 / 20.0, rel=0.06)
+    cv = statistics.stdev(gaps) / statistics.mean(gaps)
+    assert cv == pytest.approx(burstiness ** -0.5, rel=0.1)
+    with pytest.raises(ValueError, match="burstiness"):
+        poisson_arrivals(3, 1.0, burstiness=0.0)
+
+
 def _result(ttft: float, e2e: float, n: int, ok: bool = True) -> RequestResult:
     step = (e2e - ttft) / max(n - 1, 1)
     return RequestResult(input_len=10, success=ok, prompt_tokens=10, output_tokens=n,
