@@ -39,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Mooncake JSONL trace to replay at its timestamps (ms)")
     p.add_argument("--trace-block-size", type=int, default=512,
                    help="tokens per trace hash id (Mooncake: 512)")
+    p.add_argument("--sharegpt", default=None, metavar="JSON",
+                   help="a ShareGPT file: first turns as prompts, second turns' lengths as "
+                        "max_tokens, filtered as vllm bench serve does")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json (or its folder) that counts ShareGPT tokens "
+                        "(default: ~4 characters per token)")
     p.add_argument("--trace-time-scale", type=float, default=1.0,
                    help="multiply trace timestamps (0.5 = replay twice as fast)")
     p.add_argument("--request-rate", type=float, default=math.inf,
@@ -79,9 +85,23 @@ def _parse_rates(args: argparse.Namespace) -> list[float]:
 def _workloads(args: argparse.Namespace, n_runs: int) -> tuple[list[list], list]:
     """One workload per run (a different seed each, so a later rate doesn't hit the prefix
     cache the earlier one filled), plus the warm-up requests."""
-    from pdserve.bench.workload import LengthRange, random_workload, read_trace, trace_workload
+    from pdserve.bench.workload import (
+        LengthRange,
+        approx_tokens,
+        random_workload,
+        read_trace,
+        sharegpt_workload,
+        tokenizer_counter,
+        trace_workload,
+    )
 
-    if args.trace:
+    if args.sharegpt:
+        count = tokenizer_counter(args.tokenizer) if args.tokenizer else approx_tokens
+        runs = [sharegpt_workload(args.sharegpt, args.num_prompts, args.seed + i, count)
+                for i in range(n_runs)]
+        in_len = LengthRange(1, max(s.input_len for s in runs[0]))
+        out_len = LengthRange(1, max(s.output_len for s in runs[0]))
+    elif args.trace:
         entries = read_trace(args.trace, limit=args.num_prompts)
         specs = trace_workload(entries, args.trace_block_size, args.seed)
         if args.trace_time_scale != 1.0:
@@ -112,6 +132,10 @@ def _validate(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
 
     rates = _parse_rates(args)
     slo = report.parse_slo(args.slo)
+    if args.trace and args.sharegpt:
+        raise ValueError("--sharegpt: one workload at a time (--trace names another)")
+    if args.tokenizer and not args.sharegpt:
+        raise ValueError("--tokenizer: counts ShareGPT tokens; it needs --sharegpt")
     if args.trace and args.rates:
         raise ValueError("--rates: a trace replays at its own timestamps; use --trace-time-scale")
     if args.num_prompts < 1:

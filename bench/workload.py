@@ -1,4 +1,5 @@
-"""Workloads for `pdserve bench`: random prompts, shared prefixes, Mooncake trace replay.
+"""Workloads for `pdserve bench`: random prompts, shared prefixes, Mooncake trace replay,
+ShareGPT conversations.
 
 Prompts are text made of common English words so that any server's tokenizer turns each
 word into roughly one token; the real token counts come back in the server's `usage`, so
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,3 +186,59 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0, burstiness: float = 1.0
                 rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
         out.append(t)
     return out
+
+
+# vllm bench serve's ShareGPT filter: prompt and reply of >= 4 tokens, prompt <= 1024,
+# prompt + reply <= 2048 (its fixed limits, so results compare)
+SHAREGPT_MIN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+def approx_tokens(text: str) -> int:
+    """~4 characters per token (English text), when the bench has no tokenizer."""
+    return max(1, math.ceil(len(text) / 4))
+
+
+def sharegpt_workload(path: str | Path, num_prompts: int, seed: int = 0,
+                      count_tokens: Callable[[str], int] = approx_tokens) -> list[RequestSpec]:
+    """ShareGPT conversations as vllm bench serve samples them: each conversation's first
+    turn is the prompt and its second the reply, whose length in tokens (count_tokens) is
+    the request's max_tokens; shuffled by `seed`, filtered as above, the first num_prompts."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not a ShareGPT JSON file ({e})") from e
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in data
+             if isinstance(c, dict) and isinstance(c.get("conversations"), list)
+             and len(c["conversations"]) >= 2
+             and all(isinstance(t, dict) and isinstance(t.get("value"), str)
+                     for t in c["conversations"][:2])]
+    random.Random(seed).shuffle(pairs)
+    specs = []
+    for prompt, reply in pairs:
+        n_in, n_out = count_tokens(prompt), count_tokens(reply)
+        if min(n_in, n_out) < SHAREGPT_MIN or n_in > SHAREGPT_MAX_PROMPT \
+                or n_in + n_out > SHAREGPT_MAX_TOTAL:
+            continue
+        specs.append(RequestSpec(prompt, n_in, n_out))
+        if len(specs) == num_prompts:
+            break
+    if not specs:
+        raise ValueError(f"{path}: no conversation passed the ShareGPT filter (two turns, "
+                         f"{SHAREGPT_MIN}..{SHAREGPT_MAX_PROMPT} prompt tokens, "
+                         f"<= {SHAREGPT_MAX_TOTAL} in all)")
+    return specs
+
+
+def tokenizer_counter(path: str | Path) -> Callable[[str], int]:
+    """Token counts from a Hugging Face tokenizer.json (or a folder holding one)."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
+        raise ValueError(f"--tokenizer: cannot load {file}: {e}") from e
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from sse_server import TokenStreamServer
 
+from pdserve.bench.workload import approx_tokens
 from pdserve.router.cli import main as pdserve_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +87,29 @@ def test_trace_replay_from_cli(server, tmp_path, capsys):
     assert bodies[0][:8] == bodies[1][:8] == bodies[2][:8]
 
 
+def test_sharegpt_from_cli_sends_first_turns_with_the_reply_lengths(server, tmp_path):
+    """--sharegpt: the first turns are the prompts and each reply's length (here ~4
+    characters per token, no --tokenizer) the request's max_tokens, at a --burstiness rate."""
+    server.reset()
+    convs = [[{"from": "human", "value": f"question number {i} " * (i + 2)},
+              {"from": "gpt", "value": "answer " * (3 * i + 4)}] for i in range(3)]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"conversations": c} for c in convs]))
+    out = tmp_path / "sg_out.json"
+    rc = pdserve_main(["bench", "--base-url", server.base_url, "--sharegpt", str(path),
+                       "--num-prompts", "3", "--request-rate", "50", "--burstiness", "0.5",
+                       "--out", str(out), "--no-progress"])
+    assert rc == 0
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["summary"]["completed"] == 3
+    want = {c[0]["value"]: approx_tokens(c[1]["value"]) for c in convs}
+    assert {r.body["prompt"]: r.body["max_tokens"] for r in server.records} == want
+
+
 @pytest.mark.parametrize("args, field", [
+    (["--tokenizer", "tok.json"], "--tokenizer"),
+    (["--sharegpt", "a.json", "--trace", "b.jsonl"], "--sharegpt"),
+    (["--burstiness", "0"], "--burstiness"),
     (["--rates", "1,x"], "--rates"),
     (["--slo", "ttfb=1"], "slo"),
     (["--input-len", "5:2"], "--input-len"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +15,11 @@ from pdserve.bench.workload import (
     LengthRange,
     PrefixBlocks,
     TraceEntry,
+    approx_tokens,
     poisson_arrivals,
     random_workload,
     read_trace,
+    sharegpt_workload,
     trace_workload,
 )
 
@@ -138,3 +141,34 @@ def test_parse_slo():
     for bad in ("ttft", "foo=1", "ttft=x", "e2e=-1"):
         with pytest.raises(ValueError, match="slo"):
             report.parse_slo(bad)
+
+
+def _sharegpt(tmp_path, convs: list) -> Path:
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"id": str(i), "conversations": c} for i, c in enumerate(convs)]))
+    return path
+
+
+def test_sharegpt_samples_first_turns_and_filters_as_vllm(tmp_path):
+    """First turn = prompt, second turn's token count = max_tokens; conversations under 2
+    turns, or with either side under 4 tokens, a prompt over 1024 or a total over 2048, are
+    skipped; the seed shuffles which ones come first."""
+    def turn(who: str, n: int) -> dict:
+        return {"from": who, "value": " ".join(["w"] * n)}
+
+    words = lambda text: len(text.split())  # noqa: E731 - a word per token, for the test
+    convs = [[turn("human", 10), turn("gpt", 20)], [turn("human", 3), turn("gpt", 20)],
+             [turn("human", 10), turn("gpt", 3)], [turn("human", 1025), turn("gpt", 8)],
+             [turn("human", 1000), turn("gpt", 1049)], [turn("human", 6)],
+             [turn("human", 12), turn("gpt", 7), turn("human", 5)], "not a conversation"]
+    path = _sharegpt(tmp_path, convs)
+    specs = sharegpt_workload(path, num_prompts=10, seed=1, count_tokens=words)
+    assert sorted((s.input_len, s.output_len) for s in specs) == [(10, 20), (12, 7)]
+    assert all(len(s.prompt.split()) == s.input_len and s.arrival_s is None for s in specs)
+    assert len(sharegpt_workload(path, num_prompts=1, seed=1, count_tokens=words)) == 1
+    assert approx_tokens("abcdefgh") == 2
+    with pytest.raises(ValueError, match="no conversation passed"):
+        sharegpt_workload(_sharegpt(tmp_path, [[turn("human", 2), turn("gpt", 2)]]), 5)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not a ShareGPT JSON"):
+        sharegpt_workload(tmp_path / "bad.json", 5)
