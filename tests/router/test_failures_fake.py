@@ -137,9 +137,9 @@ def test_failure_after_output_started_sends_error_chunk_then_done(cluster):
 def test_a_bug_mid_stream_still_ends_with_an_error_chunk_then_done(cluster, monkeypatch):
     """Not only RouterErrors: any exception after the stream started gives the client an
     internal_error chunk and [DONE], never a cut connection."""
-    import pdserve.router.http_app as http_app
+    import pdserve.router.openai_bodies as bodies
 
-    real, calls = http_app.completion_choice, []
+    real, calls = bodies.completion_choice, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -147,7 +147,7 @@ def test_a_bug_mid_stream_still_ends_with_an_error_chunk_then_done(cluster, monk
             raise KeyError("injected")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(http_app, "completion_choice", flaky)
+    monkeypatch.setattr(bodies, "completion_choice", flaky)
     _, _, client = cluster
     with client.stream("POST", "/v1/completions",
                        json={"prompt": "x", "max_tokens": 6, "stream": True}) as r:
