@@ -106,13 +106,16 @@ def run(engine: LLMEngine, budget_s: float = WARMUP_BUDGET_S) -> WarmupReport:
 
 def plan(engine: LLMEngine) -> list[tuple[str, list[tuple[list[int], int]]]]:
     """[(phase name, [(prompt token ids, max_tokens)])], sized to the engine's limits."""
-    sched, vocab = engine.config.scheduler, engine.config.model.vocab_size
+    sched, cache, vocab = engine.config.scheduler, engine.config.cache, engine.config.model.vocab_size
     rng = random.Random(0)  # distinct prompts: no prefix hit may shorten a planned chunk
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]
 
-    room = sched.max_model_len - 2  # every request decodes once or more after its prompt
+    # what one request may hold (the context, or a pool smaller than it), less the two
+    # tokens every planned request decodes after its prompt
+    limit = min(sched.max_model_len, cache.num_blocks * cache.block_size)
+    room = limit - 2
     phases = [(f"a prefill of {n} tokens", [(prompt(n), 2)]) for n in PREFILL_LENGTHS
               if n <= min(room, sched.max_num_batched_tokens)]
     # fresh prompts of every SDPA length class (engine/model/sdpa_prefill.py): their plans
@@ -129,7 +132,7 @@ def plan(engine: LLMEngine) -> list[tuple[str, list[tuple[list[int], int]]]]:
     n = sched.max_num_seqs
     lens = [min(2 + i % 4, room) for i in range(n)]
     phases.append((f"decode batches of {n} down to 1",
-                   [(prompt(p), max(1, min(2 + SPACING * i, sched.max_model_len - p)))
+                   [(prompt(p), max(1, min(2 + SPACING * i, limit - p)))
                     for i, p in enumerate(lens)]))
     return phases
 

@@ -67,3 +67,17 @@ def test_only_compiled_kernels_warm_up_by_default() -> None:
     assert EngineArgs().warmup is True
     engine = LLM("tiny-qwen3", use_triton=True, **TINY).engine  # the interpreter: no compiles
     assert warmup.warm_up(engine) is None and engine.stats.steps == 0
+
+
+@pytest.mark.parametrize("kw", [
+    dict(max_model_len=3, max_num_batched_tokens=4, max_num_seqs=2),  # no room for a prefill
+    dict(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=8, num_blocks=8),  # pool < context
+])
+def test_fits_any_engine_it_is_given(kw) -> None:
+    """Sized to the engine's limits: a context of 3 tokens, a KV pool smaller than the
+    context (requests preempt each other). It completes and leaves the pool empty."""
+    engine = LLM("tiny-qwen3", device="cpu", block_size=4, **{"num_blocks": 64, **kw}).engine
+    report = warmup.run(engine, budget_s=120)
+    bm = engine.scheduler.block_manager
+    assert report.complete and not engine.has_unfinished()
+    assert bm.num_free_blocks == bm.num_blocks and bm.hash_to_block == {}
