@@ -160,8 +160,7 @@ class LLMEngine:
         the penalties count them, a seeded sampler draws at their position on, and only the
         tokens after them are reported, their text continuing the already-sent text."""
         ids = self.tokenize(prompt)
-        params = params.with_bad_words_tokenized(None if self.tokenizer is None else (
-            lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
+        params = params.with_bad_words_tokenized(self.tokenizer)
         resume = self._check_resume(list(resume_output_ids), params)
         params.check_vocab(self.config.model.vocab_size)  # its token ids index the logits
         compiled = self._compiled(params)  # cached when a worker service compiled it first

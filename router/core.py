@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 
+from pdserve.engine.core.config import SCHEDULING_POLICIES
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.router.admission import FairGate, completions_problem, timeout_problem
 from pdserve.router.deltas import Delta, coalesced
@@ -57,8 +58,8 @@ class RouterConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.retry_budget < 0 or self.disagg_threshold < 0:
             raise ValueError("retry_budget, disagg_threshold: must be >= 0")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got "
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got "
                              f"{self.scheduling_policy!r}")
         for name in ("prefill_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:

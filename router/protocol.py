@@ -208,11 +208,9 @@ def _truncated(body: dict, prompts: list[list[int]], max_model_len: int) -> list
 def _build_params(kw: dict, max_tokens: int, fe: Frontend) -> SamplingParams:
     """SamplingParams, bad_words as token sequences (what travels on the wire), checked
     against the model's vocabulary; InvalidRequestError becomes a BadRequest naming it."""
-    encode = None if fe.tokenizer is None else (
-        lambda text: fe.tokenizer.encode(text, add_special_tokens=False))
     try:
         params = SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
-        params = params.with_bad_words_tokenized(encode)
+        params = params.with_bad_words_tokenized(fe.tokenizer)
         params.check_vocab(fe.config.vocab_size)  # allowed_token_ids, bad_words
         return params
     except InvalidRequestError as e:

@@ -171,8 +171,8 @@ class SchedulerConfig:
     policy: str = "fcfs"
 
     def __post_init__(self) -> None:
-        _require(self.policy in ("fcfs", "priority"), "scheduling_policy",
-                 f"must be 'fcfs' or 'priority', got {self.policy!r}")
+        _require(self.policy in SCHEDULING_POLICIES, "scheduling_policy",
+                 f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
         _require(self.max_model_len > 0, "max_model_len", "must be > 0")
@@ -275,6 +275,8 @@ def describe_mismatch(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 SPECULATIVE_METHODS = ("mtp",)
+# waiting order and preemption (engine/core/request_queue.py; vLLM's --scheduling-policy)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 MAX_SPECULATIVE_TOKENS = 16
 
 

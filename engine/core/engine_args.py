@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from pdserve.engine.core.config import (
     MAX_SPECULATIVE_TOKENS,
+    SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     ConfigError,
     SpecConfig,
 )
 
 OVERLAP_MODES = ("auto", "on", "off")
-SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model dtype; fp8: e4m3 with per-block scales
 

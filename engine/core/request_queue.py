@@ -19,8 +19,6 @@ from collections.abc import Iterator
 
 from pdserve.engine.core.request import Request
 
-POLICIES = ("fcfs", "priority")
-
 
 class FCFSQueue:
     def __init__(self) -> None:
@@ -98,6 +96,5 @@ def _key(req: Request) -> tuple[int, float]:
 
 
 def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
-    if policy not in POLICIES:
-        raise ValueError(f"scheduling_policy: must be one of {POLICIES}, got {policy!r}")
-    return PriorityQueue() if policy == "priority" else FCFSQueue()
+    """The queue of one of config.SCHEDULING_POLICIES (SchedulerConfig validated it)."""
+    return {"fcfs": FCFSQueue, "priority": PriorityQueue}[policy]()

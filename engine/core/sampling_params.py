@@ -245,17 +245,19 @@ class SamplingParams:
     def has_allowed(self) -> bool:
         return self.allowed_token_ids is not None
 
-    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]] | None
-                                 ) -> SamplingParams:
-        """These params with bad_words as token sequences (bad_word_sequences), when they
-        have words and no sequences yet; encode None (no tokenizer) refuses the words."""
+    def with_bad_words_tokenized(self, tokenizer: object | None) -> SamplingParams:
+        """These params with bad_words as token sequences (bad_word_sequences, words encoded
+        by `tokenizer` without special tokens), when they have words and no sequences yet;
+        no tokenizer refuses the words."""
         if self.bad_words is None or self.bad_words_token_ids is not None:
             return self
-        if encode is None:
+        if tokenizer is None:
             raise InvalidRequestError("bad_words", "this model has no tokenizer; pass "
                                       "bad_words_token_ids")
-        return replace(self, bad_words_token_ids=bad_word_sequences(encode, self.bad_words)
-                       or None)
+        seqs = bad_word_sequences(
+            lambda text: tokenizer.encode(text, add_special_tokens=False),  # type: ignore[attr-defined]
+            self.bad_words)
+        return replace(self, bad_words_token_ids=seqs or None)
 
     @property
     def has_bad_words(self) -> bool:

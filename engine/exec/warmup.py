@@ -116,11 +116,11 @@ def plan(engine: LLMEngine) -> list[tuple[str, list[tuple[list[int], int]]]]:
     # tokens every planned request decodes after its prompt
     limit = min(sched.max_model_len, cache.num_blocks * cache.block_size)
     room = limit - 2
+    chunk = min(room, sched.max_num_batched_tokens)  # the longest prompt prefilled in one step
     phases = [(f"a prefill of {n} tokens", [(prompt(n), 2)]) for n in PREFILL_LENGTHS
-              if n <= min(room, sched.max_num_batched_tokens)]
+              if n <= chunk]
     # fresh prompts of every SDPA length class (engine/model/sdpa_prefill.py): their plans
-    phases += [(f"a fresh prefill of {n} tokens", [(prompt(n), 1)])
-               for n in plan_lengths(min(room, sched.max_num_batched_tokens))]
+    phases += [(f"a fresh prefill of {n} tokens", [(prompt(n), 1)]) for n in plan_lengths(chunk)]
     long = min(sched.max_num_batched_tokens + 33, room)
     if long > sched.max_num_batched_tokens:
         phases.append(("a prefill over two chunks", [(prompt(long), 2)]))
