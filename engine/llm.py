@@ -199,6 +199,8 @@ def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> L
                            leader=ranks.leader if ranks is not None else None)
         if args.warmup:  # Triton compiles here, not in a served step
             warm_up(engine)
+        if ranks is not None and ranks.group.watchdog is not None:
+            ranks.group.watchdog.start()  # graphs captured: their collectives get a deadline
     except BaseException:
         if ranks is not None:
             ranks.close()

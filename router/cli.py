@@ -109,9 +109,9 @@ def role_tp(args: argparse.Namespace) -> dict[str, int]:
 def check_tp(args: argparse.Namespace, model_config: object) -> str | None:
     """The first TP flag the model or the other flags cannot run with, naming it: the heads,
     KV heads, MLP and vocabulary must split (engine/core/tp.py), and what TP does not run yet
-    (engine/dist/rank.py check_tp_serving_args) is refused here rather than in every worker."""
+    (engine/dist/rank.py check_tp_args) is refused here rather than in every worker."""
     from pdserve.engine.dist.heads import check_model_split
-    from pdserve.engine.dist.rank import check_tp_serving_args
+    from pdserve.engine.dist.rank import check_tp_args
     from pdserve.engine.dist.shard import fp8_split_problem
     block = _fp8_source_block(args)
     for role, _ in worker_roles(args):
@@ -119,7 +119,7 @@ def check_tp(args: argparse.Namespace, model_config: object) -> str | None:
         flag = "--prefill-tp" if role == "prefill" else "--decode-tp"
         try:
             check_model_split(model_config, tp)
-            check_tp_serving_args(engine_args(args, tensor_parallel_size=tp))
+            check_tp_args(engine_args(args, tensor_parallel_size=tp))
         except ConfigError as e:
             return f"{flag} {tp}: {e}"
         problem = fp8_split_problem(model_config, tp, block) if block and tp > 1 else None

@@ -182,12 +182,9 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     refs = []
     for role, count in roles:
         tp = role_tp(args)[role]
-        # serving TP workers run eagerly: the offline engine captures graphs on every rank
-        # (docs/tensor_parallel.md), but NCCL inside graphs hung in a probe on two H200s
-        # (bench/results/allreduce_h200x2_2026-11-29.json) and the serving path's graphs
-        # have not run on GPUs yet
-        role_engine = engine if tp == 1 else engine.replace(tensor_parallel_size=tp,
-                                                            use_cuda_graphs=False)
+        # a TP worker's ranks each capture their decode graphs (docs/tensor_parallel.md);
+        # the group's GPU watchdog bounds the collectives replayed inside them
+        role_engine = engine if tp == 1 else engine.replace(tensor_parallel_size=tp)
         for i in range(count):
             cfg = WorkerConfig(role=role, worker_id=f"{role}-{i}", cluster_secret=cluster_secret,
                                engine=role_engine, host=args.worker_host,

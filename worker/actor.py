@@ -51,7 +51,7 @@ def watch_engine_loop(rt: WorkerRuntime, on_death: Callable[[BaseException], Non
 
 
 def _end_process(why: BaseException) -> None:
-    from pdserve.worker.tp_follower import end_process  # imports torch: in the worker only
+    from pdserve.engine.dist.watchdog import end_process  # imports torch: in the worker only
     end_process(f"the engine loop died ({why!r}): ending this worker process; the router "
                 "launches a new one")
 

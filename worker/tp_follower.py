@@ -12,7 +12,6 @@ worker is relaunched (the module docstring of tp_worker.py).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ import torch
 
 from pdserve.engine.core.config import EngineConfig, compat_payload
 from pdserve.engine.core.tp import TPKVInfo
+from pdserve.engine.dist.watchdog import end_process
 from pdserve.engine.exec.heap import freeze_startup_heap
 from pdserve.kv_transfer.faults import FaultInjector
 from pdserve.kv_transfer.transport import KVTransport, make_transport
@@ -67,14 +67,6 @@ def rank_transport(cfg: WorkerConfig, config: EngineConfig, kv_cache: torch.Tens
                           **kw)
 
 
-def end_process(message: str) -> None:
-    """Log why and end this process at once: Ray marks the actor dead and its owner (the
-    router's pool, or the group's rank 0) launches a new one."""
-    log.error("%s", message)
-    logging.shutdown()
-    os._exit(1)
-
-
 def die(who: str, why: object) -> None:
     """End this rank's process: its peers fail at their next collective, Ray marks the actor
     dead and the owner relaunches the whole group."""
@@ -104,7 +96,9 @@ class FollowerRank:
         if parallel.device == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // parallel.tp_size))
         parts = load_rank(cfg.engine, parallel)
-        follower = parts.follower()  # with MTP, its head shard too
+        follower = parts.follower()  # with MTP, its head shard too (graphs captured here)
+        if parts.group.watchdog is not None:  # a deadline on the graphs' collectives
+            parts.group.watchdog.start()
         transport = rank_transport(cfg, parts.config, follower.kv_cache, parallel.rank,
                                    spec_extra(parts), faults=FaultInjector(cfg.faults))
         rank = cls(cfg, parts, follower, transport)

@@ -137,6 +137,15 @@ class RankActor:
         """A serving follower's KV heads (tests compare them with the prefill ranks')."""
         return self._model.kv_head_digests(block_ids, num_tokens)
 
+    def graph_replays(self) -> int:
+        """A serving follower's decode steps replayed from its CUDA graphs (tests)."""
+        graphs = self._model.follower.graphs
+        return graphs.replays if graphs is not None else 0
+
+    def pid(self) -> int:
+        """This rank's process (tests stop it to stall the group)."""
+        return os.getpid()
+
     def generate_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Rank 0 with load_engine: greedy completions of token-id prompts through the engine
         (tests; serving goes through the Worker's gRPC, docs/tensor_parallel.md)."""

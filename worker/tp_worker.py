@@ -17,8 +17,10 @@ PeerInfo (group_peer_info). Every wait is bounded by cfg.tp_timeout_s.
 
 Failure: a rank that dies or hangs fails its whole worker. Rank 0's next step, keep-alive or
 KV call to it fails (gloo raises at once on a closed socket, and at the deadline otherwise),
-its monitor thread sees that (the engine loop's fatal error, the Leader's keep-alive error,
-the GroupTransport's `broken`), lets the open streams send their error, and ends the process.
+or its GPU makes no progress for the deadline (a CUDA graph's collective that the rank never
+joins: engine/dist/watchdog.py); its monitor thread sees that (the engine loop's fatal
+error, the Leader's keep-alive error, the GroupTransport's `broken`, the GPU watchdog's
+stall), lets the open streams send their error, and ends the process.
 A follower whose rank 0 is gone hears nothing on its channels and ends too. Open streams end
 with an error the router retries or continues on another worker; the prefill side's leases
 free their blocks at expiry (or on the router's Abort). The router's RayWorkerRef relaunches
@@ -90,7 +92,10 @@ class TPWorkerActor(WorkerActor):
         # joining, not for Ray starting a process (CUDA init on a GPU node takes seconds)
         ray.get([f.ping.remote() for f in self.followers], timeout=FOLLOWER_START_TIMEOUT_S)
         started = [f.serve_follower.remote(cfg, pcfg.init_address) for f in self.followers]
-        parts = load_rank(cfg.engine, join=lambda: TPGroup(pcfg, store))
+        # a GPU stall (a collective inside a graph that a peer never joins) ends the worker
+        # through _monitor, as any other group failure does
+        parts = load_rank(cfg.engine, join=lambda: TPGroup(pcfg, store,
+                                                           on_gpu_stall=lambda why: None))
         self.group = parts.group
         self.leader = Leader(self.group)
         self.leader.start_keepalive()
@@ -101,9 +106,14 @@ class TPWorkerActor(WorkerActor):
         # as build_worker_engine does: a prefill worker ships the last hidden state (with
         # MTP the decode worker drafts from it; the MTP layer's KV travels in the blocks)
         engine.keep_hidden = cfg.role == "prefill"
+        # the KV channel before the warm-up: each follower joins it right after its graph
+        # captures and only then follows steps (worker/tp_follower.py FollowerRank.start), so
+        # a warm-up forward sent first would wait in its all-reduce for a rank that waits here
+        kv = KVLeader(KVChannel(self.group))
         if cfg.engine.warmup:  # every rank compiles now, not in a served step
             warm_up(engine)
-        kv = KVLeader(KVChannel(self.group))
+        if self.group.watchdog is not None:  # graphs captured: a deadline on the GPU
+            self.group.watchdog.start()
         endpoints = self._gather_endpoints(store, tp, timeout)
         ray.get(started, timeout=timeout)  # a follower that failed to start says why here
         self.transport = None
@@ -142,7 +152,8 @@ class TPWorkerActor(WorkerActor):
         """End the worker once its group cannot go on (see the module docstring)."""
         while not self._stopping:
             t = self.transport
-            why = (self.w.rt.loop.fatal or self.leader.error
+            wd = self.group.watchdog
+            why = (self.w.rt.loop.fatal or self.leader.error or (wd.stalled if wd else None)
                    or (t.broken or t.kv.leader.error if t is not None else None))
             if why is not None and not self._stopping:
                 self.w.rt.draining = True  # Health says so at once
@@ -154,6 +165,11 @@ class TPWorkerActor(WorkerActor):
         """Rank 0's KV heads (tests; each follower answers for its own, RankActor)."""
         first = self.transport.local.peer_info().tp_info.head_map[0][0]
         return self.w.rt.kv_head_digests(block_ids, num_tokens, first)
+
+    def graph_replays(self) -> int:
+        """Rank 0's decode steps replayed from its CUDA graphs (tests)."""
+        graphs = self.w.rt.engine.runner.cuda_graphs
+        return graphs.replays if graphs is not None else 0
 
     def follower_handles(self) -> list:
         return list(self.followers)  # RankActor handles, rank order
@@ -182,9 +198,9 @@ def launch_tp_worker(cfg: WorkerConfig, generation: int = 0, num_gpus: float = 0
     its constructor starts and joins the group). An earlier generation's placement group is
     removed first, which kills every rank still in it. node_labels: every rank's bundle
     only on a node with these labels (launch_worker)."""
-    from pdserve.engine.dist.rank import check_tp_serving_args
+    from pdserve.engine.dist.rank import check_tp_args
 
-    check_tp_serving_args(cfg.engine)  # what a TP worker does not run yet, refused by field
+    check_tp_args(cfg.engine)  # what a TP worker does not run yet, refused by field
     tp = cfg.engine.tensor_parallel_size
     remove_previous(cfg.worker_id, generation)
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}

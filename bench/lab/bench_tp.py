@@ -67,8 +67,6 @@ TINY_PLAN = Plan(device="cpu", decode_prompt=16, decode_tokens=8, ttft_lens=(40,
                  max_num_batched_tokens=64, copy_bytes=1 << 22, matmul_n=128)
 PROFILE_STEPS = 4  # profiled decode steps per measurement (left out of its tok/s)
 PROBES = {"use_cuda_graphs": {"use_cuda_graphs": True, "use_triton": True},
-          "use_cuda_graphs_with_tp_cuda_graphs": {"use_cuda_graphs": True, "use_triton": True,
-                                                  "tp_cuda_graphs": True},
           "speculative": {"speculative": "mtp"}, "overlap_decode_on": {"overlap_decode": "on"}}
 THIS_RUN = ("no speculation anywhere. tpN_graphs: CUDA graphs on every rank + overlap_decode "
             "'auto' (on), the engine's best at that size; tpN_eager: no CUDA graphs, "
@@ -135,7 +133,7 @@ def build(plan: Plan, cfg: Config):
         num_blocks=need // plan.block_size + 64, block_size=plan.block_size,
         max_num_seqs=max(plan.batch_sizes), max_num_batched_tokens=plan.max_num_batched_tokens,
         max_model_len=plan.max_model_len, enable_prefix_caching=False, use_triton=cuda,
-        use_cuda_graphs=cfg.graphs, tp_cuda_graphs=cfg.graphs and cfg.tp > 1,  # experimental
+        use_cuda_graphs=cfg.graphs,
         overlap_decode="auto" if cfg.graphs else "on" if cfg.overlap else "off",
         tensor_parallel_size=cfg.tp)
 

@@ -69,10 +69,6 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     # ranks (devices) of one engine: column/row-parallel layers, KV heads split across ranks
     tensor_parallel_size: int = 1
-    # experimental: use_cuda_graphs at tensor_parallel_size > 1 (every rank captures its decode
-    # graphs). Off unless asked for: a collective replayed inside a graph has no deadline, so a
-    # rank that dies mid-replay leaves the others waiting (docs/tensor_parallel.md, Failures)
-    tp_cuda_graphs: bool = False
     # run the step shapes serving will run before taking requests, so Triton compiles its
     # kernels' specializations at start-up rather than inside served steps (CUDA with
     # use_triton only; engine/exec/warmup.py)

@@ -26,7 +26,7 @@ class ParallelConfig:
     # NCCL only: the symmetric buffer of the one-shot peer all-reduce that CUDA graph
     # captures use (peer_all_reduce.py); larger all-reduces take NCCL. 0 (the default, and
     # every group that captures no graphs): not joined. The offline engine with
-    # tp_cuda_graphs sets GRAPH_ALL_REDUCE_BYTES.
+    # use_cuda_graphs sets GRAPH_ALL_REDUCE_BYTES.
     peer_all_reduce_bytes: int = 0
 
     def __post_init__(self) -> None:

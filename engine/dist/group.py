@@ -20,6 +20,9 @@ Deadlines (a dead rank must not hang the others):
   * NCCL: the communicator's timeout is timeout_s; torch's NCCL watchdog thread aborts a
     collective that outlives it and tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's
     default), so the rank actor dies and Ray restarts the whole group (worker/tp_group.py);
+    collectives inside CUDA graphs, which torch's watchdog does not see, by the group's
+    GpuWatchdog (watchdog.py): no GPU progress for timeout_s past a step message ends the
+    process the same way;
   * a follower's wait for the next step: the leader sends a keep-alive message at least every
     timeout_s / 4 while idle, so silence for timeout_s means the leader is gone; a closed
     step stream fails at once.
@@ -39,6 +42,7 @@ from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.errors import GroupError
 from pdserve.engine.dist.peer_all_reduce import PeerAllReduce
 from pdserve.engine.dist.step_channel import StepChannel
+from pdserve.engine.dist.watchdog import GpuWatchdog, end_process
 
 __all__ = ["GroupError", "TPGroup", "open_store"]
 
@@ -90,9 +94,12 @@ def _host_store(cfg: ParallelConfig, host: str, port: int,
 
 
 class TPGroup:
-    """One rank's view of its worker's groups. size 1: every collective is the identity."""
+    """One rank's view of its worker's groups. size 1: every collective is the identity.
+    on_gpu_stall: what the NCCL group's GpuWatchdog does on a stall (default: end the
+    process); the watchdog runs once started (watchdog.start(), after the graph captures)."""
 
-    def __init__(self, cfg: ParallelConfig, store: dist.Store | None = None) -> None:
+    def __init__(self, cfg: ParallelConfig, store: dist.Store | None = None,
+                 on_gpu_stall: Callable[[str], None] = end_process) -> None:
         self.cfg = cfg
         self.rank, self.size = cfg.rank, cfg.tp_size
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
@@ -101,6 +108,8 @@ class TPGroup:
         self.control: dist.ProcessGroup | None = None
         self.steps: StepChannel | None = None
         self.peer: PeerAllReduce | None = None  # graph captures' all-reduce (NCCL only)
+        self.watchdog: GpuWatchdog | None = None  # NCCL only: collectives inside graphs
+        self._on_gpu_stall = on_gpu_stall
         if self.size == 1:
             return
         if store is None:
@@ -127,6 +136,8 @@ class TPGroup:
                                                     self.rank, self.size, opts)
                 self.device.eager_connect_single_device(dev)
                 self.peer = self._peer(cfg, store)
+                self.watchdog = GpuWatchdog(dev, cfg.timeout_s, f"tensor-parallel rank "
+                                            f"{self.rank}", on_stall=self._on_gpu_stall)
             else:
                 self.device = dist.ProcessGroupGloo(dist.PrefixStore("device", store),
                                                     self.rank, self.size, self.timeout)
@@ -229,6 +240,8 @@ class TPGroup:
     def close(self) -> None:
         """Leave: drop the groups (their sockets close, so peers still waiting fail at once
         instead of at their deadline) and the store connection."""
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.steps is not None:
             self.steps.close()
         if self.peer is not None:
@@ -244,5 +257,5 @@ class TPGroup:
                     end()
                 except RuntimeError:
                     pass
-        self.device = self.control = self.steps = self.peer = None
+        self.device = self.control = self.steps = self.peer = self.watchdog = None
         self.store = None

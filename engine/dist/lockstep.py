@@ -24,13 +24,13 @@ from pdserve.engine.dist import parallel
 from pdserve.engine.dist import protocol as proto
 from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import TPGroup
+from pdserve.engine.dist.watchdog import GpuWatchdog
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.exec.device_io import rows_of
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.spec.mtp_head import tp_mtp_head
 from pdserve.engine.spec.mtp_plan import MTPPlan, follow_plan
-
 
 STEP_MESSAGE = "tp:step_message"  # the profiler's name of one message sent (bench/lab/tp_probes)
 
@@ -48,10 +48,14 @@ class Channel(Protocol):
 class Leader:
     """Rank 0's sending end: the runner calls forward() per step; tick() (or the thread of
     start_keepalive) sends a keep-alive when idle. Sends are serialized by a lock, so the
-    keep-alive thread and the engine thread never interleave a message's two broadcasts."""
+    keep-alive thread and the engine thread never interleave a message's two broadcasts.
+    A TPGroup's GpuWatchdog (watchdog.py) is marked before each message: a keep-alive's
+    mark bounds the last step's GPU work when no step follows."""
 
     def __init__(self, group: TPGroup | Channel, keepalive_s: float | None = None) -> None:
         self.group = group
+        self.watchdog: GpuWatchdog | None = group.watchdog if isinstance(group, TPGroup) \
+            else None
         self.seq = 0
         self.keepalive_s = keepalive_s if keepalive_s is not None else group.cfg.timeout_s / 4
         self._last_send = time.monotonic()
@@ -64,6 +68,8 @@ class Leader:
             return
         with self._lock, torch.profiler.record_function(STEP_MESSAGE):
             # seq is read and advanced under the lock: senders on many threads
+            if self.watchdog is not None:
+                self.watchdog.mark(f"step message {self.seq} ({kind.name})")
             header, payload = proto.encode(kind, self.seq, fields, flags)
             self.group.broadcast_control(header)
             if payload.numel():
@@ -156,6 +162,8 @@ class Follower:
 
     def receive(self) -> proto.Message:
         msg = receive_message(self.group, self.seq)
+        if self.group.watchdog is not None:  # the GPU work queued before this message
+            self.group.watchdog.mark(f"step message {self.seq} ({msg.kind.name})")
         self.seq += 1
         return msg
 

@@ -13,9 +13,10 @@ step, 337.0 vs 332.8 tok/s at batch 1; bench/results/tp_h200x2_2026-11-29_peer.j
 _nccl_graphs.json): there the wait for the follower rank dominates. This path stays for its
 isolated speed, which counts once the ranks launch together, and because torch's NCCL group
 hung in graph probes before. A decode step's all-reduces are small (one row per sequence),
-where NCCL's ring protocol pays its fixed cost twice over. One-shot: every rank copies its rows into its own buffer of
-symmetric memory (mapped into every peer's address space), the ranks meet at a barrier of
-device-side signals, and every rank reads all peers' buffers over NVLink and sums. That is
+where NCCL's ring protocol pays its fixed cost twice over. One-shot: every rank copies its
+rows into its own buffer of symmetric memory (mapped into every peer's address space), the
+ranks meet at a barrier of device-side signals, and every rank reads all peers' buffers over
+NVLink and sums. That is
 torch's symmetric-memory kernel (torch.ops.symm_mem.one_shot_all_reduce_copy_out: the copy,
 the barrier and the sum in one launch), as vLLM and SGLang use peer memory for theirs.
 

@@ -30,11 +30,11 @@ from pdserve.engine.dist.lockstep import Leader
 
 
 def check_tp_args(args: EngineArgs) -> None:
-    """Refuse, naming the field, what a tensor-parallel engine does not run yet
-    (docs/tensor_parallel.md): MTP's static drafting (draft graphs) and a reduced draft
-    vocabulary are single-rank paths; decode CUDA graphs (every rank captures its own and
-    replays it when rank 0 does) run only with tp_cuda_graphs (experimental). MTP speculation
-    (engine/spec/mtp_plan.py; its verify steps run eagerly) and overlapped decode
+    """Refuse, naming the field, what a tensor-parallel engine (offline or serving) does not
+    run yet (docs/tensor_parallel.md): MTP's static drafting (draft graphs) and a reduced
+    draft vocabulary are single-rank paths. Decode CUDA graphs (every rank captures its own
+    and replays it when rank 0 does; the group's GpuWatchdog bounds their collectives), MTP
+    speculation (engine/spec/mtp_plan.py; its verify steps run eagerly) and overlapped decode
     (launched-ahead decode forwards, their ids shared from rank 0) run."""
     if args.tensor_parallel_size <= 1:
         return
@@ -46,25 +46,6 @@ def check_tp_args(args: EngineArgs) -> None:
     if spec is not None and spec.draft_graphs == "on":
         raise ConfigError(f"speculative.draft_graphs: 'on' is not supported with "
                           f"tensor_parallel_size={tp} yet (use 'auto' or 'off')")
-    if args.use_cuda_graphs and not args.tp_cuda_graphs:
-        raise ConfigError(f"use_cuda_graphs: at tensor_parallel_size={tp} CUDA graphs are "
-                          f"experimental: a rank that dies inside a graph replay leaves the "
-                          f"others waiting without a deadline (docs/tensor_parallel.md); "
-                          f"tp_cuda_graphs=True runs them anyway")
-
-
-def check_tp_serving_args(args: EngineArgs) -> None:
-    """What a serving TP worker (worker/tp_worker.py) refuses: what check_tp_args refuses,
-    and tp_cuda_graphs (serving TP workers run eagerly). MTP speculation runs there as in the
-    offline engine (rank 0's engine leads the drafting passes over its MTP head shard, each
-    follower rank runs them over its own; the MTP layer's KV travels between workers in the
-    same blocks as the target's). Kept apart so that a serving-only limit has one place:
-    worker/tp_worker.py launch_tp_worker and `pdserve serve`'s flag check (router/cli.py
-    check_tp) call it."""
-    check_tp_args(args)
-    if args.tp_cuda_graphs and args.tensor_parallel_size > 1:
-        raise ConfigError("tp_cuda_graphs: serving TP workers run eagerly (CUDA graphs at "
-                          "TP > 1 are an experimental offline option, docs/tensor_parallel.md)")
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -114,7 +95,7 @@ class LocalRanks:
         cfg = ParallelConfig.for_device(tp, 0, "tcp://127.0.0.1:0", rank_device(device, 0),
                                         timeout_s)
         store = open_store(cfg)
-        graphs = args.use_cuda_graphs and args.tp_cuda_graphs  # captures: the peer all-reduce
+        graphs = args.use_cuda_graphs  # captures: their all-reduces through peer memory
         cfg = dataclasses.replace(cfg, init_address=f"tcp://127.0.0.1:{store.port}",
                                   peer_all_reduce_bytes=GRAPH_ALL_REDUCE_BYTES if graphs else 0)
         ranks = cls(cfg, store)

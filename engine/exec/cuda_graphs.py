@@ -103,7 +103,9 @@ class DecodeGraphs:
                 self.forward_eager(bucket)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: CUDA calls on other threads (a TP group's keep-alive marks and
+            # GPU watchdog, KV transfers) cannot invalidate a capture, as in "global" mode
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 hidden, prenorm = self.forward_eager(bucket)
             if self.pool is None:
                 self.pool = graph.pool()

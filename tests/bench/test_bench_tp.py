@@ -22,8 +22,7 @@ def test_tiny_tp1_and_tp2(tmp_path):
     assert res["device"] == "cpu" and res["date"] and "bench.lab.bench_tp" in res["command"]
     assert res["tp_sizes"] == [1, 2] and set(res["runs"]) == {"tp1_eager", "tp2_eager"}
     features = res["engine_features_at_tp_gt_1"]  # probed through check_tp_args
-    assert features["use_cuda_graphs"].startswith("refused at TP 2: use_cuda_graphs")
-    assert features["use_cuda_graphs_with_tp_cuda_graphs"] == "accepted at TP 2"
+    assert features["use_cuda_graphs"] == "accepted at TP 2"
     assert features["rank_load"] and features["this_run"]
     layers = 2  # tiny-qwen3
     for name, tp in (("tp1_eager", 1), ("tp2_eager", 2)):

@@ -27,7 +27,7 @@ def _generate(path: Path, tp: int, graphs: bool) -> tuple[list[list[int]], dict]
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 19, 33)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with LLM(str(path), device="cuda", dtype="float32", tensor_parallel_size=tp,
-             use_triton=True, use_cuda_graphs=graphs, tp_cuda_graphs=graphs and tp > 1,
+             use_triton=True, use_cuda_graphs=graphs,
              block_size=16, num_blocks=64,
              max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128) as llm:
         tokens = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]

@@ -18,7 +18,7 @@ from pdserve.engine.core.config import ConfigError, SpecConfig
 from pdserve.engine.core.engine_args import EngineArgs
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.dist.config import ParallelConfig
-from pdserve.engine.dist.rank import check_tp_serving_args, engine_args_of, follower_argv
+from pdserve.engine.dist.rank import engine_args_of, follower_argv
 from pdserve.engine.llm import LLM
 
 from tests.engine.hf_families import BLOCK, prompt, save_checkpoint
@@ -146,15 +146,9 @@ def test_spec_config_reaches_the_follower_and_refusals_name_the_field() -> None:
     from pdserve.engine.dist.rank import check_tp_args
 
     check_tp_args(args)  # MTP runs at TP 2: offline and in a serving worker
-    check_tp_serving_args(args)
-    graphs = args.replace(use_cuda_graphs=True, tp_cuda_graphs=True)
-    check_tp_args(graphs)  # experimental, offline only
-    with pytest.raises(ConfigError, match="^tp_cuda_graphs: serving TP workers run eagerly"):
-        check_tp_serving_args(graphs)
+    check_tp_args(args.replace(use_cuda_graphs=True))  # graphs too (GpuWatchdog bounds them)
     for bad, field in ((dict(draft_vocab=16), "draft_vocab"),
                        (dict(speculative=SpecConfig(draft_graphs="on")),
-                        "speculative.draft_graphs"),
-                       (dict(use_cuda_graphs=True), "use_cuda_graphs")):
-        for check in (check_tp_args, check_tp_serving_args):
-            with pytest.raises(ConfigError, match=f"^{field}"):
-                check(args.replace(**bad))
+                        "speculative.draft_graphs")):
+        with pytest.raises(ConfigError, match=f"^{field}"):
+            check_tp_args(args.replace(**bad))

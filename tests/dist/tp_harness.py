@@ -36,7 +36,7 @@ def _entry(fn: Callable, rank: int, tp: int, port: int, timeout_s: float, args: 
     try:
         address = f"tcp://127.0.0.1:{port}"
         # on CUDA the group captures graphs' all-reduces through peer memory, as the offline
-        # engine's with tp_cuda_graphs
+        # engine's with use_cuda_graphs
         cfg = dataclasses.replace(ParallelConfig.for_device(tp, rank, address, f"cuda:{rank}",
                                                             timeout_s),
                                   peer_all_reduce_bytes=GRAPH_ALL_REDUCE_BYTES) if cuda \

@@ -18,15 +18,16 @@ ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_nu
 
 
 def launch_tp(role: str, worker_id: str, model: str, tp: int, generation: int = 0,
-              **kw: object) -> tuple[ray.actor.ActorHandle, WorkerConfig]:
+              num_gpus: float = 0, **kw: object) -> tuple[ray.actor.ActorHandle, WorkerConfig]:
     """A worker of `tp` ranks (tp 1: the plain worker actor), launched: its actor(s) load the
-    model while the caller goes on; connect() waits for it."""
+    model while the caller goes on; connect() waits for it. num_gpus: per rank (Ray shows
+    an actor only the GPUs it asked for)."""
     from pdserve.worker.actor import launch_worker
 
     cfg = WorkerConfig.of(role, worker_id, SECRET, metrics_port=0, model=model,
                           tensor_parallel_size=tp, **{**ENGINE, **kw})
-    actor = launch_tp_worker(cfg, generation, num_cpus=0.1) if tp > 1 else \
-        launch_worker(cfg, num_cpus=0)
+    actor = launch_tp_worker(cfg, generation, num_gpus=num_gpus, num_cpus=0.1) if tp > 1 \
+        else launch_worker(cfg, num_gpus=num_gpus, num_cpus=0)
     return actor, cfg
 
 
