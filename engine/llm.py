@@ -48,6 +48,7 @@ from pdserve.engine.model.loader import (
 from pdserve.engine.model.shard_load import resolve_mtp_shard
 from pdserve.engine.model.weights import as_dtype
 from pdserve.engine.spec.mtp_head import resolve_mtp_head, with_mtp_layers
+from pdserve.engine.spec.verify_graphs import maybe_verify_graphs
 from pdserve.kernels.triton_mode import select_triton_mode
 
 
@@ -97,7 +98,11 @@ class RankParts:
         assert self.group is not None  # a follower always has its group
         kv = engine_kv_cache(self.config, self.net.config.num_kv_heads)
         graphs = maybe_decode_graphs(self.config, self.net, kv)
-        return Follower(self.group, self.net, kv, head=self.head, graphs=graphs)
+        verify = {} if self.spec is None else maybe_verify_graphs(  # as rank 0's runner
+            self.config, self.net, kv, self.spec.num_speculative_tokens,
+            self.spec.max_drafting_batch(self.config.scheduler.max_num_seqs))
+        return Follower(self.group, self.net, kv, head=self.head, graphs=graphs,
+                        verify_graphs=verify)
 
 
 def load_rank(args: EngineArgs, parallel: ParallelConfig | None = None,

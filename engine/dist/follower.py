@@ -40,7 +40,8 @@ def follower_main(argv: list[str]) -> int:
             follower.run()  # with speculative, its MTP head shard drafts too
         finally:
             if follower is not None:
-                follower.graphs = None  # before the communicator goes (pytorch#115388)
+                # before the communicator goes (pytorch#115388)
+                follower.graphs, follower.verify_graphs = None, {}
             rank.group.close()
     except BaseException as e:  # noqa: BLE001 - reported; the exit code says it failed
         print(f"pdserve tp rank {cfg.rank}: {type(e).__name__}: {e}", file=sys.stderr,

@@ -147,10 +147,13 @@ class Follower:
     whose drafting passes (Kind.MTP) read the last forward's hidden rows."""
 
     def __init__(self, group: TPGroup, model: Model, kv_cache: torch.Tensor,
-                 head: torch.nn.Module | None = None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 head: torch.nn.Module | None = None, graphs: DecodeGraphs | None = None,
+                 verify_graphs: dict[int, DecodeGraphs] | None = None) -> None:
         self.group, self.model, self.kv_cache = group, model, kv_cache
-        self.graphs = graphs  # captured in step with rank 0's (RankParts.follower)
+        # captured in step with rank 0's (RankParts.follower): decode steps, and MTP verify
+        # steps of k drafts ({k: graphs})
+        self.graphs = graphs
+        self.verify_graphs = verify_graphs or {}
         self.head = tp_mtp_head(head, model) if head is not None else None
         self.device = kv_cache.device
         self.seq = 0
@@ -218,12 +221,15 @@ class Follower:
         if flags & proto.LAUNCH_AHEAD:
             ids = parallel.from_rank0(torch.zeros(len(batch.input_ids), dtype=torch.int64,
                                                   device=self.device), self.group)
-        if flags & proto.GRAPHED:
-            out = self.graphs.run_host(batch, input_ids=ids) if self.graphs is not None else None
+        if flags & proto.GRAPHED:  # a decode step, or a verify step of k drafts
+            k = max(batch.query_lens) - 1
+            graphs = self.graphs if k == 0 else self.verify_graphs.get(k)
+            out = graphs.run_host(batch, input_ids=ids) if graphs is not None else None
             if out is None:
-                raise proto.ProtocolError("forward.flags: rank 0 replays a decode graph this "
-                                          "rank has none for (use_cuda_graphs or "
-                                          "max_num_seqs differ between the ranks)")
+                raise proto.ProtocolError("forward.flags: rank 0 replays a graph this rank "
+                                          f"has none for ({k} drafts a sequence; "
+                                          "use_cuda_graphs, max_num_seqs or speculative "
+                                          "differ between the ranks)")
             return out[0]
         host_ids, positions, meta = batch.to_device(self.device)
         return self.model(host_ids if ids is None else ids, positions, meta, self.kv_cache)

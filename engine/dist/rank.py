@@ -34,7 +34,7 @@ def check_tp_args(args: EngineArgs) -> None:
     run yet (docs/tensor_parallel.md): MTP's static drafting (draft graphs) and a reduced
     draft vocabulary are single-rank paths. Decode CUDA graphs (every rank captures its own
     and replays it when rank 0 does; the group's GpuWatchdog bounds their collectives), MTP
-    speculation (engine/spec/mtp_plan.py; its verify steps run eagerly) and overlapped decode
+    speculation (engine/spec/mtp_plan.py; verify steps replay graphs on every rank) and overlapped decode
     (launched-ahead decode forwards, their ids shared from rank 0) run."""
     if args.tensor_parallel_size <= 1:
         return

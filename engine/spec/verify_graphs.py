@@ -56,7 +56,11 @@ class VerifyGraphs(DecodeGraphs):
 def maybe_verify_graphs(config: EngineConfig, model: Model, kv_cache: torch.Tensor,
                         max_k: int, max_batch: int) -> dict[int, VerifyGraphs]:
     """{k: VerifyGraphs} for k = 1..max_k when CUDA graphs are on (as for decode steps);
-    {} otherwise, or when capture fails (verify steps then run eagerly, logged)."""
+    {} otherwise, or when capture fails (verify steps then run eagerly, logged). With TP
+    every rank captures the same graphs in the same order (rank 0's ModelRunner and each
+    follower's RankParts.follower): the captures' warm-up forwards meet in collectives, and
+    a rank replays a verify graph when rank 0 does, so a failed capture raises there rather
+    than leave one rank eager."""
     if not config.use_cuda_graphs or kv_cache.device.type != "cuda" or max_batch < 1:
         return {}
     graphs: dict[int, VerifyGraphs] = {}
@@ -66,6 +70,8 @@ def maybe_verify_graphs(config: EngineConfig, model: Model, kv_cache: torch.Tens
             g.capture()
             graphs[k] = g
     except Exception as e:  # a kernel that cannot be captured: stay correct, run eagerly
+        if model.tp is not None:
+            raise
         log.warning("verify CUDA graphs disabled (capture failed: %s: %s)", type(e).__name__, e)
         return {}
     return graphs

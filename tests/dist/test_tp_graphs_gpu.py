@@ -54,3 +54,43 @@ def test_tp2_cuda_graphs_greedy_equals_tp1(tmp_path: Path, family: str) -> None:
     assert stats["peer"] == stats["fresh"], stats
     eager, _ = _generate(path, 2, graphs=False)  # NCCL without graphs: stream-ordered waits
     assert eager == ref
+
+
+def _mtp(folder: Path, tp: int, k: int | None) -> tuple[list[list[int]], tuple, int]:
+    """(greedy tokens, (drafts, accepted), verify steps rank 0 replayed from graphs)."""
+    from pdserve.engine.core.config import SpecConfig
+
+    from tests.engine.hf_families import prompt
+
+    spec = None if k is None else SpecConfig(num_speculative_tokens=k, batch_k_caps=())
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [prompt(n, 50 + n) for n in (6, 13, 9)]
+    with LLM(str(folder), device="cuda", dtype="float32", tensor_parallel_size=tp,
+             speculative=spec, use_triton=True, use_cuda_graphs=True, block_size=16,
+             num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+             max_model_len=128) as llm:
+        tokens = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+        s = llm.engine.spec_stats
+        stats = () if s is None else (s.num_draft_tokens, s.num_accepted_tokens)
+        replays = sum(g.replays for g in llm.engine.runner.verify_graphs.values())
+    return tokens, stats, replays
+
+
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe"])
+def test_tp2_mtp_verify_steps_replay_graphs_on_every_rank(tmp_path: Path, family: str) -> None:
+    """MTP at TP 2 with CUDA graphs: each follower captures the verify graphs rank 0 does
+    (RankParts.follower) and replays one when rank 0 does (a rank without one would end with
+    a ProtocolError); greedy tokens equal TP 1 without MTP."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from tests.dist.test_tp_spec import drafting_mtp_layer
+    from tests.engine.hf_families import save_checkpoint
+
+    folder = tmp_path / family
+    save_checkpoint(family, folder, mtp=True)
+    drafting_mtp_layer(family, folder)
+    want, _, _ = _mtp(folder, 1, None)
+    got, stats, replays = _mtp(folder, 2, 2)
+    assert got == want
+    assert stats[0] > 0 and stats[1] > 0, stats  # drafts made and accepted
+    assert replays > 0  # verify steps ran from graphs at TP 2
