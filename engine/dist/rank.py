@@ -32,9 +32,9 @@ from pdserve.engine.dist.lockstep import Leader
 def check_tp_args(args: EngineArgs) -> None:
     """Refuse, naming the field, what a tensor-parallel engine (offline or serving) does not
     run yet (docs/tensor_parallel.md): MTP's static drafting (draft graphs) and a reduced
-    draft vocabulary are single-rank paths. Decode CUDA graphs (every rank captures its own
-    and replays it when rank 0 does; the group's GpuWatchdog bounds their collectives), MTP
-    speculation (engine/spec/mtp_plan.py; verify steps replay graphs on every rank) and overlapped decode
+    draft vocabulary are single-rank paths. Decode and MTP verify CUDA graphs (every rank
+    captures its own and replays it when rank 0 does; the group's GpuWatchdog bounds their
+    collectives), MTP speculation (engine/spec/mtp_plan.py) and overlapped decode
     (launched-ahead decode forwards, their ids shared from rank 0) run."""
     if args.tensor_parallel_size <= 1:
         return
