@@ -131,12 +131,18 @@ class RayWorkerRef:
         return True
 
     async def shutdown(self) -> None:
+        """Stop the worker, end its actor, and (a TP worker) remove its placement group: the
+        actor's own shutdown removes it on a timer that the kill cuts short, and the group
+        would hold its GPUs until this job ends."""
         import ray
+
+        from pdserve.worker.tp_group import remove_previous
 
         try:
             await self.actor.shutdown.remote()
         finally:
             ray.kill(self.actor, no_restart=True)
+            remove_previous(self.worker_id, self.restarts + 1)  # none for a TP-1 worker
 
     async def restart(self) -> bool:
         """Kill the actor (stuck in a step, it would not stop when asked): the next

@@ -62,6 +62,36 @@ def test_a_worker_that_fails_in_its_constructor_is_not_relaunched() -> None:
     ray.kill(ref.actor, no_restart=True)
 
 
+@ray.remote(num_cpus=0)
+class _ShutsDown:
+    """Stands for a TP worker's rank 0 (its shutdown returns before its placement group goes,
+    on a timer: worker/tp_worker.py)."""
+
+    def shutdown(self) -> None:
+        return None
+
+
+def test_shutting_a_worker_down_removes_its_placement_group() -> None:
+    """RayWorkerRef.shutdown kills the actor, which cuts the actor's own removal timer
+    short; the ref removes the worker's placement group itself, so its GPUs come free."""
+    import asyncio
+
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from pdserve.router.worker_refs import RayWorkerRef
+    from pdserve.worker.tp_group import group_name
+
+    from tests.workers.cluster import wait_until
+
+    start_ray()
+    pg = placement_group([{"CPU": 0.01}], name=group_name("pg-d", 0))
+    ray.get(pg.ready(), timeout=60)
+    ref = RayWorkerRef(_ShutsDown.remote(), "pg-d", "decode")
+    asyncio.run(asyncio.wait_for(ref.shutdown(), 60))
+    wait_until(lambda: placement_group_table(pg)["state"] == "REMOVED", 30,
+               "the worker's placement group to be removed")
+
+
 @pytest.mark.parametrize("field, value", [("log_level", "loud"), ("lease_ttl_s", 0.0),
                                           ("kv_transport", "carrier-pigeon"),
                                           ("role", "router")])
