@@ -4,7 +4,8 @@ overlapped decode launches the next step's graphs on both ranks. Greedy tokens a
 graphs and eagerly, equal TP 1's on tiny transformers checkpoints (float32: the ranks' sums
 differ from TP 1's only by rounding). The graphs' all-reduces go through peer memory in the
 first TP engine with graphs of the pytest process, through NCCL in a later one
-(PeerAllReduce.fresh_process). Needs 2 CUDA devices."""
+(PeerAllReduce.fresh_process). With MTP each follower captures rank 0's verify graphs too and
+replays them with it. Needs 2 CUDA devices."""
 from __future__ import annotations
 
 from pathlib import Path
