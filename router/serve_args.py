@@ -28,8 +28,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
       help="tensor-parallel size of each decode worker (and of --colocated workers) (default 1)")
     a("--tp-timeout", type=float, default=60.0, metavar="SECONDS",
       help="inside a tensor-parallel worker, every wait (joining, a collective, a rank's "
-           "silence) ends after this; a rank that dies or hangs fails its whole worker, "
-           "which is relaunched (default 60)")
+           "silence, a GPU stuck in a CUDA graph's collective) ends after this; a rank that "
+           "dies or hangs fails its whole worker, which is relaunched (default 60)")
     a("--colocated", action="store_true", help="workers that prefill and decode (see --replicas)")
     a("--replicas", type=int, default=1, help="colocated workers (with --colocated)")
     a("--host", default="127.0.0.1", help="bind address of HTTP and gRPC (default 127.0.0.1)")
