@@ -158,15 +158,21 @@ def test_kv_messages_round_trip_and_bad_fields_are_refused_by_name() -> None:
         proto.encode(proto.Kind.REMOVE_PEER, 0, {"op": [1]})
 
 
-def test_a_graphed_forward_needs_the_followers_graphs() -> None:
-    """GRAPHED: rank 0 replays a decode graph, whose collectives are padded to its bucket; a
-    follower without graphs would all-reduce other sizes, so it refuses by the field instead
-    (the real replay on two GPUs: tests/dist/test_tp_graphs_gpu.py)."""
+@pytest.mark.parametrize("query_lens, drafts", [([1, 1], 0), ([3, 3], 2)])
+def test_a_graphed_forward_needs_the_followers_graphs(query_lens: list[int], drafts: int) -> None:
+    """GRAPHED: rank 0 replays a decode graph (or an MTP verify graph of k drafts), whose
+    collectives are padded to its bucket; a follower without that graph would all-reduce
+    other sizes, so it refuses by the field instead (the real replays on two GPUs:
+    tests/dist/test_tp_graphs_gpu.py)."""
     from pdserve.engine.dist.lockstep import Follower
 
+    q = query_lens[0]
+    batch = HostBatch(list(range(2 * q)), [7 + i for i in range(q)] * 2, list(range(2 * q)),
+                      query_lens, [8, 8], [[10], [3, 4]], 16)
     flags = proto.GRAPHED | proto.RETURN_PRENORM
-    msg = _roundtrip(proto.Kind.FORWARD, 0, proto.forward_fields(_batch(), [0]), flags)
+    msg = _roundtrip(proto.Kind.FORWARD, 0, proto.forward_fields(batch, [0]), flags)
     assert msg.flags == flags
     follower = Follower(None, None, torch.zeros(1), graphs=None)  # type: ignore[arg-type]
-    with pytest.raises(proto.ProtocolError, match="^forward.flags: rank 0 replays a decode graph"):
+    with pytest.raises(proto.ProtocolError, match=f"^forward.flags: rank 0 replays a graph "
+                                                  f"this rank has none for \\({drafts} drafts"):
         follower.forward(msg)
