@@ -162,6 +162,7 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
     from pdserve.router.worker_refs import RayWorkerRef
     from pdserve.worker.actor import launch_worker
     from pdserve.worker.config import WorkerConfig
+    from pdserve.worker.tp_group import remove_previous
     from pdserve.worker.tp_worker import launch_tp_worker
 
     gpus = ray.cluster_resources().get("GPU", 0)
@@ -196,8 +197,9 @@ def _launch_workers(args: argparse.Namespace, cluster_secret: str) -> list:
                                        num_gpus=num_gpus, num_cpus=num_cpus,
                                        node_labels={args.node_label: role}
                                        if args.node_label else None)
+            release = functools.partial(remove_previous, cfg.worker_id) if tp > 1 else None
             refs.append(RayWorkerRef(launch(generation=0), cfg.worker_id, role, launch=launch,
-                                     max_restarts=args.max_restarts))
+                                     max_restarts=args.max_restarts, release=release))
     spec = "" if not args.speculative else \
         f", speculative {args.speculative} k={args.num_speculative_tokens or 1}"
     sizes = ", ".join(f"{n} {r}" + (f" x TP {role_tp(args)[r]}" if role_tp(args)[r] > 1 else "")

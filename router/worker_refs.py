@@ -73,9 +73,11 @@ class RayWorkerRef:
     def __init__(self, actor, worker_id: str, role: str,
                  launch: Callable[..., object] | None = None,
                  max_restarts: int = -1, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 stable_s: float = 60.0) -> None:
+                 stable_s: float = 60.0,
+                 release: Callable[[int], None] | None = None) -> None:
         self.actor, self.worker_id, self.role = actor, worker_id, role
         self._launch, self.max_restarts = launch, max_restarts
+        self._release = release  # after shutdown: what generations 0..n-1 still hold
         self._backoff = (backoff_s, max_backoff_s, stable_s)
         self.restarts = 0
         self._in_a_row = 0
@@ -131,18 +133,17 @@ class RayWorkerRef:
         return True
 
     async def shutdown(self) -> None:
-        """Stop the worker, end its actor, and (a TP worker) remove its placement group: the
-        actor's own shutdown removes it on a timer that the kill cuts short, and the group
-        would hold its GPUs until this job ends."""
+        """Stop the worker, end its actor, then `release(generations)`: a TP worker's
+        placement groups, which the actor's own shutdown removes on a timer that the kill
+        cuts short (the group would hold its GPUs until this job ends)."""
         import ray
-
-        from pdserve.worker.tp_group import remove_previous
 
         try:
             await self.actor.shutdown.remote()
         finally:
             ray.kill(self.actor, no_restart=True)
-            remove_previous(self.worker_id, self.restarts + 1)  # none for a TP-1 worker
+            if self._release is not None:
+                self._release(self.restarts + 1)
 
     async def restart(self) -> bool:
         """Kill the actor (stuck in a step, it would not stop when asked): the next

@@ -75,18 +75,20 @@ def test_shutting_a_worker_down_removes_its_placement_group() -> None:
     """RayWorkerRef.shutdown kills the actor, which cuts the actor's own removal timer
     short; the ref removes the worker's placement group itself, so its GPUs come free."""
     import asyncio
+    import functools
 
     from ray.util.placement_group import placement_group, placement_group_table
 
     from pdserve.router.worker_refs import RayWorkerRef
-    from pdserve.worker.tp_group import group_name
+    from pdserve.worker.tp_group import group_name, remove_previous
 
     from tests.workers.cluster import wait_until
 
     start_ray()
     pg = placement_group([{"CPU": 0.01}], name=group_name("pg-d", 0))
     ray.get(pg.ready(), timeout=60)
-    ref = RayWorkerRef(_ShutsDown.remote(), "pg-d", "decode")
+    ref = RayWorkerRef(_ShutsDown.remote(), "pg-d", "decode",
+                       release=functools.partial(remove_previous, "pg-d"))  # as launch.py
     asyncio.run(asyncio.wait_for(ref.shutdown(), 60))
     wait_until(lambda: placement_group_table(pg)["state"] == "REMOVED", 30,
                "the worker's placement group to be removed")
