@@ -1,6 +1,7 @@
 """engine/dist/watchdog.py on fake events (the GPU tests run it on real ones:
 tests/dist/test_tp_stall_gpu.py): completed marks are dropped and their events reused; the
-oldest pending mark past the deadline is a stall, reported once, naming what it followed."""
+oldest pending mark past the deadline is a stall, reported once, naming what it followed;
+on a real two-rank group the leader and the follower mark every step message."""
 from __future__ import annotations
 
 import threading
@@ -101,3 +102,43 @@ def test_the_thread_reports_a_stall_once_and_marks_stop() -> None:
 def test_a_bad_deadline_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="^timeout_s"):
         watchdog(timeout_s=0)
+
+
+def _marks(group) -> dict:
+    """Rank 0 sends two keep-alives and STOP; rank 1 follows. Both groups carry a watchdog
+    on fake events (gloo groups have none of their own), so its marks can be counted."""
+    from pdserve.engine.dist import protocol as proto
+    from pdserve.engine.dist.lockstep import Follower, Leader
+
+    made: list[FakeEvent] = []
+
+    def new_event() -> FakeEvent:
+        made.append(FakeEvent())
+        return made[-1]
+    group.watchdog = GpuWatchdog(None, 60.0, f"rank {group.rank}", new_event=new_event,
+                                 poll_s=3600)
+    group.watchdog.start()
+    if group.rank == 0:
+        leader = Leader(group)
+        leader.send(proto.Kind.KEEPALIVE, {})
+        leader.send(proto.Kind.KEEPALIVE, {})
+        leader.stop()
+    else:
+        import torch
+
+        Follower(group, None, torch.zeros(1)).run()  # type: ignore[arg-type]
+    oldest = group.watchdog.check(now=time.monotonic() + 3600)
+    group.watchdog.close()
+    return {"marks": len(made), "oldest": oldest}
+
+
+def test_leader_marks_before_each_message_and_a_follower_on_each_receipt() -> None:
+    """On a real two-rank gloo group: every step message is marked on both sides (the
+    leader before it sends, keep-alives and STOP included; a follower as it receives), so
+    the watchdog covers the GPU work queued before each one."""
+    from tests.dist.tp_harness import run_ranks
+
+    res = run_ranks(_marks, 2, timeout_s=20.0, deadline_s=120)
+    for rank in (0, 1):
+        assert res[rank]["marks"] == 3, res
+        assert "step message 0 (KEEPALIVE)" in res[rank]["oldest"], res
