@@ -98,9 +98,7 @@ class RankParts:
         assert self.group is not None  # a follower always has its group
         kv = engine_kv_cache(self.config, self.net.config.num_kv_heads)
         graphs = maybe_decode_graphs(self.config, self.net, kv)
-        verify = {} if self.spec is None else maybe_verify_graphs(  # as rank 0's runner
-            self.config, self.net, kv, self.spec.num_speculative_tokens,
-            self.spec.max_drafting_batch(self.config.scheduler.max_num_seqs))
+        verify = maybe_verify_graphs(self.config, self.net, kv, self.spec)  # as rank 0's
         return Follower(self.group, self.net, kv, head=self.head, graphs=graphs,
                         verify_graphs=verify)
 
@@ -204,8 +202,8 @@ def build_engine(args: EngineArgs | str | None = None, /, **fields: object) -> L
                            leader=ranks.leader if ranks is not None else None)
         if args.warmup:  # Triton compiles here, not in a served step
             warm_up(engine)
-        if ranks is not None and ranks.group.watchdog is not None:
-            ranks.group.watchdog.start()  # graphs captured: their collectives get a deadline
+        if ranks is not None:  # graphs captured: their collectives get a deadline
+            ranks.group.start_watchdog()
     except BaseException:
         if ranks is not None:
             ranks.close()

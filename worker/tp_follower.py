@@ -97,8 +97,7 @@ class FollowerRank:
             torch.set_num_threads(max(1, torch.get_num_threads() // parallel.tp_size))
         parts = load_rank(cfg.engine, parallel)
         follower = parts.follower()  # with MTP, its head shard too (graphs captured here)
-        if parts.group.watchdog is not None:  # a deadline on the graphs' collectives
-            parts.group.watchdog.start()
+        parts.group.start_watchdog()  # a deadline on the graphs' collectives
         transport = rank_transport(cfg, parts.config, follower.kv_cache, parallel.rank,
                                    spec_extra(parts), faults=FaultInjector(cfg.faults))
         rank = cls(cfg, parts, follower, transport)

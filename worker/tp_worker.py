@@ -112,8 +112,7 @@ class TPWorkerActor(WorkerActor):
         kv = KVLeader(KVChannel(self.group))
         if cfg.engine.warmup:  # every rank compiles now, not in a served step
             warm_up(engine)
-        if self.group.watchdog is not None:  # graphs captured: a deadline on the GPU
-            self.group.watchdog.start()
+        self.group.start_watchdog()  # graphs captured: a deadline on the GPU
         endpoints = self._gather_endpoints(store, tp, timeout)
         ray.get(started, timeout=timeout)  # a follower that failed to start says why here
         self.transport = None

@@ -34,8 +34,7 @@ def follower_main(argv: list[str]) -> int:
         follower = None
         try:
             follower = rank.follower()  # captures its decode graphs with rank 0's
-            if rank.group.watchdog is not None:  # then a deadline on their collectives
-                rank.group.watchdog.start()
+            rank.group.start_watchdog()  # then a deadline on their collectives
             freeze_startup_heap()  # a process of our own: full GC pauses out of the lockstep
             follower.run()  # with speculative, its MTP head shard drafts too
         finally:

@@ -96,7 +96,7 @@ def _host_store(cfg: ParallelConfig, host: str, port: int,
 class TPGroup:
     """One rank's view of its worker's groups. size 1: every collective is the identity.
     on_gpu_stall: what the NCCL group's GpuWatchdog does on a stall (default: end the
-    process); the watchdog runs once started (watchdog.start(), after the graph captures)."""
+    process); the watchdog runs once started (start_watchdog(), after the graph captures)."""
 
     def __init__(self, cfg: ParallelConfig, store: dist.Store | None = None,
                  on_gpu_stall: Callable[[str], None] = end_process) -> None:
@@ -171,6 +171,12 @@ class TPGroup:
         if peer is not None:
             peer.close()
         return None
+
+    def start_watchdog(self) -> None:
+        """Start the GPU watchdog (an NCCL group's; none elsewhere): call it once this rank's
+        graphs are captured, since marks before it are skipped."""
+        if self.watchdog is not None:
+            self.watchdog.start()
 
     # -- collectives (each waits at most timeout_s) ---------------------------------------
     def all_agree(self, ok: bool) -> bool:

@@ -12,7 +12,8 @@ collective: it says why and ends the process (on_stall), and the group is restar
 (worker/tp_worker.py; the offline engine's followers end when rank 0's sockets close).
 
     wd = GpuWatchdog(torch.device("cuda:1"), timeout_s=60, what="rank 1")
-    wd.start()              # once the graphs are captured: marks before it are no-ops
+    wd.start()              # once the graphs are captured (TPGroup.start_watchdog):
+                            # marks before it are no-ops
     wd.mark("FORWARD 17")   # at each step message
     wd.close()
 
@@ -90,8 +91,7 @@ class GpuWatchdog:
             stream = torch.cuda.current_stream(self.device)
         with self._lock:
             event = self._free.pop() if self._free else self._new_event()
-        event.record(stream)
-        with self._lock:
+            event.record(stream)
             self._pending.append((event, time.monotonic(), label))
             if len(self._pending) > MAX_PENDING:
                 self._pending.popleft()

@@ -100,9 +100,7 @@ class ModelRunner:
         self.verify_ahead = VerifyAhead(self.spec) if self.spec is not None else None
         # verify steps (k+1 tokens per sequence) replay graphs too, up to the largest batch
         # that still drafts; with TP each follower captures the same (RankParts.follower)
-        self.verify_graphs = {} if spec is None else maybe_verify_graphs(
-            config, model, self.kv_cache, spec.num_speculative_tokens,
-            spec.max_drafting_batch(config.scheduler.max_num_seqs))
+        self.verify_graphs = maybe_verify_graphs(config, model, self.kv_cache, spec)
 
     def release_graphs(self) -> None:
         """Drop every captured graph (the engine is closing); later steps run eagerly. No

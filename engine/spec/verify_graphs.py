@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig, SpecConfig
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs, decode_buckets
 from pdserve.engine.exec.static_inputs import StaticInputs
 from pdserve.engine.model.attention import AttentionMetadata
@@ -54,14 +54,19 @@ class VerifyGraphs(DecodeGraphs):
 
 
 def maybe_verify_graphs(config: EngineConfig, model: Model, kv_cache: torch.Tensor,
-                        max_k: int, max_batch: int) -> dict[int, VerifyGraphs]:
-    """{k: VerifyGraphs} for k = 1..max_k when CUDA graphs are on (as for decode steps);
-    {} otherwise, or when capture fails (verify steps then run eagerly, logged). With TP
+                        spec: SpecConfig | None) -> dict[int, VerifyGraphs]:
+    """{k: VerifyGraphs} for k = 1..spec's k, up to the largest batch that still drafts,
+    when CUDA graphs are on (as for decode steps); {} without speculation or graphs, or
+    when capture fails (verify steps then run eagerly, logged). With TP
     every rank captures the same graphs in the same order (rank 0's ModelRunner and each
     follower's RankParts.follower): the captures' warm-up forwards meet in collectives, and
     a rank replays a verify graph when rank 0 does, so a failed capture raises there rather
     than leave one rank eager."""
-    if not config.use_cuda_graphs or kv_cache.device.type != "cuda" or max_batch < 1:
+    if spec is None or not config.use_cuda_graphs or kv_cache.device.type != "cuda":
+        return {}
+    max_k, max_batch = spec.num_speculative_tokens, spec.max_drafting_batch(
+        config.scheduler.max_num_seqs)
+    if max_batch < 1:
         return {}
     graphs: dict[int, VerifyGraphs] = {}
     try:
