@@ -1,7 +1,11 @@
 """The FP8 one-row GEMV on the tensor cores in Gluon, for bench/lab/probe_fp8_gluon.py:
 wgmma m64n8k32 with the weight tile (64 rows x 128) as A straight from the TMA ring and
 the activation, quantized to e4m3 per 128 columns, as B (one real column of 8); CTAs take
-K splits. Lab code: measured, not used by the engine."""
+K splits. Lab code: measured, not used by the engine.
+Qwen3-8B's four FP8 projections, 36 layers in one graph (bench/results/
+probe_fp8_gluon_h200_2026-11-30.json): 46.8-47.6 us a layer with four wgmmas in flight
+(GROUP 4), an 8-stage ring and balanced K splits, against 50.5-51.3 with one synchronous
+wgmma per tile, 53.0-53.6 for the one-row Triton GEMVs and 45.8 for the TMA stream alone."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +16,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -46,26 +51,10 @@ def _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, t, KTS: gl.constexpr):
 
 
 @gluon.jit
-def _mmb_consumer(ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s,
-                  KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr, ATOMIC: gl.constexpr):
-    """One warpgroup. The CTA's K range of the quantized activation is staged as wgmma's B,
-    [KTS][8, 128] e4m3 (row 0 the activation, rows 1..7 zero); per tile acc_t [64, 8] =
-    W_tile @ B on the tensor cores, acc += acc_t * (weight block scale * activation group
-    scale); column 0 of acc is the row block's partial y, stored to y[ks, rows]."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 8, 32])
+def _stage_xq(xq_smem, xq_ptr, k0, KTS: gl.constexpr):
+    """The CTA's K range of the quantized activation into shared memory as wgmma's B,
+    [KTS][8, 128] e4m3 (row 0 the activation, rows 1..7 zero)."""
     XB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    pid = gl.program_id(0)
-    GS = gl.num_programs(0) // SPLIT
-    first = pid // SPLIT
-    k0 = (pid % SPLIT) * KTS  # first K tile of this CTA's split
-    total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
-    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    if USE_PDL:
-        _gdc_wait()
-        _gdc_launch()
     KP: gl.constexpr = 8 if KTS >= 8 else KTS  # K tiles staged per pass (8 rows each)
     r = gl.arange(0, KP * 8, layout=gl.SliceLayout(1, XB))
     c = gl.arange(0, 128, layout=gl.SliceLayout(0, XB))
@@ -76,40 +65,115 @@ def _mmb_consumer(ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N, 
                              ).slice(k8 * 8, KP * 8).store(v)
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def _mmb_out(y_ptr, acc, rb, rows, cols, N, pid, SPLIT: gl.constexpr, ATOMIC: gl.constexpr):
+    """Column 0 of acc [64, 8] is row block rb's partial y: added into y (RED) or stored."""
+    n = rb * 64 + rows
+    keep = (n < N)[:, None] & (cols == 0)[None, :]
+    if ATOMIC:  # fire-and-forget reductions (RED) into a zeroed fp32 y [N]
+        gl.atomic_add(y_ptr + n[:, None] + cols[None, :] * 0, acc, mask=keep, sem="relaxed")
+    else:
+        gl.store(y_ptr + (pid % SPLIT) * N + n[:, None] + cols[None, :] * 0, acc, mask=keep)
+
+
+@gluon.jit
+def _mmb_issue(ring, ready, xq_smem, zero, t, KTS: gl.constexpr, STAGES: gl.constexpr):
+    """Tile t's wgmma, started once its ring slot is full: a token for warpgroup_mma_wait."""
+    s = t % STAGES
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    return warpgroup_mma(ring.index(s), xq_smem.index(t % KTS).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _mmb_consumer(ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s,
+                  KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                  USE_PDL: gl.constexpr, ATOMIC: gl.constexpr, GROUP: gl.constexpr,
+                  EARLY: gl.constexpr):
+    """One warpgroup. Per tile acc_t [64, 8] = W_tile @ B on the tensor cores, acc +=
+    acc_t * (weight block scale * activation group scale); column 0 of acc is the row
+    block's partial y. GROUP (2, 4): that many tiles' wgmmas in flight at once (async, each
+    waited for in turn while the later ones run). EARLY: the next launch is let go before this
+    one's PDL wait, so its CTAs can fill their rings while this one streams."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8, 32])
+    pid = gl.program_id(0)
+    GS = gl.num_programs(0) // SPLIT
+    first = pid // SPLIT
+    k0 = (pid % SPLIT) * KTS  # first K tile of this CTA's split
+    total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    if USE_PDL:
+        if EARLY:
+            _gdc_launch()
+        _gdc_wait()
+        if not EARLY:
+            _gdc_launch()
+    _stage_xq(xq_smem, xq_ptr, k0, KTS)
     acc = gl.zeros([64, 8], gl.float32, MMA)
-    # the tile's scale (weight block x activation group) is loaded two tiles ahead: its
-    # latency stays off the loop
-    sc1 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, 0, KTS)
-    sc2 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, gl.minimum(1, total - 1), KTS)
-    for t in range(total):
-        rb = first + (t // KTS) * GS
-        kl = t % KTS
-        sc = sc1
-        sc1 = sc2
-        sc2 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, gl.minimum(t + 2, total - 1),
-                         KTS)
-        s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        part = warpgroup_mma(ring.index(s), xq_smem.index(kl).permute((1, 0)),
-                             gl.zeros([64, 8], gl.float32, MMA), use_acc=False)
-        mbarrier.arrive(empty.index(s), count=1)
-        acc += part * sc
-        if kl == KTS - 1:
-            n = rb * 64 + rows
-            keep = (n < N)[:, None] & (cols == 0)[None, :]
-            if ATOMIC:  # fire-and-forget reductions (RED) into a zeroed fp32 y [N]
-                gl.atomic_add(y_ptr + n[:, None] + cols[None, :] * 0, acc, mask=keep,
-                              sem="relaxed")
+    zero = gl.zeros([64, 8], gl.float32, MMA)
+    if GROUP > 1:  # KTS % GROUP == 0: a group never straddles two row blocks
+        for t in range(0, total, GROUP):
+            sc = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, t, KTS)
+            tok0 = _mmb_issue(ring, ready, xq_smem, zero, t, KTS, STAGES)
+            tok1 = _mmb_issue(ring, ready, xq_smem, zero, t + 1, KTS, STAGES)
+            if GROUP == 4:
+                sc1 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, t + 1, KTS)
+                sc2 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, t + 2, KTS)
+                sc3 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, t + 3, KTS)
+                tok2 = _mmb_issue(ring, ready, xq_smem, zero, t + 2, KTS, STAGES)
+                tok3 = _mmb_issue(ring, ready, xq_smem, zero, t + 3, KTS, STAGES)
+                p0 = warpgroup_mma_wait(3, deps=[tok0])
+                mbarrier.arrive(empty.index(t % STAGES), count=1)
+                p1 = warpgroup_mma_wait(2, deps=[tok1])
+                mbarrier.arrive(empty.index((t + 1) % STAGES), count=1)
+                p2 = warpgroup_mma_wait(1, deps=[tok2])
+                mbarrier.arrive(empty.index((t + 2) % STAGES), count=1)
+                p3 = warpgroup_mma_wait(0, deps=[tok3])
+                mbarrier.arrive(empty.index((t + 3) % STAGES), count=1)
+                acc += p0 * sc + p1 * sc1 + p2 * sc2 + p3 * sc3
             else:
-                gl.store(y_ptr + (pid % SPLIT) * N + n[:, None] + cols[None, :] * 0, acc,
-                         mask=keep)
-            acc = gl.zeros([64, 8], gl.float32, MMA)
+                sc1 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, t + 1, KTS)
+                p0 = warpgroup_mma_wait(1, deps=[tok0])
+                mbarrier.arrive(empty.index(t % STAGES), count=1)
+                p1 = warpgroup_mma_wait(0, deps=[tok1])
+                mbarrier.arrive(empty.index((t + 1) % STAGES), count=1)
+                acc += p0 * sc + p1 * sc1
+            if (t + GROUP - 1) % KTS == KTS - 1:
+                _mmb_out(y_ptr, acc, first + (t // KTS) * GS, rows, cols, N, pid, SPLIT,
+                         ATOMIC)
+                acc = gl.zeros([64, 8], gl.float32, MMA)
+    else:
+        # the tile's scale (weight block x activation group) is loaded two tiles ahead: its
+        # latency stays off the loop
+        sc1 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, 0, KTS)
+        sc2 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0, gl.minimum(1, total - 1),
+                         KTS)
+        for t in range(total):
+            kl = t % KTS
+            sc = sc1
+            sc1 = sc2
+            sc2 = _mmb_scale(s_ptr, sx_ptr, stride_s, first, GS, k0,
+                             gl.minimum(t + 2, total - 1), KTS)
+            s = t % STAGES
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            part = warpgroup_mma(ring.index(s), xq_smem.index(kl).permute((1, 0)), zero,
+                                 use_acc=False)
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += part * sc
+            if kl == KTS - 1:
+                _mmb_out(y_ptr, acc, first + (t // KTS) * GS, rows, cols, N, pid, SPLIT,
+                         ATOMIC)
+                acc = gl.zeros([64, 8], gl.float32, MMA)
 
 
 @gluon.jit
 def _gemv_mmb_kernel(w_desc, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s, KTS: gl.constexpr,
                      SPLIT: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
-                     ATOMIC: gl.constexpr):
+                     ATOMIC: gl.constexpr, GROUP: gl.constexpr, EARLY: gl.constexpr):
     """The FP8 GEMV on the tensor cores with the weights as wgmma's A (M = 64 rows) and the
     quantized activation as B (N = 8, one real column); CTA pid takes K split pid % SPLIT
     (KTS tiles of 128) of every (G / SPLIT)-th 64-row block."""
@@ -119,22 +183,23 @@ def _gemv_mmb_kernel(w_desc, xq_ptr, sx_ptr, s_ptr, y_ptr, N, stride_s, KTS: gl.
     ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_mmb_consumer, (ring, ready, empty, xq_smem, xq_ptr, sx_ptr, s_ptr, y_ptr, N,
-                         stride_s, KTS, SPLIT, STAGES, USE_PDL, ATOMIC)),
+                         stride_s, KTS, SPLIT, STAGES, USE_PDL, ATOMIC, GROUP, EARLY)),
         (_mmb_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES)),
     ], [1], [40])
 
 
 def gemv_mmb(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
              y: torch.Tensor, grid: int, split: int, stages: int, atomic: bool = False,
-             maxnreg: int = 128) -> None:
+             maxnreg: int = 128, group: int = 1, early: bool = False) -> None:
     """y [split, N] fp32 partials (sum over dim 0 is the GEMV), or with atomic a zeroed
-    [N] fp32 that the K splits add into."""
+    [N] fp32 that the K splits add into; group / early: see _mmb_consumer."""
     N, K = w.shape
     layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
     desc = TensorDescriptor(w, [N, K], [K, 1], [64, 128], layout)
     assert grid % split == 0 and (K // 128) % split == 0
+    assert (K // 128 // split) % group == 0, "group: must divide the K tiles per split"
     _gemv_mmb_kernel[(grid,)](desc, xq, sx, s, y, N, s.stride(0), KTS=K // 128 // split,
-                              SPLIT=split, ATOMIC=atomic,
+                              SPLIT=split, ATOMIC=atomic, GROUP=group, EARLY=early,
                               STAGES=stages, USE_PDL=True, num_warps=4, launch_pdl=True,
                               maxnreg=maxnreg)
 

@@ -15,8 +15,12 @@ Variants (--variants, comma-separated):
   BNxBKxSTAGESxCTAS_PER_SMxWARPS[xKIND[xREGS]]   bench/lab/gluon_gemv_cuda_core.py; KIND ws,
       wsnoact, wsstream (the stream alone), wscompute, wss (activation in shared memory),
       wsspair; without KIND the ring refilled behind a CTA barrier
-  mmb-Sq-So-Sg-Sd-STAGES-CTAS_PER_SM[-REGS][-a]   bench/lab/gluon_gemv_wgmma.py (tensor
-      cores; K splits per projection; -a: fp32 RED atomics instead of per-split partials)
+  mmb-Sq-So-Sg-Sd-STAGES-CTAS_PER_SM[-REGS][-a][-p|-q][-e]   bench/lab/gluon_gemv_wgmma.py
+      (tensor cores; K splits per projection; -a: fp32 RED atomics instead of per-split
+      partials; -p / -q: two / four tiles' wgmmas in flight; -e: the next launch let go before the
+      PDL wait)
+  swab-RING_KB[-REGS[-PER_SM[-STAGE_BYTES]]][-n]   bench/lab/gluon_gemv_swab.py (tensor cores,
+      weights as B: whole rows per CTA, no K split)
 Results: bench/results/probe_fp8_gluon_h200_2026-11-29.json.
 """
 from __future__ import annotations
@@ -59,8 +63,10 @@ def _mmb_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> 
     fp32 partials over the K splits are left for the next kernel to add)."""
     from pdserve.kernels.reference import fp8_dequant_ref
     fields = v.split("-")[1:]
-    atomic = fields[-1] == "a"
-    nums = [int(t) for t in (fields[:-1] if atomic else fields)]
+    nums = [int(t) for t in fields if t.isdigit()]
+    flags = {t for t in fields if not t.isdigit()}
+    atomic, early = "a" in flags, "e" in flags
+    group = 4 if "q" in flags else 2 if "p" in flags else 1
     splits, (stages, per_sm), regs = nums[:4], nums[4:6], (nums[6:] or [128])[0]
     grid = sms * per_sm
     try:
@@ -75,7 +81,7 @@ def _mmb_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> 
             calls.append(row)
         errs = {}
         for (xq, sx, w, s, part, split), (name, _n, _k) in zip(calls[0], SHAPES):
-            gemv_mmb(xq, sx, w, s, part, grid, split, stages, atomic, regs)
+            gemv_mmb(xq, sx, w, s, part, grid, split, stages, atomic, regs, group, early)
             wd = fp8_dequant_ref(w, s, (128, 128)).float()
             xd = (xq.float().view(-1, 128) * sx[:, None]).view(-1)
             got = part.sum(0)
@@ -88,7 +94,7 @@ def _mmb_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> 
             for row in calls:
                 for i, (xq, sx, w, s, part, split) in enumerate(row):
                     if idx is None or i == idx:
-                        gemv_mmb(xq, sx, w, s, part, grid, split, stages, atomic, regs)
+                        gemv_mmb(xq, sx, w, s, part, grid, split, stages, atomic, regs, group, early)
         us = _graph_us(chain) / n_layers
         return {"us_per_layer": round(us, 2), "TBps": round(nbytes / us / 1e6, 3),
                 "rel_err_vs_quantized_act_and_vs_bf16_act": errs,
@@ -96,6 +102,43 @@ def _mmb_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> 
                              for i, (name, _n, _k) in enumerate(SHAPES)}}
     except Exception as exc:  # noqa: BLE001 - a probe records what failed and goes on
         return {"error": f"{type(exc).__name__}: {exc}"[:800]}
+
+
+def _swab_variant(v: str, layers: list, sms: int, nbytes: int, n_layers: int) -> dict:
+    """"swab-RING_KB[-REGS[-PER_SM[-STAGE_BYTES]]][-n]": the swapped tensor-core GEMV (weights as
+    B, whole rows per CTA, bf16 y; -n: the next launch let go after the PDL wait, not before).
+    Activations quantized beforehand (untimed), as for mmb."""
+    from pdserve.kernels.reference import fp8_dequant_ref
+
+    from bench.lab.gluon_gemv_swab import gemv_swab, swab_tile
+    fields = v.split("-")[1:]
+    nums = [int(t) for t in fields if t.isdigit()]
+    ring_kb, regs, per_sm, stage_bytes = nums + [64, 128, 2, 8192][len(nums):]
+    early = "n" not in fields
+    try:
+        calls = [[(*quantize_act(x), w, s, y) for (w, s, x, y) in layer] for layer in layers]
+        errs, tiles = {}, {}
+        for (xq, sx, w, s, y), (name, N, K) in zip(calls[0], SHAPES):
+            gemv_swab(xq, sx, w, s, y, sms, ring_kb, regs, early, per_sm, stage_bytes)
+            wd = fp8_dequant_ref(w, s, (128, 128)).float()
+            xd = (xq.float().view(-1, 128) * sx[:, None]).view(-1)
+            ref_q = wd @ xd
+            errs[name] = round(float((y.float() - ref_q).norm() / ref_q.norm()), 6)
+            tiles[name] = swab_tile(N, K, sms, per_sm, stage_bytes)
+
+        def chain(idx=None):
+            for row in calls:
+                for i, (xq, sx, w, s, y) in enumerate(row):
+                    if idx is None or i == idx:
+                        gemv_swab(xq, sx, w, s, y, sms, ring_kb, regs, early, per_sm,
+                                  stage_bytes)
+        us = _graph_us(chain) / n_layers
+        return {"us_per_layer": round(us, 2), "TBps": round(nbytes / us / 1e6, 3),
+                "rel_err_vs_quantized_act": errs, "bn_gps": tiles,
+                "us_alone": {name: round(_graph_us(lambda i=i: chain(i)) / n_layers, 2)
+                             for i, (name, _n, _k) in enumerate(SHAPES)}}
+    except Exception as exc:  # noqa: BLE001 - a probe records what failed and goes on
+        return {"error": f"{type(exc).__name__}: {exc}"[-1500:]}
 
 
 def _once(shape: str, variant: str) -> None:
@@ -156,6 +199,10 @@ def main() -> None:
     w, s, x, y = layers[0][2]
     ref = (fp8_dequant_ref(w, s, (128, 128)).float() @ x.float())
     for v in args.variants.split(","):
+        if v.startswith("swab"):
+            out["variants"][v] = _swab_variant(v, layers, sms, nbytes, args.layers)
+            print(v, out["variants"][v], file=sys.stderr, flush=True)
+            continue
         if v.startswith("mmb"):
             out["variants"][v] = _mmb_variant(v, layers, sms, nbytes, args.layers)
             print(v, out["variants"][v], file=sys.stderr, flush=True)
