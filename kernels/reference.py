@@ -7,6 +7,7 @@ a layer's cache view [num_blocks, block_size, Hkv, D].
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -218,3 +219,32 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         out.index_add_(0, rows, (h @ w2[e].float().t()) * topk_weights[rows, slots, None].float())
     return out.to(x.dtype)
+
+
+def fp8_gemv_tc_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                    prologue: str = "none", norm_weight: torch.Tensor | None = None,
+                    eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,
+                    res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = ()
+                    ) -> torch.Tensor:
+    """kernels/fp8_gemv_tc.py's function: the prologue's activation a [K] ("norm": x times
+    the norm weight, its rstd applied to the outputs; "silu": silu(gate) * up) quantized per
+    128 columns, times the dequantized weight, added into out (fp32) with `add`; res_out <- x
+    for "norm"; each `zero` buffer <- 0. Returns out."""
+    K = weight.shape[1]
+    xf = x.float().reshape(-1)
+    rstd = torch.ones((), dtype=torch.float32, device=x.device)
+    if prologue == "norm":
+        rstd = torch.rsqrt(xf.square().mean() + eps)
+        a = xf * norm_weight.float()
+        if res_out is not None:
+            res_out.copy_(xf.view_as(res_out))
+    elif prologue == "silu":
+        a = F.silu(xf[:K]) * xf[K:]
+    else:
+        a = xf
+    a8, sa = quant_act_ref(a[None], 128)
+    y = fp8_dequant_ref(a8, sa, (1, 128)) @ fp8_dequant_ref(weight, scales, (128, 128)).t()
+    y = y * rstd + (add.float() if add is not None else 0.0)
+    for z in zero:
+        z.zero_()
+    return out.add_(y.view_as(out))

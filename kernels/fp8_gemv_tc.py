@@ -1,0 +1,366 @@
+"""Batch-1 FP8 GEMV on Hopper's tensor cores (Gluon, Triton's explicit-layout dialect):
+
+    out[N] += (prologue(x)[K] quantized per 128 columns) @ dequant(W8, scales)[N, K]^T (+ add)
+
+for a batch-1 decode step of a dense model with block-FP8 weights (128 x 128 scales).
+
+Why (docs/design.md, "The path to 85%"): the one-row Triton GEMV (kernels/gemv_row.py)
+streams FP8 weights at ~3.6 TB/s in a decode chain; the CUDA cores cannot take 16 weights a
+clock per SM with the e4m3 decode. Here each CTA streams its weight tiles [64 rows, 128]
+through a shared-memory ring that TMA fills from a warp of its own (the first tiles before
+the PDL wait, while the kernel before drains), and wgmma multiplies each tile by the
+activation, quantized to e4m3 per 128 columns as vLLM serves block-FP8 checkpoints (w8a8,
+as kernels/fp8_gemm.py does for 2+ rows): one real column of an m64n8k32 B operand. Four
+tiles' wgmmas are in flight at once. Qwen3-8B's four projections take 47 us a layer against
+53 for the Triton GEMVs (bench/results/probe_fp8_gluon_h200_2026-11-30.json).
+
+The launch shape: 2 CTAs per SM; CTA p takes K split p % S of the row blocks p // S,
+p // S + G / S, ... (tc_plan picks S so that every CTA streams about the same bytes). The
+splits of a row add into `out` (fp32) with RED atomics, so `out` must be zero: the caller
+passes the buffers this launch zeroes (`zero`, after its PDL wait) and keeps the rule that
+a buffer is zeroed only once every reader has finished (engine/model/decoder.py, TcBuffers).
+
+Lifecycle of one CTA: loader warp streams tiles | consumer: PDL wait -> zero its slice of
+the `zero` buffers -> prologue (norm: the whole x for the sum of squares; silu(gate) * up;
+none), quantize its K range into shared memory -> per tile: wgmma, scale, add -> per row
+block: (rstd, residual on split 0) RED into out.
+
+CPU and the interpreter: fp8_gemv_tc_ref (kernels/reference.py) is the function; the
+decoder's tests run it on CPU, the GPU tests compare the kernel with it.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from pdserve.kernels._triton import check_tensor, interpreting, num_sms
+
+PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
+ROWS = 64  # wgmma's M: weight rows per tile
+GROUP_K = 128  # K columns per tile, per weight scale and per activation scale
+
+
+@dataclass(frozen=True)
+class TcPlan:
+    """split: K splits per row block; group: tiles whose wgmmas are in flight at once;
+    stages: ring depth in tiles; grid: CTAs."""
+    split: int
+    group: int
+    stages: int
+    grid: int
+
+
+@functools.cache
+def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, stages: int = 8) -> TcPlan:
+    """The K split that spreads N / 64 row blocks x K / 128 tiles most evenly over
+    per_sm * sms CTAs (ties: 8 tiles per split, the probe's best), and the wgmmas in flight
+    (4 where they divide the split's tiles). H200 at Qwen3-8B's shapes: q/k/v 8, o 4,
+    gate_up 4, down 12 splits, each ~97% busy."""
+    grid, blocks, tiles = sms * per_sm, triton.cdiv(N, ROWS), K // GROUP_K
+    best: tuple[float, int, int] | None = None
+    for s in range(1, tiles + 1):
+        if tiles % s or grid % s:
+            continue
+        eff = blocks * tiles / (grid * triton.cdiv(blocks, grid // s) * (tiles // s))
+        key = (round(eff, 2), -abs(tiles // s - 8), -s)
+        if best is None or key > best[:1] + best[1:]:
+            best = key
+            split = s
+    kts = tiles // split
+    group = 4 if kts % 4 == 0 else 2 if kts % 2 == 0 else 1
+    return TcPlan(split, group, stages, grid)
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
+            STAGES: gl.constexpr):
+    """One warp: the CTA's [64, 128] weight tiles into the ring, in consumption order."""
+    pid = gl.program_id(0)
+    GS = gl.num_programs(0) // SPLIT
+    first = pid // SPLIT
+    total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
+    for t in range(total):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), 64 * 128)
+        tma.async_copy_global_to_shared(
+            w_desc, [(first + (t // KTS) * GS) * 64, ((pid % SPLIT) * KTS + t % KTS) * 128],
+            ready.index(s), ring.index(s))
+
+
+@gluon.jit
+def _zero(z_ptr, n, ZCH: gl.constexpr):
+    """This CTA's ZCH-element slice of the fp32 buffer z [n] <- 0."""
+    ZL: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    offs = gl.program_id(0) * ZCH + gl.arange(0, ZCH, layout=ZL)
+    gl.store(z_ptr + offs, gl.zeros([ZCH], gl.float32, ZL), mask=offs < n)
+
+
+@gluon.jit
+def _norm_stats(x_ptr, res_ptr, eps, K: gl.constexpr, RES_OUT: gl.constexpr):
+    """rstd of the whole row x [K]; CTA 0 copies x to res (fp32) for a later residual add."""
+    CL: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+    ss = gl.zeros([1024], gl.float32, CL)
+    for k in gl.static_range(0, K, 1024):
+        offs = k + gl.arange(0, 1024, layout=CL)
+        x = gl.load(x_ptr + offs, mask=offs < K, other=0.0).to(gl.float32)
+        ss += x * x
+        if RES_OUT:
+            gl.store(res_ptr + offs, x, mask=(offs < K) & (gl.program_id(0) == 0))
+    return gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
+
+
+@gluon.jit
+def _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K: gl.constexpr, KTS: gl.constexpr,
+               PROLOGUE: gl.constexpr):
+    """The CTA's KTS activation groups (columns k0 * 128 ..) through the prologue, quantized
+    to e4m3 per group into xq_smem as wgmma's B ([KTS][8, 128]: row 0 the group, rows 1..7
+    zero) and their scales into sx_smem [KTS * 8] (row g * 8 holds group g's)."""
+    XB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    KP: gl.constexpr = 8 if KTS >= 8 else KTS  # groups per pass (8 rows each)
+    r = gl.arange(0, KP * 8, layout=gl.SliceLayout(1, XB))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, XB))
+    for k8 in gl.static_range(0, KTS, KP):
+        offs = (k0 + k8 + r // 8)[:, None] * 128 + c[None, :]
+        m = (r % 8 == 0)[:, None] & (offs < K)
+        a = gl.load(x_ptr + offs, mask=m, other=0.0).to(gl.float32)
+        if PROLOGUE == 1:  # rmsnorm's weight here, its rstd on the outputs (it commutes)
+            a = a * gl.load(nw_ptr + offs, mask=m, other=0.0).to(gl.float32)
+        if PROLOGUE == 2:  # x = [gate | up]: silu(gate) * up
+            up = gl.load(x_ptr + K + offs, mask=m, other=0.0).to(gl.float32)
+            a = a / (1.0 + gl.exp(-a)) * up
+        scale = gl.maximum(gl.max(gl.abs(a), axis=1), 1e-10) / 448.0
+        q = gl.minimum(gl.maximum(a / scale[:, None], -448.0), 448.0).to(gl.float8e4nv)
+        xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
+                             ).slice(k8 * 8, KP * 8).store(q)
+        sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
+                             ).slice(k8 * 8, KP * 8).store(scale)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _tile_scale(s_ptr, sx_smem, stride_s, rb, kg, kl):
+    """Tile (row block rb, global group kg = the CTA's group kl): weight block scale times
+    the activation group's."""
+    SL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    sx = gl.sum(sx_smem.index(kl * 8).load(SL), axis=0)
+    return gl.load(s_ptr + (rb * 64 // 128) * stride_s + kg) * sx
+
+
+@gluon.jit
+def _issue(ring, ready, xq_smem, zero, t, KTS: gl.constexpr, STAGES: gl.constexpr):
+    """Tile t's wgmma [64, 128] @ [128, 8], started once its ring slot is full: a token."""
+    s = t % STAGES
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    return warpgroup_mma(ring.index(s), xq_smem.index(t % KTS).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, first_split,
+         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr):
+    """Column 0 of acc [64, 8] is row block rb's partial: times rstd ("norm"), plus the
+    residual on split 0, added into out (RED, fire and forget)."""
+    n = rb * 64 + rows
+    if PROLOGUE == 1:
+        acc = acc * rstd
+    if HAS_ADD:
+        acc += gl.load(add_ptr + n, mask=(n < N) & first_split, other=0.0
+                       ).to(gl.float32)[:, None]
+    keep = (n < N)[:, None] & (cols == 0)[None, :]
+    gl.atomic_add(out_ptr + n[:, None] + cols[None, :] * 0, acc, mask=keep, sem="relaxed")
+
+
+@gluon.jit
+def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
+              add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr,
+              KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+              GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
+              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr):
+    """One warpgroup: the module doc's lifecycle after the PDL wait."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8, 32])
+    pid = gl.program_id(0)
+    GS = gl.num_programs(0) // SPLIT
+    first = pid // SPLIT
+    k0 = (pid % SPLIT) * KTS  # the CTA's first group
+    total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    _gdc_launch()  # the next launch may fill its ring while this one streams
+    _gdc_wait()
+    if HAS_Z:
+        _zero(z1_ptr, z1_n, ZCH)
+        _zero(z2_ptr, z2_n, ZCH)
+    rstd = 1.0
+    if PROLOGUE == 1:
+        rstd = _norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
+    _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
+    acc = gl.zeros([64, 8], gl.float32, MMA)
+    zero = gl.zeros([64, 8], gl.float32, MMA)
+    for t in range(0, total, GROUP):
+        rb = first + (t // KTS) * GS
+        kl = t % KTS
+        sc0 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl, kl)
+        tok0 = _issue(ring, ready, xq_smem, zero, t, KTS, STAGES)
+        if GROUP == 1:
+            p0 = warpgroup_mma_wait(0, deps=[tok0])
+            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            acc += p0 * sc0
+        if GROUP == 2:
+            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
+            tok1 = _issue(ring, ready, xq_smem, zero, t + 1, KTS, STAGES)
+            p0 = warpgroup_mma_wait(1, deps=[tok0])
+            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            p1 = warpgroup_mma_wait(0, deps=[tok1])
+            mbarrier.arrive(empty.index((t + 1) % STAGES), count=1)
+            acc += p0 * sc0 + p1 * sc1
+        if GROUP == 4:
+            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
+            sc2 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 2, kl + 2)
+            sc3 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 3, kl + 3)
+            tok1 = _issue(ring, ready, xq_smem, zero, t + 1, KTS, STAGES)
+            tok2 = _issue(ring, ready, xq_smem, zero, t + 2, KTS, STAGES)
+            tok3 = _issue(ring, ready, xq_smem, zero, t + 3, KTS, STAGES)
+            p0 = warpgroup_mma_wait(3, deps=[tok0])
+            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            p1 = warpgroup_mma_wait(2, deps=[tok1])
+            mbarrier.arrive(empty.index((t + 1) % STAGES), count=1)
+            p2 = warpgroup_mma_wait(1, deps=[tok2])
+            mbarrier.arrive(empty.index((t + 2) % STAGES), count=1)
+            p3 = warpgroup_mma_wait(0, deps=[tok3])
+            mbarrier.arrive(empty.index((t + 3) % STAGES), count=1)
+            acc += p0 * sc0 + p1 * sc1 + p2 * sc2 + p3 * sc3
+        if (t + GROUP) % KTS == 0:  # the row block's K split is done
+            _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, pid % SPLIT == 0, PROLOGUE,
+                 HAS_ADD)
+            acc = gl.zeros([64, 8], gl.float32, MMA)
+
+
+@gluon.jit
+def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr, z1_ptr, z1_n,
+                        z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
+                        SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                        PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
+                        ZCH: gl.constexpr, HAS_Z: gl.constexpr):
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
+    xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
+                                        gl.NVMMASharedLayout(128, 8, rank=2))
+    sx_smem = gl.allocate_shared_memory(gl.float32, [KTS * 8, 1],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr,
+                     out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K, KTS,
+                     SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z)),
+        (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES)),
+    ], [1], [40])
+
+
+@functools.cache
+def tc_available(device_index: int) -> bool:
+    """The kernel runs here: compiled (not the interpreter) on a compute capability 9.0 GPU
+    (wgmma and TMA as Gluon's Hopper module emits them)."""
+    return not interpreting() and torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def tc_fits(weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """The weight layouts this kernel takes: e4m3 [N, K] contiguous, K % 128 == 0, scales
+    per 128 x 128 block."""
+    return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous()
+            and weight.shape[1] % GROUP_K == 0 and tuple(block or ()) == (128, 128))
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, prologue: str,
+           norm_weight: torch.Tensor | None, out: torch.Tensor, add: torch.Tensor | None,
+           res_out: torch.Tensor | None, zero: tuple[torch.Tensor, ...]) -> None:
+    N, K = weight.shape
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue: {prologue!r} not in {sorted(PROLOGUES)}")
+    if not tc_fits(weight, (128, 128)):
+        raise ValueError(f"weight: {tuple(weight.shape)} {weight.dtype} must be contiguous "
+                         f"float8_e4m3fn [N, K] with K % {GROUP_K} == 0")
+    k_in = 2 * K if prologue == "silu" else K
+    check_tensor("x", x, shape=(1, k_in), device=weight.device, last_contiguous=True)
+    check_tensor("scales", scales, shape=(triton.cdiv(N, 128), K // 128),
+                 dtypes=(torch.float32,), device=weight.device)
+    check_tensor("out", out, shape=(1, N), dtypes=(torch.float32,), device=weight.device,
+                 last_contiguous=True)
+    if prologue == "norm":
+        check_tensor("norm_weight", norm_weight, shape=(K,), device=weight.device)
+    if add is not None:
+        check_tensor("add", add, shape=(1, N), device=weight.device, last_contiguous=True)
+    if res_out is not None:
+        if prologue != "norm":
+            raise ValueError("res_out: only the 'norm' prologue reads the whole row to copy")
+        check_tensor("res_out", res_out, shape=(1, K), dtypes=(torch.float32,),
+                     device=weight.device, last_contiguous=True)
+    for i, z in enumerate(zero):
+        check_tensor(f"zero[{i}]", z, dtypes=(torch.float32,), device=weight.device)
+        if not z.is_contiguous() or any(z is t for t in (x, out, add, res_out)):
+            raise ValueError(f"zero[{i}]: must be contiguous and not an input or output")
+    if len(zero) > 2:
+        raise ValueError(f"zero: at most 2 buffers, got {len(zero)}")
+
+
+def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                prologue: str = "none", norm_weight: torch.Tensor | None = None,
+                eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,
+                res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = ()
+                ) -> torch.Tensor:
+    """out [1, N] (fp32, zero on entry) += the module doc's product for x [1, K] ([1, 2K]
+    = gate | up for "silu"), weight e4m3 [N, K] with scales [N / 128, K / 128]; plus add
+    [1, N] (the residual); res_out [1, K] (fp32) <- x ("norm" only); each of `zero` (<= 2
+    fp32 buffers, never this launch's inputs) <- 0 once the launch before has finished.
+    Off Hopper or on CPU: kernels.reference.fp8_gemv_tc_ref. Returns out."""
+    _check(x, weight, scales, prologue, norm_weight, out, add, res_out, zero)
+    if not (weight.is_cuda and tc_available(weight.device.index or 0)):
+        from pdserve.kernels.reference import fp8_gemv_tc_ref
+        return fp8_gemv_tc_ref(x, weight, scales, prologue, norm_weight, eps, out=out,
+                               add=add, res_out=res_out, zero=zero)
+    N, K = weight.shape
+    plan = tc_plan(N, K, num_sms(weight.device.index or 0))
+    layout = gl.NVMMASharedLayout.get_default_for([ROWS, GROUP_K], gl.float8e4nv)
+    desc = TensorDescriptor(weight, [N, K], [K, 1], [ROWS, GROUP_K], layout)
+    z = list(zero) + [out] * (2 - len(zero))  # placeholders: n = 0 stores nothing
+    zn = [t.numel() if i < len(zero) else 0 for i, t in enumerate(z)]
+    zch = max(128, triton.next_power_of_2(triton.cdiv(max(zn), plan.grid))) if zero else 128
+    _fp8_gemv_tc_kernel[(plan.grid,)](
+        desc, x, norm_weight if norm_weight is not None else x,
+        res_out if res_out is not None else out, scales, out,
+        add if add is not None else out, z[0], zn[0], z[1], zn[1], N, scales.stride(0),
+        float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
+        STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
+        HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
+        num_warps=4, launch_pdl=True, maxnreg=128)
+    return out
