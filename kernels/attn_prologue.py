@@ -283,7 +283,9 @@ def write_new_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, kn_ptr, slots, rope_rows_r, kc_
         k = rope_rows(k_ptr + t * stride_kt + kvh * stride_kh, d, mask, c, s, kn_ptr, eps,
                        HALF, K_NORM)
         k = k.to(kc_ptr.dtype.element_ty)
-        v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d, mask=mask)
+        # in the cache's type: v may come in fp32 (kernels/fp8_gemv_tc.py's output)
+        v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d, mask=mask
+                    ).to(vc_ptr.dtype.element_ty)
         slot = tl.maximum(slot, 0)
         blk = slot // block_size
         off = slot % block_size

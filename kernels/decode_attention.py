@@ -229,8 +229,9 @@ def _word_loads(tiles: DecodeTiles, fp8: bool, op_dtype: tl.dtype, k_cache: torc
 
 def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       scale: float, rows_per_seq: int = 1) -> None:
-    T, HQ, _, _, HKV = check_q_and_cache(q, k_cache, v_cache)
+                       scale: float, rows_per_seq: int = 1,
+                       dtype: torch.dtype | None = None) -> None:
+    T, HQ, _, _, HKV = check_q_and_cache(q, k_cache, v_cache, dtype)
     if not isinstance(rows_per_seq, int) or rows_per_seq < 1 or T % rows_per_seq:
         raise ValueError(f"rows_per_seq: {rows_per_seq!r} must be an int >= 1 dividing q's "
                          f"{T} rows")
@@ -271,33 +272,42 @@ def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.T
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            rows_per_seq: int = 1, kv_scales: KVScales | None = None,
-                           tiles: DecodeTiles | None = None) -> torch.Tensor:
+                           tiles: DecodeTiles | None = None,
+                           compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """paged_decode_attention with the attention prologue folded in: q [B * R, Hq, D] is the
     raw projection (before QK-norm and RoPE), and the same kernel normalises and rotates q
     and the new k and writes k/v into the cache (as fused_qk_norm_rope_kv would) before
     reading it. One kernel per layer where there were three (prologue, split, reduce). An fp8
-    cache's new rows are quantized here too (attn_prologue.write_new_kv_fp8)."""
-    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq)
+    cache's new rows are quantized here too (attn_prologue.write_new_kv_fp8).
+    compute_dtype: the dot products' and the output's type where it is not q's (fp32 q/k/v
+    from kernels/fp8_gemv_tc.py attend as the bf16 model would)."""
+    if compute_dtype not in (None, q.dtype) and q.dtype != torch.float32:
+        raise TypeError(f"compute_dtype: {compute_dtype} needs fp32 q, got {q.dtype}")
+    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq,
+                       compute_dtype)
     check_prologue(q, prologue, k_cache.shape[2])
     return _launch(q, prologue, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                   None, rows_per_seq, kv_scales, tiles)
+                   None, rows_per_seq, kv_scales, tiles, compute_dtype or q.dtype)
 
 
 def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
             num_splits: int | None, max_seq_len: int | None, R: int,
-            kv_scales: KVScales | None, tiles: DecodeTiles | None) -> torch.Tensor:
+            kv_scales: KVScales | None, tiles: DecodeTiles | None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """dtype: the dot products' and output's type (q's unless given)."""
+    dtype = dtype or q.dtype
     fp8 = cache_is_fp8(k_cache, kv_scales)
     sc = kv_scales if fp8 else KVScales(q, q)  # placeholders: never read without FP8
     T, HQ, D = q.shape
     B, HKV, bs = T // R, k_cache.shape[2], k_cache.shape[1]
-    out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    out = torch.empty((T, HQ, D), dtype=dtype, device=q.device)
     if B == 0:
         return out
     small = B * HKV < (num_sms(q.device.index or 0) if q.is_cuda else 32)  # split-K regime
-    tiles = tiles or decode_tiles(q.dtype, k_cache.dtype, D, prefetch=p is not None and small)
+    tiles = tiles or decode_tiles(dtype, k_cache.dtype, D, prefetch=p is not None and small)
     block_n = tiles.block_n
-    op_dtype, prec = _operand_dtype(q.dtype, fp8)
+    op_dtype, prec = _operand_dtype(dtype, fp8)
     words = _word_loads(tiles, fp8, op_dtype, k_cache, v_cache)
     if num_splits is None:
         context = max_seq_len or block_tables.shape[1] * bs

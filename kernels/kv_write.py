@@ -173,17 +173,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         HKV, bs, D=D, BLOCK_H=next_pow2(HKV), num_warps=4)
 
 
-def check_q_and_cache(q: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """Attention launchers' shared checks: q [rows, Hq, D] against the layer's cache views.
+def check_q_and_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      dtype: torch.dtype | None = None) -> tuple[int, int, int, int, int]:
+    """Attention launchers' shared checks: q [rows, Hq, D] against the layer's cache views
+    (a cache of `dtype`, q's unless given: fp32 q may attend over a bf16 cache).
     Returns (rows, Hq, D, block_size, Hkv)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     check_launchable("q", q)
     rows, HQ, D = q.shape
     check_head_dim("q", D)
     bs, HKV = check_cache_pair(k_cache, v_cache, None, D, q.device)
-    if k_cache.dtype not in (q.dtype, FP8):
-        raise TypeError(f"k_cache: dtype {k_cache.dtype} != q dtype {q.dtype} (or fp8)")
+    want = dtype or q.dtype
+    if k_cache.dtype not in (want, FP8):
+        raise TypeError(f"k_cache: dtype {k_cache.dtype} != {want} (or fp8)")
     if HQ % HKV:
         raise ValueError(f"q: {HQ} heads is not a multiple of the cache's {HKV} kv heads")
     return rows, HQ, D, bs, HKV

@@ -30,7 +30,8 @@ from bench.lab.bench_engine import Plan, drive, fill_static
 from bench.lab.engine_probes import random_prompts, time_ms
 
 LAYER = ["qkv", "attn", "o", "gate_up", "down"]
-GEMV = ("_gemv_row_kernel", "_gemv_kernel")  # one row / 1..4 rows (kernels/gemv_row.py, gemv.py)
+# one row / 1..4 rows / tensor cores (kernels/gemv_row.py, gemv.py, fp8_gemv_tc.py)
+GEMV = ("_gemv_row_kernel", "_gemv_kernel", "_fp8_gemv_tc_kernel")
 # kernel name prefixes per layer position (str.startswith takes a tuple)
 NAMES = {"qkv": GEMV, "attn": "_decode_kernel", "o": GEMV, "gate_up": GEMV, "down": GEMV}
 QKV, O_PROJ = (6144, 4096), (4096, 4096)  # Qwen3-8B's (N, K) of q/k/v and o_proj
@@ -132,11 +133,17 @@ def engine_timeline(engine, vocab: int) -> dict:
     return out
 
 
+# whether the variant being captured takes the tensor-core FP8 GEMV where the model fits it
+# (Model.use_tc_gemv; set by a variant's setup, read by capture)
+TC = {"on": True}
+
+
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
-            every: dict | None = None, moe: dict | None = None):
+            every: dict | None = None, moe: dict | None = None, tc: bool = True):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
-    GEMVs (`moe`), and the decode attention's split count (None: the kernel's own choice)."""
+    GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
+    whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -151,6 +158,7 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
     def setup() -> None:
         gemv_mod.pick_config = pick
         moe_gemv.pick_gemv_config = pick_moe
+        TC["on"] = tc
     return name, setup, splits
 
 
@@ -161,7 +169,8 @@ def tile(block_n: int, block_k: int, num_warps: int) -> dict:
 QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
-VARIANTS = [variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
+VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
+            variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
             # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
             variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),
             # every one-row GEMV with / without its first weight tile loaded before the wait
@@ -243,6 +252,8 @@ def capture(engine, setup, splits, vocab: int):
     model = runner.model
     setup()
     model.backend.num_splits = splits
+    model.use_tc_gemv(TC["on"])
+    buffers = model.layers[0].tc  # this graph's: a later capture's use_tc_gemv makes new ones
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]
     g.capture([1])
@@ -250,6 +261,7 @@ def capture(engine, setup, splits, vocab: int):
     graph, hidden, _ = g.graphs[1]
 
     def step() -> None:
+        assert buffers is None or buffers.qkv.is_cuda  # held for the graph's lifetime
         graph.replay()
         model.compute_logits(hidden[:1]).argmax(-1)
     return step, g

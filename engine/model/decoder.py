@@ -54,6 +54,7 @@ from pdserve.engine.model.layers import (
 )
 from pdserve.engine.model.linear_ops import linear_gemv
 from pdserve.engine.model.moe import make_mlp
+from pdserve.engine.model.tc_decode import TcBuffers, forward_tc, tc_layer_fits
 
 
 class Attention(nn.Module):
@@ -88,9 +89,11 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
     def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+                   meta: AttentionMetadata, kv_cache: torch.Tensor,
+                   compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj); writes
-        this step's K/V into the cache."""
+        this step's K/V into the cache. compute_dtype: the attention's (and output's) type
+        for an fp32 qkv (kernels/fp8_gemv_tc.py; fused path only)."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -107,7 +110,8 @@ class Attention(nn.Module):
                 None if self.k_norm is None else self.k_norm.weight,
                 self.q_norm.eps if self.q_norm is not None else 1e-6, meta.rope_positions)
             o = fused_attention().attend_with_prologue(self.backend, q, prologue, k_cache,
-                                                       v_cache, meta, self.scale, kv_scales)
+                                                       v_cache, meta, self.scale, kv_scales,
+                                                       compute_dtype)
             return o.reshape(T, self.q_size)
         if meta is not None and meta.rope_positions is not None:  # tables (Model.rope): rows
             cos, sin = cos[meta.rope_positions], sin[meta.rope_positions]
@@ -137,6 +141,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, kv_layer)  # dense SwiGLU or MoE (moe.py)
         self.fused = False  # decode-sized batches: 4 prologue-fused GEMV kernels (kernels.gemv)
+        self.tc: TcBuffers | None = None  # batch 1 on the tensor cores (Model.use_tc_gemv)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata,
@@ -161,6 +166,8 @@ class DecoderLayer(nn.Module):
         residual stream after the layer, None): the adds are done, so the next layer (or final
         norm) takes x alone. A MoE layer returns (its MLP output, residual) instead; at batch 1
         its norm rides in the router's prologue (MoEBlock.forward_normed): 6 kernels."""
+        if self.tc is not None and x.shape[0] == 1 and residual is None:
+            return forward_tc(self, x, cos, sin, meta, kv_cache, self.tc), None
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv, h = linear_gemv(x, attn.qkv_proj, "norm", residual, ln1.weight, ln1.eps)
@@ -212,7 +219,22 @@ class Model(nn.Module):
         for module in self.modules():
             if hasattr(module, "fused") and isinstance(module.fused, bool):
                 module.fused = enabled
+        weight = self.embed_tokens.weight
+        self.use_tc_gemv(enabled and weight.is_cuda
+                         and fused_kernels().tc_available(weight.device.index or 0))
         return self
+
+    def use_tc_gemv(self, enabled: bool = True) -> bool:
+        """Batch-1 decode through kernels/fp8_gemv_tc.py (engine/model/tc_decode.py): on by
+        use_fused_ops on a Hopper GPU where every layer fits (tc_layer_fits: dense, block
+        FP8) and there is no TP; elsewhere the kernel's torch reference runs it (tests).
+        Returns whether it is on."""
+        on = enabled and self.tp is None and all(tc_layer_fits(la) for la in self.layers)
+        buffers = TcBuffers.for_layer(self.layers[0], self.embed_tokens.weight.device) \
+            if on else None
+        for layer in self.layers:
+            layer.tc = buffers
+        return on
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config says so. Call again after
@@ -239,6 +261,7 @@ class Model(nn.Module):
         x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, meta, kv_cache)
+        x = x.to(self.embed_tokens.weight.dtype)  # the tensor-core path's fp32 stream
         if residual is None:  # the batch-1 fused layers add the residual themselves
             hidden, prenorm = self.norm(x), x
         else:
