@@ -56,19 +56,25 @@ GROUP_K = 128  # K columns per tile, per weight scale and per activation scale
 @dataclass(frozen=True)
 class TcPlan:
     """split: K splits per row block; group: tiles whose wgmmas are in flight at once;
-    stages: ring depth in tiles; grid: CTAs."""
+    stages: ring depth in tiles; grid: CTAs; prefill: the ring starts filling before the
+    PDL wait (while the kernel before runs); maxnreg: the consumer's registers."""
     split: int
     group: int
     stages: int
     grid: int
+    prefill: bool = True
+    maxnreg: int = 128
 
 
 @functools.cache
-def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, stages: int = 8) -> TcPlan:
+def tc_plan(N: int, K: int, sms: int, per_sm: int = 2) -> TcPlan:
     """The K split that spreads N / 64 row blocks x K / 128 tiles most evenly over
     per_sm * sms CTAs (ties: 8 tiles per split, the probe's best), and the wgmmas in flight
     (4 where they divide the split's tiles). H200 at Qwen3-8B's shapes: q/k/v 8, o 4,
-    gate_up 4, down 12 splits, each ~97% busy."""
+    gate_up 4, down 12 splits, each ~97% busy. Ring: 12 tiles for matrices of >= 32 MB, 8
+    below (Qwen3-8B FP8 step 2.414 -> 2.398 ms with gate_up's and down's 12, q/k/v's too
+    2.416; bench/results/diag_tc_h200_2026-11-30.json)."""
+    stages = 12 if N * K >= (32 << 20) else 8
     grid, blocks, tiles = sms * per_sm, triton.cdiv(N, ROWS), K // GROUP_K
     best: tuple[float, int, int] | None = None
     for s in range(1, tiles + 1):
@@ -98,8 +104,10 @@ def _gdc_launch():
 
 @gluon.jit
 def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
-            STAGES: gl.constexpr):
+            STAGES: gl.constexpr, PREFILL: gl.constexpr):
     """One warp: the CTA's [64, 128] weight tiles into the ring, in consumption order."""
+    if not PREFILL:
+        _gdc_wait()
     pid = gl.program_id(0)
     GS = gl.num_programs(0) // SPLIT
     first = pid // SPLIT
@@ -123,7 +131,9 @@ def _zero(z_ptr, n, ZCH: gl.constexpr):
 
 @gluon.jit
 def _norm_stats(x_ptr, res_ptr, eps, K: gl.constexpr, RES_OUT: gl.constexpr):
-    """rstd of the whole row x [K]; CTA 0 copies x to res (fp32) for a later residual add."""
+    """rstd of the whole row x [K]; CTA 0 copies x to res (fp32) for a later residual add.
+    (Computed where a row block's output is added instead, its loads waiting while the ring
+    streams on, the step was slower: 2.414 -> 2.478 ms, diag_tc_h200_2026-11-30.json.)"""
     CL: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
     ss = gl.zeros([1024], gl.float32, CL)
     for k in gl.static_range(0, K, 1024):
@@ -268,7 +278,7 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
                         z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
                         SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
-                        ZCH: gl.constexpr, HAS_Z: gl.constexpr):
+                        ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -283,7 +293,7 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
         (_consumer, (ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr,
                      out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K, KTS,
                      SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z)),
-        (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES)),
+        (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL)),
     ], [1], [40])
 
 
@@ -362,5 +372,5 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
-        num_warps=4, launch_pdl=True, maxnreg=128)
+        PREFILL=plan.prefill, num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
     return out

@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 
+import pdserve.kernels.fp8_gemv_tc  # noqa: F401  (tc_mod below)
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
 import pdserve.kernels.moe_gemv as moe_gemv
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
@@ -64,6 +65,8 @@ def critical_by_position(fn) -> dict:
 gemv_mod = sys.modules["pdserve.kernels.gemv"]
 ORIGINAL_PICK = gemv_mod.pick_config
 ORIGINAL_PICK_MOE = moe_gemv.pick_gemv_config
+tc_mod = sys.modules["pdserve.kernels.fp8_gemv_tc"]
+ORIGINAL_TC_PLAN = tc_mod.tc_plan
 
 
 def replay_probe(g: DecodeGraphs) -> dict:
@@ -139,11 +142,13 @@ TC = {"on": True}
 
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
-            every: dict | None = None, moe: dict | None = None, tc: bool = True):
+            every: dict | None = None, moe: dict | None = None, tc: bool = True,
+            tc_plans: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
-    whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py)."""
+    whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py), with TcPlan
+    fields to override per (N, K) (`tc_plans`)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -155,9 +160,13 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
     def pick_moe(*args, **kwargs):
         return dataclasses.replace(ORIGINAL_PICK_MOE(*args, **kwargs), **(moe or {}))
 
+    def plan(N: int, K: int, sms: int):
+        return dataclasses.replace(ORIGINAL_TC_PLAN(N, K, sms), **(tc_plans or {}).get((N, K), {}))
+
     def setup() -> None:
         gemv_mod.pick_config = pick
         moe_gemv.pick_gemv_config = pick_moe
+        tc_mod.tc_plan = plan
         TC["on"] = tc
     return name, setup, splits
 
@@ -170,6 +179,16 @@ QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
+            # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
+            # filled only after the attention (which it slowed), ring depths, registers (96:
+            # o_proj's and gate_up's CTAs fit an SM together)
+            variant("tc_o_nopre", tc_plans={O_PROJ: {"prefill": False}}),
+            variant("tc_o_s4", tc_plans={O_PROJ: {"stages": 4}}),
+            variant("tc_mlp_s8", tc_plans={GATE_UP: {"stages": 8}, DOWN: {"stages": 8}}),
+            variant("tc_qkv_s12", tc_plans={QKV: {"stages": 12}}),
+            variant("tc_r96", tc_plans={s: {"maxnreg": 96} for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
+            variant("tc_cores", tc_plans={O_PROJ: {"stages": 4, "maxnreg": 96},
+                                          GATE_UP: {"stages": 8, "maxnreg": 96}}),
             variant("no_evict", {shape: {"stream_weights": False} for shape in SHAPES}),
             # o_proj without its L2 prefetch during the attention (gemv(prefetch=True))
             variant("o_pf_off", {O_PROJ: {"l2_prefetch": 0.0}}),
