@@ -4,7 +4,7 @@
 
 for a batch-1 decode step of a dense model with block-FP8 weights (128 x 128 scales).
 
-Why (docs/design.md, "The path to 85%"): the one-row Triton GEMV (kernels/gemv_row.py)
+Why (docs/design.md, "The tensor-core GEMV"): the one-row Triton GEMV (kernels/gemv_row.py)
 streams FP8 weights at ~3.6 TB/s in a decode chain; the CUDA cores cannot take 16 weights a
 clock per SM with the e4m3 decode. Here each CTA streams its weight tiles [64 rows, 128]
 through a shared-memory ring that TMA fills from a warp of its own (the first tiles before
