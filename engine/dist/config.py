@@ -13,9 +13,12 @@ GRAPH_ALL_REDUCE_BYTES = 8 << 20
 @dataclass(frozen=True)
 class ParallelConfig:
     """tp_size ranks of one worker; this process is `rank`. init_address is rank 0's
-    "tcp://host:port" (the TCP store every rank joins); timeout_s bounds every wait: joining
-    the group, each collective (gloo raises after it; NCCL's watchdog aborts the
-    communicator), and each lockstep receive on a follower."""
+    "tcp://host:port" (the TCP store every rank joins); timeout_s bounds every wait once the
+    group has formed: each collective (gloo raises after it; NCCL's watchdog aborts the
+    communicator) and each lockstep receive on a follower. Forming it (reaching the store,
+    every rank in the control group) may take join_timeout_s, or timeout_s where that is
+    longer: ranks join once their shard has loaded, and a short timeout_s, chosen to catch a
+    dead rank fast, must not fail a start where one rank loads a few seconds slower."""
 
     tp_size: int = 1
     rank: int = 0
@@ -28,6 +31,7 @@ class ParallelConfig:
     # every group that captures no graphs): not joined. The offline engine with
     # use_cuda_graphs sets GRAPH_ALL_REDUCE_BYTES.
     peer_all_reduce_bytes: int = 0
+    join_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         tp = self.tp_size
@@ -48,6 +52,13 @@ class ParallelConfig:
             raise ConfigError(f"peer_all_reduce_bytes: must be an int >= 0, got {b!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s: must be > 0, got {self.timeout_s!r}")
+        if not self.join_timeout_s > 0:
+            raise ConfigError(f"join_timeout_s: must be > 0, got {self.join_timeout_s!r}")
+
+    @property
+    def join_deadline_s(self) -> float:
+        """How long forming the group may take (see the class doc)."""
+        return max(self.timeout_s, self.join_timeout_s)
 
     @property
     def is_leader(self) -> bool:

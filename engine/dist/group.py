@@ -57,21 +57,21 @@ def _split(address: str) -> tuple[str, int]:
 
 def open_store(cfg: ParallelConfig) -> dist.TCPStore:
     """Rank 0 hosts the store (port 0 in init_address: any free port, see .port); the others
-    connect to it, waiting at most timeout_s.
+    connect to it, waiting at most cfg.join_deadline_s.
 
     Rank 0 listens on init_address's host only: torch's store server, left to itself,
     listens on every interface (::) whatever host it is given, and the store is an
     unauthenticated key-value service that the ranks read their step messages from. So the
     socket is bound here and handed over (master_listen_fd; the store closes it)."""
     host, port = _split(cfg.init_address)
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.join_deadline_s)  # TPGroup sets timeout_s once in
     if cfg.is_leader:
         return _host_store(cfg, host, port, timeout)
     try:
         return dist.TCPStore(host, port, cfg.tp_size, False, timeout=timeout)
     except (RuntimeError, TimeoutError) as e:  # DistStoreError is a RuntimeError
         raise GroupError(f"init_address: rank {cfg.rank} could not reach the store at "
-                         f"{cfg.init_address} within {cfg.timeout_s} s: {e}") from e
+                         f"{cfg.init_address} within {cfg.join_deadline_s} s: {e}") from e
 
 
 def _host_store(cfg: ParallelConfig, host: str, port: int,
@@ -122,8 +122,14 @@ class TPGroup:
 
     def _join(self, cfg: ParallelConfig, store: dist.Store) -> None:
         try:
-            self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), self.rank,
-                                                 self.size, self.timeout)
+            # every rank in the control group within the join deadline (a peer may still be
+            # loading); from then on each store wait takes timeout_s, and so does each
+            # collective (_run waits timeout_s whatever the group's own timeout)
+            store.set_timeout(datetime.timedelta(seconds=cfg.join_deadline_s))
+            self.control = dist.ProcessGroupGloo(
+                dist.PrefixStore("control", store), self.rank, self.size,
+                datetime.timedelta(seconds=cfg.join_deadline_s))
+            store.set_timeout(self.timeout)
             if cfg.backend == "nccl":
                 # NCCL binds a communicator to the current device, and Triton launches on it:
                 # make it this rank's GPU, and connect now (not lazily inside the first
@@ -143,7 +149,7 @@ class TPGroup:
                                                     self.rank, self.size, self.timeout)
         except RuntimeError as e:
             raise GroupError(f"rank {self.rank}: joining the group of {self.size} failed "
-                             f"within {cfg.timeout_s} s: {e}") from e
+                             f"within {cfg.join_deadline_s} s: {e}") from e
         self.steps = StepChannel(self.rank, self.size, store, _split(cfg.init_address)[0],
                                  cfg.timeout_s)
         self.barrier()  # every rank is in: a rank that never came fails here, in timeout_s

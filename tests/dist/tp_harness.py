@@ -6,6 +6,7 @@ import dataclasses
 import multiprocessing as mp
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 
@@ -30,8 +31,10 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, tp: int, port: int, timeout_s: float, args: tuple,
-           out: mp.Queue, cuda: bool) -> None:
+           out: mp.Queue, cuda: bool, late_s: float) -> None:
     torch.set_num_threads(1)
+    if rank == tp - 1:
+        time.sleep(late_s)  # a rank that loads slower joins later
     select_triton_mode()  # an entry point: kernels interpreted on CPU (the GEMV path)
     try:
         address = f"tcp://127.0.0.1:{port}"
@@ -51,15 +54,17 @@ def _entry(fn: Callable, rank: int, tp: int, port: int, timeout_s: float, args: 
 
 
 def run_ranks(fn: Callable, tp: int, *args: object, timeout_s: float = 20.0,
-              deadline_s: float = 240.0, cuda: bool = False) -> dict[int, object]:
+              deadline_s: float = 240.0, cuda: bool = False,
+              late_s: float = 0.0) -> dict[int, object]:
     """fn(group, *args) on ranks 0..tp-1 -> {rank: result or ("error", text)}. Every rank
     reports within deadline_s or the test fails; leftover processes are ended. cuda: rank r
-    on cuda:r with NCCL (ParallelConfig.for_device), else gloo on CPU."""
+    on cuda:r with NCCL (ParallelConfig.for_device), else gloo on CPU. late_s: the last rank
+    starts joining that much later."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, tp, port, timeout_s, args, out, cuda),
-                         daemon=True) for r in range(tp)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, tp, port, timeout_s, args, out, cuda,
+                                              late_s), daemon=True) for r in range(tp)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

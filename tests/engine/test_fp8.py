@@ -44,14 +44,16 @@ _SHAPE = dict(vocab_size=VOCAB, hidden_size=160, intermediate_size=200, num_hidd
               max_position_embeddings=512, tie_word_embeddings=False, rope_parameters=_ROPE)
 
 
-def tiny(family: str, seed: int = 0):
+def tiny(family: str, seed: int = 0, **shape: object):
     """A transformers Qwen3 (or Qwen3-MoE: layer 1 dense, 4 experts of 72, top 2) with O(1)
-    random weights, as tests/engine/hf_families.py tiny_hf makes them."""
+    random weights, as tests/engine/hf_families.py tiny_hf makes them; `shape`: config
+    fields that replace this file's."""
     torch.manual_seed(seed)
+    fields = {**_SHAPE, **shape}
     if family == "qwen3":
-        cfg = transformers.Qwen3Config(**_SHAPE)
+        cfg = transformers.Qwen3Config(**fields)
     else:
-        cfg = transformers.Qwen3MoeConfig(**_SHAPE, moe_intermediate_size=72, num_experts=4,
+        cfg = transformers.Qwen3MoeConfig(**fields, moe_intermediate_size=72, num_experts=4,
                                           num_experts_per_tok=2, norm_topk_prob=True,
                                           mlp_only_layers=[1])
     cfg._attn_implementation = "eager"

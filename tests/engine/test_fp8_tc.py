@@ -31,9 +31,8 @@ W8A8_BOUND = 8 ** 0.5 * 2 ** -4
 # 128-multiple shapes (the kernel's K groups; q, k and v each whole 128-row scale blocks, so
 # merged q/k/v keeps 128 x 128 blocks): q/k/v 512 x 128, o 128 x 256, gate_up 512 x 128,
 # down 128 x 256
-SHAPE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
-             max_position_embeddings=512, tie_word_embeddings=False)
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64)
 
 
 @pytest.fixture(autouse=True)
@@ -47,15 +46,7 @@ def _kernels_runnable() -> None:
 
 
 def tiny_tc(seed: int = 0) -> transformers.PreTrainedModel:
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(**SHAPE)
-    cfg._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name
-                    else torch.randn_like(p) / p.shape[-1] ** 0.5)
-    return hf
+    return tiny("qwen3", seed, **SHAPE)
 
 
 @pytest.fixture(scope="module")
