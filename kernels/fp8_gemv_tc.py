@@ -76,15 +76,14 @@ def tc_plan(N: int, K: int, sms: int, per_sm: int = 2) -> TcPlan:
     2.416; bench/results/diag_tc_h200_2026-11-30.json)."""
     stages = 12 if N * K >= (32 << 20) else 8
     grid, blocks, tiles = sms * per_sm, triton.cdiv(N, ROWS), K // GROUP_K
-    best: tuple[float, int, int] | None = None
+    best, split = None, 1
     for s in range(1, tiles + 1):
         if tiles % s or grid % s:
             continue
         eff = blocks * tiles / (grid * triton.cdiv(blocks, grid // s) * (tiles // s))
         key = (round(eff, 2), -abs(tiles // s - 8), -s)
-        if best is None or key > best[:1] + best[1:]:
-            best = key
-            split = s
+        if best is None or key > best:
+            best, split = key, s
     kts = tiles // split
     group = 4 if kts % 4 == 0 else 2 if kts % 2 == 0 else 1
     return TcPlan(split, group, stages, grid)
