@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import NamedTuple
 
 import torch
 import triton.language as tl
@@ -97,8 +96,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True,
-                   MERGE: tl.constexpr = True, LATE_LAUNCH: tl.constexpr = False):
+                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,11 +142,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
     else:  # placeholders; the loop loads every tile
         k_first = tl.zeros([BLOCK_N, D], dtype=kc_ptr.dtype.element_ty)
         v_first = tl.zeros([BLOCK_N, D], dtype=vc_ptr.dtype.element_ty)
-    if LATE_LAUNCH:  # the trigger after the keys (below); an idle program's exit is one
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-    else:
-        pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     if split < tl.maximum(n_active, 1):
         heads = kvh * GROUP + g % GROUP  # the query heads that share this KV head
         q_rows = q_ptr + qrow[:, None] * stride_qb + heads[:, None] * stride_qh
@@ -189,11 +183,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                 start, end, clear_end, visible, stride_kc_b, stride_kc_o, stride_vc_b,
                 stride_vc_o, stride_ks_b, stride_vs_b, scale_log2, block_size, R, BLOCK_G, D,
                 BLOCK_N, PREFETCH, PREC, DOT_DTYPE, FP8, V_WORDS)
-        if LATE_LAUNCH and USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        if MERGE and n_active <= 1:  # one split: its result is final
+        if n_active <= 1:  # one split: its result is final
             tl.store(out_ptr + qrow[:, None] * stride_ob + heads[:, None] * stride_oh
                      + d[None, :], o, mask=row_ok[:, None])
         else:  # partial result; the last of the n_active programs to finish merges them
@@ -201,17 +193,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
             tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
             tl.store(mid_lse_ptr + row, lse, mask=row_ok)
-            if MERGE:
-                tl.debug_barrier()  # every thread's partial stored before the release below
-                counter = count_ptr + b * HKV + kvh
-                if tl.atomic_add(counter, 1, sem="acq_rel") == n_active - 1:
-                    tl.store(counter, 0)  # all have arrived: reset for the next launch
-                    merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
-                                  stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC)
-    elif not MERGE:  # the reader merges every split: an idle one weighs nothing
-        heads = kvh * GROUP + g % GROUP
-        tl.store(mid_lse_ptr + (qrow * HQ + heads) * num_splits + split,
-                 tl.full([BLOCK_G], float("-inf"), tl.float32), mask=row_ok)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            counter = count_ptr + b * HKV + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == n_active - 1:
+                tl.store(counter, 0)  # all have arrived: reset for the next launch
+                merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
+                              stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC)
 
 
 def _operand_dtype(q_dtype: torch.dtype, fp8: bool) -> tuple[tl.dtype, str]:
@@ -286,43 +273,29 @@ def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.T
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            rows_per_seq: int = 1, kv_scales: KVScales | None = None,
                            tiles: DecodeTiles | None = None,
-                           compute_dtype: torch.dtype | None = None,
-                           partials: bool = False) -> torch.Tensor | Partials:
+                           compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """paged_decode_attention with the attention prologue folded in: q [B * R, Hq, D] is the
     raw projection (before QK-norm and RoPE), and the same kernel normalises and rotates q
     and the new k and writes k/v into the cache (as fused_qk_norm_rope_kv would) before
     reading it. One kernel per layer where there were three (prologue, split, reduce). An fp8
     cache's new rows are quantized here too (attn_prologue.write_new_kv_fp8).
     compute_dtype: the dot products' and the output's type where it is not q's (fp32 q/k/v
-    from kernels/fp8_gemv_tc.py attend as the bf16 model would). partials: the split-K
-    Partials, merged by the reader (kernels/fp8_gemv_tc.py's "merge" prologue) instead of
-    by the last split program: no arrival atomic, no merge round trips in this kernel."""
+    from kernels/fp8_gemv_tc.py attend as the bf16 model would)."""
     if compute_dtype not in (None, q.dtype) and q.dtype != torch.float32:
         raise TypeError(f"compute_dtype: {compute_dtype} needs fp32 q, got {q.dtype}")
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq,
                        compute_dtype)
     check_prologue(q, prologue, k_cache.shape[2])
     return _launch(q, prologue, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                   None, rows_per_seq, kv_scales, tiles, compute_dtype or q.dtype, partials)
-
-
-class Partials(NamedTuple):
-    """Split-K partial results left for the reader to merge (fused_decode_attention's
-    partials=True): o [T, Hq, S, D] fp32, each split's softmax-weighted sum over its keys,
-    normalised; lse [T, Hq, S] fp32, the log2-sum-exp of its scores (-inf: no keys, o
-    unwritten). out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m), m = max_s lse_s."""
-    o: torch.Tensor
-    lse: torch.Tensor
+                   None, rows_per_seq, kv_scales, tiles, compute_dtype or q.dtype)
 
 
 def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
             num_splits: int | None, max_seq_len: int | None, R: int,
             kv_scales: KVScales | None, tiles: DecodeTiles | None,
-            dtype: torch.dtype | None = None,
-            partials: bool = False) -> torch.Tensor | Partials:
-    """dtype: the dot products' and output's type (q's unless given). partials: return the
-    splits' Partials unmerged (no arrival counter, no merge in this kernel)."""
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """dtype: the dot products' and output's type (q's unless given)."""
     dtype = dtype or q.dtype
     fp8 = cache_is_fp8(k_cache, kv_scales)
     sc = kv_scales if fp8 else KVScales(q, q)  # placeholders: never read without FP8
@@ -346,7 +319,7 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     mid_o = mid_lse = counters = out  # unused when one split writes `out` directly
-    if num_splits > 1 or partials:
+    if num_splits > 1:
         mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
         counters = arrival_counters(q.device, B * HKV)
@@ -371,7 +344,6 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
-        FP8=fp8, V_WORDS=words, PTX=not interpreting(), MERGE=not partials, LATE_LAUNCH=tiles.late_launch,
-        num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
+        FP8=fp8, V_WORDS=words, PTX=not interpreting(), num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
         num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
-    return Partials(mid_o, mid_lse) if partials else out
+    return out

@@ -51,9 +51,6 @@ class DecodeTiles:
     waves: int = 1
     fp8_loads: str = "cast"
     max_regs: int | None = None  # ptxas register cap per thread (more programs per SM)
-    # the next PDL launch is let in only once a program's keys are attended (not at its
-    # wait): the next kernel's early loads then queue behind this one's last loads only
-    late_launch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps", "waves"):

@@ -221,17 +221,6 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out.to(x.dtype)
 
 
-def merge_partials_ref(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Split-K attention partials (kernels/decode_attention.py Partials) merged: o [T, Hq, S,
-    D] fp32, lse [T, Hq, S] fp32 (log2-sum-exp; -inf: the split had no keys and its o is
-    garbage) -> [T, Hq, D] fp32; a row without keys at all -> 0."""
-    m = lse.amax(-1, keepdim=True)
-    w = torch.exp2(lse - torch.where(torch.isinf(m), 0.0, m))  # [T, Hq, S], 0 where -inf
-    acc = torch.where(w[..., None] > 0, o, 0.0).mul(w[..., None]).sum(-2)
-    total = w.sum(-1, keepdim=True)
-    return acc / torch.where(total > 0, total, 1.0)
-
-
 def fp8_gemv_tc_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                     prologue: str = "none", norm_weight: torch.Tensor | None = None,
                     eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,

@@ -21,8 +21,6 @@ from collections import Counter
 
 import torch
 
-import pdserve.engine.model.decoder  # noqa: F401  (decoder_mod below)
-import pdserve.kernels.decode_attention  # noqa: F401  (attn_mod below)
 import pdserve.kernels.fp8_gemv_tc  # noqa: F401  (tc_mod below)
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
 import pdserve.kernels.moe_gemv as moe_gemv
@@ -69,10 +67,6 @@ ORIGINAL_PICK = gemv_mod.pick_config
 ORIGINAL_PICK_MOE = moe_gemv.pick_gemv_config
 tc_mod = sys.modules["pdserve.kernels.fp8_gemv_tc"]
 ORIGINAL_TC_PLAN = tc_mod.tc_plan
-attn_mod = sys.modules["pdserve.kernels.decode_attention"]
-ORIGINAL_DECODE_TILES = attn_mod.decode_tiles
-decoder_mod = sys.modules["pdserve.engine.model.decoder"]
-ORIGINAL_FORWARD_TC = decoder_mod.forward_tc
 
 
 def replay_probe(g: DecodeGraphs) -> dict:
@@ -149,8 +143,7 @@ TC = {"on": True}
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None, attn: dict | None = None,
-            partials_ub: bool = False, forward=None):
+            tc_plans: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
@@ -170,72 +163,12 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
     def plan(N: int, K: int, sms: int):
         return dataclasses.replace(ORIGINAL_TC_PLAN(N, K, sms), **(tc_plans or {}).get((N, K), {}))
 
-    def tiles_attn(*args, **kwargs):
-        return dataclasses.replace(ORIGINAL_DECODE_TILES(*args, **kwargs), **(attn or {}))
-
     def setup() -> None:
         gemv_mod.pick_config = pick
         moe_gemv.pick_gemv_config = pick_moe
         tc_mod.tc_plan = plan
-        attn_mod.decode_tiles = tiles_attn
-        decoder_mod.forward_tc = (forward_tc_partials_ub if partials_ub else
-                                  forward or ORIGINAL_FORWARD_TC)
         TC["on"] = tc
     return name, setup, splits
-
-
-def forward_tc_partials_ub(layer, x, cos, sin, meta, kv_cache, b):
-    """TIMING ONLY (wrong outputs): engine/model/tc_decode.forward_tc with the attention
-    leaving its split partials unmerged and o_proj reading a stale buffer instead: the most
-    that moving the split merge out of the attention could save."""
-    attn, mlp = layer.self_attn, layer.mlp
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    gemv = tc_mod.fp8_gemv_tc
-    q, k, v = b.qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    T = 1
-    q = q.view(T, attn.num_heads, attn.head_dim)
-    k = k.view(T, attn.num_kv_heads, attn.head_dim)
-    v = v.view(T, attn.num_kv_heads, attn.head_dim)
-    gemv(x, attn.qkv_proj.weight, attn.qkv_proj.weight_scale, "norm", ln1.weight, ln1.eps,
-         out=b.qkv, res_out=b.res, zero=(b.o, b.gate_up))
-    from pdserve.engine.exec.kv_cache import layer_views
-    from pdserve.kernels.attn_prologue import Prologue
-    k_cache, v_cache, _ = layer_views(kv_cache, attn.kv_layer, attn.kv_static_scales)
-    p = Prologue(k, v, cos, sin, meta.slot_mapping, attn.q_norm.weight, attn.k_norm.weight,
-                 attn.q_norm.eps, meta.rope_positions)
-    attn_mod.fused_decode_attention(q, p, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                    attn.scale, num_splits=attn.backend.num_splits,
-                                    compute_dtype=ln1.weight.dtype, partials=True)
-    o = STALE.setdefault("o", torch.zeros(1, attn.q_size, dtype=torch.bfloat16, device="cuda"))
-    gemv(o, attn.o_proj.weight, attn.o_proj.weight_scale, out=b.o, add=b.res,
-         zero=(b.qkv, b.down))
-    gemv(b.o, mlp.gate_up_proj.weight, mlp.gate_up_proj.weight_scale, "norm", ln2.weight,
-         ln2.eps, out=b.gate_up)
-    gemv(b.gate_up, mlp.down_proj.weight, mlp.down_proj.weight_scale, "silu", out=b.down,
-         add=b.o)
-    return b.down
-
-
-STALE: dict = {}
-
-
-def forward_tc_gu_triton(layer, x, cos, sin, meta, kv_cache, b):
-    """forward_tc with gate_up on the one-row Triton FP8 GEMV (kernels/gemv.py; its
-    programs hold no shared memory, so they fit beside o_proj's CTAs and start at once),
-    its fp32 output read by the tensor-core down GEMV."""
-    attn, mlp = layer.self_attn, layer.mlp
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    gemv = tc_mod.fp8_gemv_tc
-    gemv(x, attn.qkv_proj.weight, attn.qkv_proj.weight_scale, "norm", ln1.weight, ln1.eps,
-         out=b.qkv, res_out=b.res, zero=(b.o, b.gate_up))
-    o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype)
-    gemv(o, attn.o_proj.weight, attn.o_proj.weight_scale, out=b.o, add=b.res,
-         zero=(b.qkv, b.down))
-    gu = mlp.gate_up_proj
-    h, _ = gemv_mod.gemv(b.o, gu.weight, "norm", norm_weight=ln2.weight, eps=ln2.eps,
-                         scales=gu.weight_scale, block=gu.block)
-    gemv(h, mlp.down_proj.weight, mlp.down_proj.weight_scale, "silu", out=b.down, add=b.o)
-    return b.down
 
 
 def tile(block_n: int, block_k: int, num_warps: int) -> dict:
@@ -250,23 +183,6 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
             variant("tc_o_nopre", tc_plans={O_PROJ: {"prefill": False}}),
-            # the attention lets o_proj in after its keys, not at its wait; and (timing only,
-            # wrong outputs) without the split merge in the attention
-            variant("attn_late", attn={"late_launch": True}),
-            variant("attn_late_o_nopre", attn={"late_launch": True},
-                    tc_plans={O_PROJ: {"prefill": False}}),
-            # o_proj on one CTA per SM (2 K splits of its 64 row blocks, 16 tiles a CTA),
-            # so that every CTA fits beside an attention program and streams its weights
-            # during the attention; the attention's registers capped / fewer warps, so
-            # that two o_proj CTAs fit beside it
-            *[variant(f"tc_o_g132_s{st}", tc_plans={O_PROJ: {"grid": 132, "split": 2,
-                                                              "stages": st}})
-              for st in (16, 12, 8)],
-            *[variant(f"attn_r{r}", attn={"max_regs": r}) for r in (128, 96)],
-            variant("attn_w4", attn={"num_warps": 4}),
-            variant("ub_nomerge", partials_ub=True),
-            variant("hyb_gu", forward=forward_tc_gu_triton),
-            variant("ub_nomerge_late", partials_ub=True, attn={"late_launch": True}),
             variant("tc_o_s4", tc_plans={O_PROJ: {"stages": 4}}),
             variant("tc_mlp_s8", tc_plans={GATE_UP: {"stages": 8}, DOWN: {"stages": 8}}),
             variant("tc_qkv_s12", tc_plans={QKV: {"stages": 12}}),
@@ -370,27 +286,6 @@ def capture(engine, setup, splits, vocab: int):
     return step, g
 
 
-def step_tail(step, n: int = 8) -> list:
-    """The last n GPU kernels of one whole step (the graph, the LM head, the argmax): name,
-    start after the step's first kernel, duration (us)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                key=lambda e: e.time_range.start)
-    t0 = ev[0].time_range.start
-    rows = [(e.name[:50], e.time_range.start - t0, e.time_range.end - e.time_range.start)
-            for e in ev[-n:]]
-    for r in rows:
-        print(f"  {r[0]:50s} start {r[1]:9.1f} us  {r[2]:7.1f} us", flush=True)
-    return rows
-
-
 def round_robin(engine, variants: list, vocab: int, rounds: int, by_position: bool) -> dict:
     """Each variant's step time, the variants timed in turn `rounds` times (median of the
     rounds' medians), so that clock and thermal drift spread over all of them."""
@@ -401,10 +296,8 @@ def round_robin(engine, variants: list, vocab: int, rounds: int, by_position: bo
             for name, (step, _) in captured.items():
                 times[name].append(time_ms(step, torch.device("cuda"), reps=30))
     results = {}
-    for name, (step, g) in captured.items():
+    for name, (_, g) in captured.items():
         ms = sorted(times[name])[len(times[name]) // 2]
-        if name == "default":
-            results["default_tail"] = step_tail(step)
         crit = critical_by_position(g.graphs[1][0].replay) if by_position else {}
         results[name] = {"step_ms": ms, "rounds_ms": times[name], **crit}
         print(f"{name:14s} {ms:.4f} ms  rounds " + " ".join(f"{t:.4f}" for t in times[name])

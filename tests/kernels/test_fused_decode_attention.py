@@ -6,11 +6,7 @@ import pytest
 import torch
 
 from pdserve.kernels.decode_attention import Prologue, fused_decode_attention
-from pdserve.kernels.reference import (
-    merge_partials_ref,
-    paged_attention_ref,
-    qk_norm_rope_cache_ref,
-)
+from pdserve.kernels.reference import paged_attention_ref, qk_norm_rope_cache_ref
 
 
 def _slots(cache, R: int) -> torch.Tensor:
@@ -149,27 +145,3 @@ def test_heads_outer_views_write_and_read_the_same(R, splits, device, paged_cach
                                  rows_per_seq=R)
     assert torch.equal(out, want)
     assert torch.equal(ho, cache.kv.permute(0, 4, 1, 2, 3, 5))
-
-
-@pytest.mark.parametrize("seq_lens,splits", [
-    ([1, 0, 65], 16),   # most splits idle (lse -inf over stale o), a padding row
-    ([97, 40], 1),      # one split: still left as a partial
-    ([300, 129], 4),
-])
-def test_partials_merge_to_the_attention(seq_lens, splits, device, paged_cache, close):
-    """partials=True leaves the split partials for the reader: merged (merge_partials_ref)
-    they are the attention. Idle splits (past a short context; every split of a padding
-    row) mark themselves lse = -inf, so their unwritten o weigh nothing."""
-    cache = paged_cache(seq_lens, 16, 2, 64, torch.float32)
-    q, p = _case(cache, 1, 8, 64, torch.float32, device, True)
-    want, kv_want = _reference(q, p, cache, 1)
-    part = fused_decode_attention(q, p, cache.k, cache.v, cache.block_tables, cache.seq_lens,
-                                  64 ** -0.5, num_splits=splits, partials=True)
-    assert part.o.shape == (len(seq_lens), 8, splits, 64)
-    assert part.lse.shape == (len(seq_lens), 8, splits)
-    for b, n in enumerate(seq_lens):
-        live = torch.isfinite(part.lse[b])  # [Hq, S]
-        assert live.all(0).sum() == live.any(0).sum()  # whole splits, every head alike
-        assert (live.sum() > 0) == (n > 0) and live.sum(1).max() <= min(splits, max(n, 1))
-    close(merge_partials_ref(part.o, part.lse), want, torch.float32)
-    close(cache.kv, kv_want, torch.float32)
