@@ -183,6 +183,15 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
             variant("tc_o_nopre", tc_plans={O_PROJ: {"prefill": False}}),
+            # one CTA per SM (grid 132) for a projection: the next kernel's CTAs (the
+            # attention's after q/k/v) fit beside it and start before it ends
+            variant("tc_qkv_g132", tc_plans={QKV: {"grid": 132, "split": 4, "stages": 12}}),
+            variant("tc_gu_g132", tc_plans={GATE_UP: {"grid": 132, "split": 4, "stages": 16}}),
+            variant("tc_dn_g132", tc_plans={DOWN: {"grid": 132, "split": 6, "stages": 16}}),
+            variant("tc_mlp_g132", tc_plans={GATE_UP: {"grid": 132, "split": 4, "stages": 16},
+                                             DOWN: {"grid": 132, "split": 6, "stages": 16}}),
+            variant("tc_qkv_dn_g132", tc_plans={QKV: {"grid": 132, "split": 4, "stages": 12},
+                                                DOWN: {"grid": 132, "split": 6, "stages": 16}}),
             variant("tc_o_s4", tc_plans={O_PROJ: {"stages": 4}}),
             variant("tc_mlp_s8", tc_plans={GATE_UP: {"stages": 8}, DOWN: {"stages": 8}}),
             variant("tc_qkv_s12", tc_plans={QKV: {"stages": 12}}),
