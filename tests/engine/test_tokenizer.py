@@ -37,9 +37,8 @@ def ours() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def ref():
-    path = embedded_gguf_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def ref(hf_smollm2_dir):
+    return transformers.AutoTokenizer.from_pretrained(hf_smollm2_dir)
 
 
 @pytest.mark.parametrize("text", TEXTS)

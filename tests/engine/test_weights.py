@@ -51,20 +51,9 @@ def smol():
 
 
 @pytest.fixture(scope="module")
-def hf_smol():
-    path = embedded_gguf_path()
-    try:
-        import accelerate  # noqa: F401  (transformers' GGUF from_pretrained requires it)
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    except ImportError:  # the same transformers GGUF reader and dequantiser, loaded by hand
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-        cfg = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-        model.load_state_dict(tensors, strict=False)
-        model.tie_weights()
-        return model
+def hf_smol(hf_smollm2_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_smollm2_dir,
+                                                             dtype=torch.float32).eval()
 
 
 def test_embedded_gguf_matches_transformers(smol, hf_smol) -> None:

@@ -15,12 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from pdserve.engine.model.loader import embedded_gguf_path
-
+def folder(tmp_path_factory, hf_smollm2_dir):
     path = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    gguf = embedded_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = transformers.AutoTokenizer.from_pretrained(hf_smollm2_dir)
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6,
