@@ -14,6 +14,7 @@ from tqdm import tqdm
 from pdserve.engine.core.config import ConfigError, ModelConfig, RopeScaling
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
+from pdserve.engine.model.gguf_reader import GGUFFile
 from pdserve.engine.model.weights import (
     ShardOf,
     WeightsError,
@@ -23,14 +24,14 @@ from pdserve.engine.model.weights import (
 )
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:  # noqa: F821
-    """A GGUFReader, or WeightsError naming the path when missing or unreadable."""
-    import gguf
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The parsed file (engine/model/gguf_reader.py), or WeightsError naming the path when
+    missing or unreadable."""
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"{path}: GGUF file does not exist")
     try:
-        return gguf.GGUFReader(str(path))
+        return GGUFFile(path)
     except Exception as e:  # the reader fails with ValueError, struct or numpy errors on bad bytes
         raise WeightsError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
 
@@ -38,7 +39,7 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:  # noqa: F821
 _REQUIRED = object()
 
 
-def gguf_value(reader: gguf.GGUFReader, key: str, default: object = _REQUIRED) -> object:  # noqa: F821
+def gguf_value(reader: GGUFFile, key: str, default: object = _REQUIRED) -> object:
     """A metadata value; a missing required key raises WeightsError naming it."""
     field = reader.fields.get(key)
     if field is None:
@@ -48,7 +49,7 @@ def gguf_value(reader: gguf.GGUFReader, key: str, default: object = _REQUIRED) -
     return field.contents()
 
 
-def _rope_from_gguf(reader: gguf.GGUFReader, head_dim: int, theta: float) -> RopeScaling | None:  # noqa: F821
+def _rope_from_gguf(reader: GGUFFile, head_dim: int, theta: float) -> RopeScaling | None:
     """llama.cpp stores Llama-3 scaling as a `rope_freqs` tensor of per-frequency divisors, not as
     parameters. Assume Llama 3.1's parameters (factor = the largest divisor) and check that they
     reproduce the tensor, so any other scheme fails loudly instead of running wrong."""
@@ -69,7 +70,7 @@ def _rope_from_gguf(reader: gguf.GGUFReader, head_dim: int, theta: float) -> Rop
     return scaling
 
 
-def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:  # noqa: F821
+def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     arch = gguf_value(reader, "general.architecture")
     if arch not in ("llama", "qwen3"):
         raise WeightsError(f"{reader.data.filename}: GGUF architecture {arch!r} is not supported "
@@ -83,7 +84,7 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:  # noqa: F821
         raise WeightsError(f"{reader.data.filename}: GGUF tensor 'token_embd.weight' is missing")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     embd_rows = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = gguf_value(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else embd_rows)
+    vocab = gguf_value(reader, f"{arch}.vocab_size", len(tokens.contents()) if tokens else embd_rows)
     eos = [gguf_value(reader, k, None) for k in ("tokenizer.ggml.eos_token_id",
                                                   "tokenizer.ggml.eot_token_id")]
     try:
@@ -130,7 +131,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path_or_reader: str | Path | gguf.GGUFReader,  # noqa: F821
+def load_gguf(path_or_reader: str | Path | GGUFFile,
               dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
               backend: AttentionBackend | None = None, progress: bool | None = None,
               shard: ShardOf | None = None) -> tuple[Model, ModelConfig]:

@@ -29,10 +29,10 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 class _GGUFField(Protocol):
     offset: int
-    parts: list
+    nbytes: int
 
 
-class _GGUFReader(Protocol):  # the parts of gguf.GGUFReader used here
+class _GGUFReader(Protocol):  # the parts of gguf_reader.GGUFFile used here
     fields: dict[str, _GGUFField]
     data: object  # numpy memmap of the whole file (uint8)
 
@@ -105,8 +105,7 @@ def gguf_tokenizer_fingerprint(reader: _GGUFReader) -> str:
     h = hashlib.sha256()
     for key in sorted(k for k in reader.fields if k.startswith("tokenizer.")):
         field = reader.fields[key]
-        length = sum(part.nbytes for part in field.parts)
-        h.update(reader.data[field.offset:field.offset + length])  # type: ignore[index]
+        h.update(reader.data[field.offset:field.offset + field.nbytes])  # type: ignore[index]
     return h.hexdigest()[:DIGEST_CHARS]
 
 

@@ -13,11 +13,15 @@ import logging
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from pdserve.engine.model.identity import gguf_tokenizer_fingerprint, hf_tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    from pdserve.engine.model.gguf_reader import GGUFFile
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -175,7 +179,7 @@ class Tokenizer:
                    fingerprint=hf_tokenizer_fingerprint(folder))
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:  # noqa: F821
+    def from_gguf(cls, reader: GGUFFile) -> Tokenizer:
         """Byte-level BPE ("gpt2") tokenizers from GGUF metadata; see the module docstring."""
         source = str(reader.data.filename)
 

@@ -201,7 +201,7 @@ def test_a_misshapen_tensor_is_refused_with_its_full_shape(tiny: dict[str, Path]
 def test_smollm2_gguf_shards_at_tp3() -> None:
     """The embedded SmolLM2-135M GGUF (9 heads, 3 KV heads, tied embeddings, vocabulary
     49152): llama.cpp's q/k row order undone on the full tensor, then cut."""
-    reader = open_gguf(embedded_gguf_path())  # parsed once (its vocabulary takes seconds)
+    reader = open_gguf(embedded_gguf_path())  # parsed once, read by every load below
     full, cfg = load_gguf(reader)
     for r in range(3):
         mine, mine_cfg = load_gguf(reader, shard=rank_shard(3, r, torch.float32))

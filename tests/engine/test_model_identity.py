@@ -158,10 +158,10 @@ def _gguf_with_tokens(path: Path, tokens: list[str], name: str) -> Path:
 
 
 def test_gguf_tokenizer_identity_is_its_tokenizer_metadata(tmp_path: Path) -> None:
-    import gguf
+    from pdserve.engine.model.gguf_reader import GGUFFile
 
     tokens = ["a", "b", "ab", "<s>", "</s>"]
-    fps = [gguf_tokenizer_fingerprint(gguf.GGUFReader(str(_gguf_with_tokens(
+    fps = [gguf_tokenizer_fingerprint(GGUFFile(str(_gguf_with_tokens(
         tmp_path / f"{i}.gguf", toks, name)))) for i, (toks, name) in enumerate(
             [(tokens, "one"), (tokens, "another name"), (tokens[:-1] + ["<|end|>"], "one")])]
     assert fps[0] == fps[1]  # other metadata (general.name) is not the tokenizer
