@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,7 +15,6 @@ from tqdm import tqdm
 from pdserve.engine.core.config import ConfigError, ModelConfig, RopeScaling
 from pdserve.engine.model.attention import AttentionBackend
 from pdserve.engine.model.decoder import Model
-from pdserve.engine.model.gguf_reader import GGUFFile
 from pdserve.engine.model.weights import (
     ShardOf,
     WeightsError,
@@ -23,10 +23,14 @@ from pdserve.engine.model.weights import (
     empty_model,
 )
 
+if TYPE_CHECKING:  # the gguf package is imported only once a GGUF file is opened
+    from pdserve.engine.model.gguf_reader import GGUFFile
+
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """The parsed file (engine/model/gguf_reader.py), or WeightsError naming the path when
     missing or unreadable."""
+    from pdserve.engine.model.gguf_reader import GGUFFile
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"{path}: GGUF file does not exist")

@@ -5,15 +5,17 @@ each scalar and array type; malformed files raise."""
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pdserve.engine.model.gguf_reader import GGUFFile
 from pdserve.engine.model.loader import embedded_gguf_path
 
 gguf = pytest.importorskip("gguf")
+from pdserve.engine.model.gguf_reader import GGUFFile  # noqa: E402  (needs gguf)
 
 
 def assert_same_reading(path: Path) -> None:
@@ -85,3 +87,14 @@ def test_malformed_files_raise(damage, match: str | None, tmp_path: Path) -> Non
     path.write_bytes(damage(embedded_gguf_path().read_bytes()))
     with pytest.raises((ValueError, struct.error), match=match):
         GGUFFile(path)
+
+
+def test_gguf_is_imported_only_to_open_a_gguf_file() -> None:
+    """The gguf package is needed for GGUF files only: a preset or safetensors model loads
+    without importing it (the GPU image here has no gguf), the embedded GGUF imports it."""
+    code = ("import sys\nfrom pdserve.engine.model.loader import load_model\n"
+            "load_model('tiny-llama')\nprint('gguf' in sys.modules)\n"
+            "load_model(None)\nprint('gguf' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == ["False", "True"]
