@@ -3,9 +3,10 @@ converted once per test run and shared by the pytest-xdist workers.
 
 transformers' GGUF reader takes ~20 s for the model and ~4 s for the tokenizer on one quiet
 core (it parses the 49K-entry vocabulary field by field), 2-3x that beside the other CI
-worker, and five test files used to pay it. The first caller converts it and saves it with
-save_pretrained (float32 safetensors and tokenizer.json); every later load takes ~1 s. The
-reference stays transformers' own dequantization of the same file.
+worker, and five test files used to pay it. The first caller converts it and saves it as a
+Hugging Face folder (config.json, float32 model.safetensors, tokenizer.json); every later
+from_pretrained of that folder takes ~1 s. The reference stays transformers' own
+dequantization of the same file.
 """
 from __future__ import annotations
 
