@@ -64,7 +64,8 @@ def open_store(cfg: ParallelConfig) -> dist.TCPStore:
     unauthenticated key-value service that the ranks read their step messages from. So the
     socket is bound here and handed over (master_listen_fd; the store closes it)."""
     host, port = _split(cfg.init_address)
-    timeout = datetime.timedelta(seconds=cfg.join_deadline_s)  # TPGroup sets timeout_s once in
+    # the join's deadline; TPGroup._join sets timeout_s once the group has formed
+    timeout = datetime.timedelta(seconds=cfg.join_deadline_s)
     if cfg.is_leader:
         return _host_store(cfg, host, port, timeout)
     try:
@@ -125,10 +126,10 @@ class TPGroup:
             # every rank in the control group within the join deadline (a peer may still be
             # loading); from then on each store wait takes timeout_s, and so does each
             # collective (_run waits timeout_s whatever the group's own timeout)
-            store.set_timeout(datetime.timedelta(seconds=cfg.join_deadline_s))
-            self.control = dist.ProcessGroupGloo(
-                dist.PrefixStore("control", store), self.rank, self.size,
-                datetime.timedelta(seconds=cfg.join_deadline_s))
+            join = datetime.timedelta(seconds=cfg.join_deadline_s)
+            store.set_timeout(join)  # a store the caller passed may have another timeout
+            self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store),
+                                                 self.rank, self.size, join)
             store.set_timeout(self.timeout)
             if cfg.backend == "nccl":
                 # NCCL binds a communicator to the current device, and Triton launches on it:
