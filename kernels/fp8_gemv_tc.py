@@ -102,22 +102,33 @@ def _gdc_launch():
 
 
 @gluon.jit
-def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
-            STAGES: gl.constexpr, PREFILL: gl.constexpr):
-    """One warp: the CTA's [64, 128] weight tiles into the ring, in consumption order."""
-    if not PREFILL:
-        _gdc_wait()
+def _load_tiles(w_desc, ring, ready, empty, N, t0, KTS: gl.constexpr, SPLIT: gl.constexpr,
+                STAGES: gl.constexpr):
+    """The CTA's [64, 128] tiles of one weight into the ring, in consumption order, from
+    ring position t0 (the tiles an earlier weight of the same launch took); returns the
+    position after them."""
     pid = gl.program_id(0)
     GS = gl.num_programs(0) // SPLIT
     first = pid // SPLIT
     total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
     for t in range(total):
-        s = t % STAGES
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        u = t0 + t
+        s = u % STAGES
+        mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), 64 * 128)
         tma.async_copy_global_to_shared(
             w_desc, [(first + (t // KTS) * GS) * 64, ((pid % SPLIT) * KTS + t % KTS) * 128],
             ready.index(s), ring.index(s))
+    return t0 + total
+
+
+@gluon.jit
+def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
+            STAGES: gl.constexpr, PREFILL: gl.constexpr):
+    """One warp: the CTA's weight tiles into the ring."""
+    if not PREFILL:
+        _gdc_wait()
+    _load_tiles(w_desc, ring, ready, empty, N, 0, KTS, SPLIT, STAGES)
 
 
 @gluon.jit
@@ -183,11 +194,12 @@ def _tile_scale(s_ptr, sx_smem, stride_s, rb, kg, kl):
 
 
 @gluon.jit
-def _issue(ring, ready, xq_smem, zero, t, KTS: gl.constexpr, STAGES: gl.constexpr):
-    """Tile t's wgmma [64, 128] @ [128, 8], started once its ring slot is full: a token."""
-    s = t % STAGES
-    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    return warpgroup_mma(ring.index(s), xq_smem.index(t % KTS).permute((1, 0)), zero,
+def _issue(ring, ready, xq_smem, zero, u, kl, STAGES: gl.constexpr):
+    """The wgmma [64, 128] @ [128, 8] of the tile at ring position u with the CTA's
+    activation group kl, started once its ring slot is full: a token."""
+    s = u % STAGES
+    mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+    return warpgroup_mma(ring.index(s), xq_smem.index(kl).permute((1, 0)), zero,
                          use_acc=False, is_async=True)
 
 
@@ -207,12 +219,13 @@ def _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, first_split,
 
 
 @gluon.jit
-def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
-              add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr,
-              KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-              GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
-              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr):
-    """One warpgroup: the module doc's lifecycle after the PDL wait."""
+def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
+             add_ptr, N, stride_s, eps, t0, K: gl.constexpr, KTS: gl.constexpr,
+             SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+             PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr):
+    """One weight's share of the CTA, its tiles from ring position t0: prologue, quantize,
+    per tile wgmma, scale, add; per row block RED into out. Returns the ring position after
+    its tiles."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 8, 32])
     pid = gl.program_id(0)
@@ -222,11 +235,6 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
     total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    _gdc_launch()  # the next launch may fill its ring while this one streams
-    _gdc_wait()
-    if HAS_Z:
-        _zero(z1_ptr, z1_n, ZCH)
-        _zero(z2_ptr, z2_n, ZCH)
     rstd = 1.0
     if PROLOGUE == 1:
         rstd = _norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
@@ -234,42 +242,61 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
     acc = gl.zeros([64, 8], gl.float32, MMA)
     zero = gl.zeros([64, 8], gl.float32, MMA)
     for t in range(0, total, GROUP):
+        u = t0 + t
         rb = first + (t // KTS) * GS
         kl = t % KTS
         sc0 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl, kl)
-        tok0 = _issue(ring, ready, xq_smem, zero, t, KTS, STAGES)
+        tok0 = _issue(ring, ready, xq_smem, zero, u, kl, STAGES)
         if GROUP == 1:
             p0 = warpgroup_mma_wait(0, deps=[tok0])
-            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            mbarrier.arrive(empty.index(u % STAGES), count=1)
             acc += p0 * sc0
         if GROUP == 2:
             sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
-            tok1 = _issue(ring, ready, xq_smem, zero, t + 1, KTS, STAGES)
+            tok1 = _issue(ring, ready, xq_smem, zero, u + 1, kl + 1, STAGES)
             p0 = warpgroup_mma_wait(1, deps=[tok0])
-            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            mbarrier.arrive(empty.index(u % STAGES), count=1)
             p1 = warpgroup_mma_wait(0, deps=[tok1])
-            mbarrier.arrive(empty.index((t + 1) % STAGES), count=1)
+            mbarrier.arrive(empty.index((u + 1) % STAGES), count=1)
             acc += p0 * sc0 + p1 * sc1
         if GROUP == 4:
             sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
             sc2 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 2, kl + 2)
             sc3 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 3, kl + 3)
-            tok1 = _issue(ring, ready, xq_smem, zero, t + 1, KTS, STAGES)
-            tok2 = _issue(ring, ready, xq_smem, zero, t + 2, KTS, STAGES)
-            tok3 = _issue(ring, ready, xq_smem, zero, t + 3, KTS, STAGES)
+            tok1 = _issue(ring, ready, xq_smem, zero, u + 1, kl + 1, STAGES)
+            tok2 = _issue(ring, ready, xq_smem, zero, u + 2, kl + 2, STAGES)
+            tok3 = _issue(ring, ready, xq_smem, zero, u + 3, kl + 3, STAGES)
             p0 = warpgroup_mma_wait(3, deps=[tok0])
-            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            mbarrier.arrive(empty.index(u % STAGES), count=1)
             p1 = warpgroup_mma_wait(2, deps=[tok1])
-            mbarrier.arrive(empty.index((t + 1) % STAGES), count=1)
+            mbarrier.arrive(empty.index((u + 1) % STAGES), count=1)
             p2 = warpgroup_mma_wait(1, deps=[tok2])
-            mbarrier.arrive(empty.index((t + 2) % STAGES), count=1)
+            mbarrier.arrive(empty.index((u + 2) % STAGES), count=1)
             p3 = warpgroup_mma_wait(0, deps=[tok3])
-            mbarrier.arrive(empty.index((t + 3) % STAGES), count=1)
+            mbarrier.arrive(empty.index((u + 3) % STAGES), count=1)
             acc += p0 * sc0 + p1 * sc1 + p2 * sc2 + p3 * sc3
         if (t + GROUP) % KTS == 0:  # the row block's K split is done
             _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, pid % SPLIT == 0, PROLOGUE,
                  HAS_ADD)
             acc = gl.zeros([64, 8], gl.float32, MMA)
+    return t0 + total
+
+
+@gluon.jit
+def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
+              add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr,
+              KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+              GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
+              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr):
+    """One warpgroup: the module doc's lifecycle after the PDL wait."""
+    _gdc_launch()  # the next launch may fill its ring while this one streams
+    _gdc_wait()
+    if HAS_Z:
+        _zero(z1_ptr, z1_n, ZCH)
+        _zero(z2_ptr, z2_n, ZCH)
+    _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
+             add_ptr, N, stride_s, eps, 0, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD,
+             RES_OUT)
 
 
 @gluon.jit

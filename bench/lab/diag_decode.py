@@ -14,6 +14,7 @@ decode off and on. Prints a table; writes JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ import torch
 import pdserve.kernels.fp8_gemv_tc  # noqa: F401  (tc_mod below)
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
 import pdserve.kernels.moe_gemv as moe_gemv
+import pdserve.kernels.ops as ops
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm import build_engine
 
@@ -54,7 +56,9 @@ def critical_by_position(fn) -> dict:
     pos, done = 0, events[0].time_range.start
     for e in events:
         label = "other"
-        if e.name.startswith(NAMES[LAYER[pos]]):
+        if e.name.startswith("_fp8_chain_tc_kernel"):  # o_proj, gate_up and down in one
+            label, pos = "chain", 0
+        elif e.name.startswith(NAMES[LAYER[pos]]):
             label, pos = LAYER[pos], (pos + 1) % len(LAYER)
         crit[label] += max(0, e.time_range.end - done) / 1e3
         dur[label] += (e.time_range.end - e.time_range.start) / 1e3
@@ -67,6 +71,7 @@ ORIGINAL_PICK = gemv_mod.pick_config
 ORIGINAL_PICK_MOE = moe_gemv.pick_gemv_config
 tc_mod = sys.modules["pdserve.kernels.fp8_gemv_tc"]
 ORIGINAL_TC_PLAN = tc_mod.tc_plan
+ORIGINAL_CHAIN = ops.fp8_chain_tc
 
 
 def replay_probe(g: DecodeGraphs) -> dict:
@@ -138,17 +143,18 @@ def engine_timeline(engine, vocab: int) -> dict:
 
 # whether the variant being captured takes the tensor-core FP8 GEMV where the model fits it
 # (Model.use_tc_gemv; set by a variant's setup, read by capture)
-TC = {"on": True}
+TC = {"on": True, "chain": None}
 
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None):
+            tc_plans: dict | None = None, chain: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
     whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py), with TcPlan
-    fields to override per (N, K) (`tc_plans`)."""
+    fields to override per (N, K) (`tc_plans`); `chain`: o_proj, gate_up and down in one
+    launch (kernels/fp8_chain_tc.py) with these keyword arguments."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -168,6 +174,8 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
         moe_gemv.pick_gemv_config = pick_moe
         tc_mod.tc_plan = plan
         TC["on"] = tc
+        TC["chain"] = chain
+        ops.fp8_chain_tc = functools.partial(ORIGINAL_CHAIN, **(chain or {}))
     return name, setup, splits
 
 
@@ -179,6 +187,12 @@ QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
+            # o_proj -> gate_up -> down in one launch: ring depth, and whether gate_up's
+            # tiles wait for the attention's end
+            variant("chain", chain={}),
+            variant("chain_s8", chain={"stages": 8}),
+            variant("chain_nowait", chain={"wait_after_o": False}),
+            variant("chain_s8_nowait", chain={"stages": 8, "wait_after_o": False}),
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
@@ -280,7 +294,7 @@ def capture(engine, setup, splits, vocab: int):
     model = runner.model
     setup()
     model.backend.num_splits = splits
-    model.use_tc_gemv(TC["on"])
+    model.use_tc_gemv(TC["on"], chain=TC["chain"] is not None)
     buffers = model.layers[0].tc  # this graph's: a later capture's use_tc_gemv makes new ones
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]
