@@ -42,6 +42,7 @@ from pdserve.kernels.fp8_gemv_tc import (
     _gdc_wait,
     _load_tiles,
     _zero,
+    mark,
     tc_available,
     tc_fits,
     tc_plan,
@@ -85,15 +86,26 @@ def _grid_sync(cnt_ptr):
 def _chain_loader(wo_desc, wg_desc, wd_desc, ring, ready, empty, NO, NG, ND,
                   KTS_O: gl.constexpr, KTS_G: gl.constexpr, KTS_D: gl.constexpr,
                   S_O: gl.constexpr, S_G: gl.constexpr, S_D: gl.constexpr,
-                  STAGES: gl.constexpr, WAIT_AFTER_O: gl.constexpr):
+                  STAGES: gl.constexpr, WAIT_AFTER_O: gl.constexpr, tr_ptr,
+                  TRACE: gl.constexpr):
     """One warp: o_proj's tiles (while the attention before still runs), then gate_up's and
     down's into the same ring with no pause. WAIT_AFTER_O: hold gate_up's until the
     attention has ended (its dependent loads slow down behind any other HBM traffic)."""
+    if TRACE:
+        mark(tr_ptr, 8)
     t = _load_tiles(wo_desc, ring, ready, empty, NO, 0, KTS_O, S_O, STAGES)
+    if TRACE:
+        mark(tr_ptr, 9)
     if WAIT_AFTER_O:
         _gdc_wait()
+    if TRACE:
+        mark(tr_ptr, 10)
     t = _load_tiles(wg_desc, ring, ready, empty, NG, t, KTS_G, S_G, STAGES)
+    if TRACE:
+        mark(tr_ptr, 11)
     _load_tiles(wd_desc, ring, ready, empty, ND, t, KTS_D, S_D, STAGES)
+    if TRACE:
+        mark(tr_ptr, 12)
 
 
 @gluon.jit
@@ -104,21 +116,35 @@ def _chain_consumer(ring, ready, empty, xq_smem, sx_smem, attn_ptr, res_ptr, so_
                     KTS_O: gl.constexpr, KTS_G: gl.constexpr, KTS_D: gl.constexpr,
                     S_O: gl.constexpr, S_G: gl.constexpr, S_D: gl.constexpr,
                     G_O: gl.constexpr, G_G: gl.constexpr, G_D: gl.constexpr,
-                    STAGES: gl.constexpr, ZCH: gl.constexpr):
-    """One warpgroup: the module doc's lifecycle after the PDL wait."""
+                    STAGES: gl.constexpr, ZCH: gl.constexpr, tr_ptr, TRACE: gl.constexpr):
+    """One warpgroup: the module doc's lifecycle after the PDL wait. TRACE: timeline
+    probes (mark) at each step, slots 0-7."""
+    TR: gl.constexpr = 0 if TRACE else -100  # the prologue-done slots, TR + 2 / 4 / 6
+    if TRACE:
+        mark(tr_ptr, 0)
     _gdc_wait()
+    if TRACE:
+        mark(tr_ptr, 1)
     _zero(z1_ptr, z1_n, ZCH)
     _zero(z2_ptr, z2_n, ZCH)
     t = _consume(ring, ready, empty, xq_smem, sx_smem, attn_ptr, attn_ptr, res_ptr, so_ptr,
-                 o_ptr, res_ptr, NO, sso, eps, 0, KO, KTS_O, S_O, STAGES, G_O, 0, True, False)
+                 o_ptr, res_ptr, NO, sso, eps, 0, KO, KTS_O, S_O, STAGES, G_O, 0, True, False,
+                 tr_ptr, TR + 2)
+    if TRACE:
+        mark(tr_ptr, 3)
     _grid_sync(cnt_ptr)
     t = _consume(ring, ready, empty, xq_smem, sx_smem, o_ptr, nw_ptr, res_ptr, sg_ptr,
                  gu_ptr, gu_ptr, NG, ssg, eps, t, KG, KTS_G, S_G, STAGES, G_G, 1, False,
-                 False)
+                 False, tr_ptr, TR + 4)
+    if TRACE:
+        mark(tr_ptr, 5)
     _grid_sync(cnt_ptr)
     _gdc_launch()  # every CTA is resident and past gate_up: the next launch may take SMs
     _consume(ring, ready, empty, xq_smem, sx_smem, gu_ptr, gu_ptr, res_ptr, sd_ptr, dn_ptr,
-             o_ptr, ND, ssd, eps, t, KD, KTS_D, S_D, STAGES, G_D, 2, True, False)
+             o_ptr, ND, ssd, eps, t, KD, KTS_D, S_D, STAGES, G_D, 2, True, False, tr_ptr,
+             TR + 6)
+    if TRACE:
+        mark(tr_ptr, 7)
 
 
 @gluon.jit
@@ -130,7 +156,7 @@ def _fp8_chain_tc_kernel(wo_desc, wg_desc, wd_desc, attn_ptr, res_ptr, so_ptr, o
                          S_O: gl.constexpr, S_G: gl.constexpr, S_D: gl.constexpr,
                          G_O: gl.constexpr, G_G: gl.constexpr, G_D: gl.constexpr,
                          KTS_MAX: gl.constexpr, STAGES: gl.constexpr, ZCH: gl.constexpr,
-                         WAIT_AFTER_O: gl.constexpr):
+                         WAIT_AFTER_O: gl.constexpr, tr_ptr, TRACE: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], wo_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS_MAX, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -145,9 +171,10 @@ def _fp8_chain_tc_kernel(wo_desc, wg_desc, wd_desc, attn_ptr, res_ptr, so_ptr, o
         (_chain_consumer, (ring, ready, empty, xq_smem, sx_smem, attn_ptr, res_ptr, so_ptr,
                            o_ptr, nw_ptr, sg_ptr, gu_ptr, sd_ptr, dn_ptr, z1_ptr, z1_n,
                            z2_ptr, z2_n, cnt_ptr, NO, NG, ND, sso, ssg, ssd, eps, KO, KG, KD,
-                           KTS_O, KTS_G, KTS_D, S_O, S_G, S_D, G_O, G_G, G_D, STAGES, ZCH)),
+                           KTS_O, KTS_G, KTS_D, S_O, S_G, S_D, G_O, G_G, G_D, STAGES, ZCH,
+                           tr_ptr, TRACE)),
         (_chain_loader, (wo_desc, wg_desc, wd_desc, ring, ready, empty, NO, NG, ND, KTS_O,
-                         KTS_G, KTS_D, S_O, S_G, S_D, STAGES, WAIT_AFTER_O)),
+                         KTS_G, KTS_D, S_O, S_G, S_D, STAGES, WAIT_AFTER_O, tr_ptr, TRACE)),
     ], [1], [40])
 
 
@@ -170,7 +197,7 @@ def fp8_chain_tc(attn: torch.Tensor, wo: tuple[torch.Tensor, torch.Tensor],
                  norm_weight: torch.Tensor, eps: float, *, res: torch.Tensor, o: torch.Tensor,
                  gate_up: torch.Tensor, down: torch.Tensor, counter: torch.Tensor,
                  zero: tuple[torch.Tensor, torch.Tensor], stages: int = 12,
-                 wait_after_o: bool = True) -> torch.Tensor:
+                 wait_after_o: bool = True, trace: torch.Tensor | None = None) -> torch.Tensor:
     """The module doc's three products for one token: attn [1, Ko] (the attention's
     output), each weight (e4m3 [N, K], scales [N / 128, K / 128]); res [1, No] (fp32, the
     residual o_proj adds); o, gate_up, down (fp32 [1, N], zero on entry) receive the
@@ -205,12 +232,12 @@ def fp8_chain_tc(attn: torch.Tensor, wo: tuple[torch.Tensor, torch.Tensor],
         fp8_gemv_tc_ref(o, Wg, sg, "norm", norm_weight, eps, out=gate_up)
         return fp8_gemv_tc_ref(gate_up, Wd, sd, "silu", out=down, add=o)
     _launch(attn, wo, wgu, wd, norm_weight, eps, res, o, gate_up, down, counter, zero, stages,
-            wait_after_o)
+            wait_after_o, trace)
     return down
 
 
 def _launch(attn, wo, wgu, wd, norm_weight, eps, res, o, gate_up, down, counter, zero,
-            stages: int, wait_after_o: bool) -> None:
+            stages: int, wait_after_o: bool, trace: torch.Tensor | None = None) -> None:
     """The kernel on the checked arguments of fp8_chain_tc."""
     (Wo, so), (Wg, sg), (Wd, sd) = wo, wgu, wd
     shapes = (tuple(Wo.shape), tuple(Wg.shape), tuple(Wd.shape))
@@ -224,4 +251,4 @@ def _launch(attn, wo, wgu, wd, norm_weight, eps, res, o, gate_up, down, counter,
         KO=Wo.shape[1], KG=Wg.shape[1], KD=Wd.shape[1], KTS_O=kts[0], KTS_G=kts[1],
         KTS_D=kts[2], S_O=po.split, S_G=pg.split, S_D=pd.split, G_O=po.group, G_G=pg.group,
         G_D=pd.group, KTS_MAX=max(kts), STAGES=stages, ZCH=zch, WAIT_AFTER_O=wait_after_o,
-        num_warps=4, launch_pdl=True, maxnreg=128)
+        tr_ptr=trace if trace is not None else counter, TRACE=trace is not None, num_warps=4, launch_pdl=True, maxnreg=128)

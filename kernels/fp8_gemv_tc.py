@@ -102,6 +102,14 @@ def _gdc_launch():
 
 
 @gluon.jit
+def mark(tr_ptr, i: gl.constexpr):
+    """Timeline probe: tr [grid, 16] int64, this CTA's slot i <- the global timer (ns)."""
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                    is_pure=False, pack=1)
+    gl.store(tr_ptr + gl.program_id(0) * 16 + i, now)
+
+
+@gluon.jit
 def _load_tiles(w_desc, ring, ready, empty, N, t0, KTS: gl.constexpr, SPLIT: gl.constexpr,
                 STAGES: gl.constexpr):
     """The CTA's [64, 128] tiles of one weight into the ring, in consumption order, from
@@ -222,10 +230,11 @@ def _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, first_split,
 def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
              add_ptr, N, stride_s, eps, t0, K: gl.constexpr, KTS: gl.constexpr,
              SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-             PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr):
+             PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
+             tr_ptr=None, TR: gl.constexpr = -1):
     """One weight's share of the CTA, its tiles from ring position t0: prologue, quantize,
     per tile wgmma, scale, add; per row block RED into out. Returns the ring position after
-    its tiles."""
+    its tiles. TR >= 0: mark(tr_ptr, TR) once the prologue is done (a timeline probe)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 8, 32])
     pid = gl.program_id(0)
@@ -239,6 +248,8 @@ def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr
     if PROLOGUE == 1:
         rstd = _norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
     _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
+    if TR >= 0:
+        mark(tr_ptr, TR)
     acc = gl.zeros([64, 8], gl.float32, MMA)
     zero = gl.zeros([64, 8], gl.float32, MMA)
     for t in range(0, total, GROUP):

@@ -95,18 +95,24 @@ def test_bad_arguments_name_the_field(bad, field, device):
 def test_kernel_is_the_reference_launch_after_launch(H, Ka, I):
     dev = torch.device("cuda")
     L = _layer(H, Ka, I, dev)
-    o, gu, want = _three(L, dev)
     b = _buffers(L, dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for launch in range(3):  # one counter: each launch's syncs wait for the next multiple
         b["o"].zero_()
         b["gate_up"].zero_()
         b["zero"][0].fill_(1.0)
         _chain(L, b)
         torch.cuda.synchronize()
-        assert b["counter"].item() == 2 * (launch + 1) * 2 * torch.cuda.get_device_properties(
-            dev).multi_processor_count
-        # the same quantized activations: summation order and the tensor cores' fp8
-        # accumulation within a 128-column group differ
-        for got, ref in ((b["o"], o), (b["gate_up"], gu), (b["down"], want)):
-            torch.testing.assert_close(got, ref, rtol=1e-3, atol=3e-3 * ref.abs().max().item())
+        assert b["counter"].item() == 2 * (launch + 1) * 2 * sms
+        # each phase against the reference on the kernel's own input (an ulp of o moves
+        # some e4m3 roundings of gate_up's activation): the same quantized activations,
+        # only summation order and the tensor cores' fp8 accumulation within a 128-column
+        # group differ
+        o = fp8_gemv_tc_ref(L["attn"], *L["wo"], out=torch.zeros_like(b["o"]), add=L["res"])
+        gu = fp8_gemv_tc_ref(b["o"], *L["wgu"], "norm", L["norm_weight"], 1e-6,
+                             out=torch.zeros_like(b["gate_up"]))
+        down = fp8_gemv_tc_ref(b["gate_up"], *L["wd"], "silu", out=torch.zeros_like(b["o"]),
+                               add=b["o"])
+        for got, ref in ((b["o"], o), (b["gate_up"], gu), (b["down"], down)):
+            torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
         assert not b["zero"][0].any()
