@@ -251,4 +251,5 @@ def _launch(attn, wo, wgu, wd, norm_weight, eps, res, o, gate_up, down, counter,
         KO=Wo.shape[1], KG=Wg.shape[1], KD=Wd.shape[1], KTS_O=kts[0], KTS_G=kts[1],
         KTS_D=kts[2], S_O=po.split, S_G=pg.split, S_D=pd.split, G_O=po.group, G_G=pg.group,
         G_D=pd.group, KTS_MAX=max(kts), STAGES=stages, ZCH=zch, WAIT_AFTER_O=wait_after_o,
-        tr_ptr=trace if trace is not None else counter, TRACE=trace is not None, num_warps=4, launch_pdl=True, maxnreg=128)
+        tr_ptr=trace if trace is not None else counter, TRACE=trace is not None, num_warps=4,
+        launch_pdl=True, maxnreg=128)

@@ -19,10 +19,11 @@ import time
 
 import torch
 
+from pdserve.engine.llm import build_engine
+
 from bench.lab.bench_engine import Plan, drive
 from bench.lab.diag_decode import capture, variant
 from bench.lab.engine_probes import random_prompts, time_ms
-from pdserve.engine.llm import build_engine
 
 PROBES = ["start", "waited", "o_prologue", "o_done", "gu_prologue", "gu_done", "dn_prologue",
           "end", "ld_start", "ld_o_issued", "ld_waited", "ld_gu_issued", "ld_dn_issued"]
