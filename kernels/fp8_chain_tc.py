@@ -18,9 +18,13 @@ still running), waits, then gate_up's and down's | consumer: PDL wait -> zero it
 the `zero` buffers -> o phase -> grid sync -> gate_up phase (norm) -> grid sync -> let the
 next launch in -> down phase (silu).
 
-The counter is int64 and only grows: a CTA's arrival returns the count before it, and the
-barrier it waits for is the next multiple of the grid size, so no launch resets it; one
-counter serves one grid size (TcBuffers keeps it). CPU and the interpreter:
+gate_up's and down's row blocks are claimed, not dealt: the CTAs of one K split take them
+from a counter one at a time, so that a CTA whose SM streams slower takes fewer and the grid
+reaches each sync together (dealt evenly, the CTAs ended gate_up 9 us apart).
+
+The counters (int64 [COUNTERS], TcBuffers keeps them): [0] the syncs' arrivals, [16 + s]
+gate_up's and [32 + s] down's row blocks of K split s. They only grow, and each launch moves
+each by a fixed amount, so no launch resets them; one set serves one layer shape. CPU and the interpreter:
 fp8_gemv_tc_ref three times (kernels/reference.py).
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pdserve.kernels._triton import check_tensor, num_sms
@@ -41,12 +45,17 @@ from pdserve.kernels.fp8_gemv_tc import (
     _gdc_launch,
     _gdc_wait,
     _load_tiles,
+    _out,
+    _prologue,
+    _row_block,
     _zero,
     mark,
     tc_available,
     tc_fits,
     tc_plan,
 )
+
+COUNTERS = 64
 
 # Thread 0 of the CTA: release the CTA's writes (its warpgroup barrier came before), arrive,
 # and spin until the count reaches the next multiple of the grid size $2.
@@ -83,7 +92,88 @@ def _grid_sync(cnt_ptr):
 
 
 @gluon.jit
-def _chain_loader(wo_desc, wg_desc, wd_desc, ring, ready, empty, NO, NG, ND,
+def _claim(ctr_ptr, nb, GS):
+    """The next row block of the CTA's K split that no CTA has taken, or -1. The split's GS
+    CTAs each claim until they are refused, so a launch moves the counter by exactly nb + GS
+    and the count modulo that is this launch's."""
+    v = gl.atomic_add(ctr_ptr, 1, sem="relaxed")
+    m = (v % (nb + GS)).to(gl.int32)
+    return gl.where(m < nb, m, -1)
+
+
+@gluon.jit
+def _load_claimed(w_desc, ring, ready, empty, slots, ctr_ptr, N, t0, KTS: gl.constexpr,
+                  SPLIT: gl.constexpr, STAGES: gl.constexpr):
+    """One weight's row blocks claimed one at a time (the CTAs of a K split share them, so
+    one whose SM streams slower takes fewer): each block's KTS tiles into the ring with the
+    block's index in `slots` beside its first tile, then a slot holding -1 (no tile) to say
+    the weight is done. Returns the ring position after it."""
+    SL1: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    pid = gl.program_id(0)
+    GS = gl.num_programs(0) // SPLIT
+    nb = gl.cdiv(N, 64)
+    ctr = ctr_ptr + pid % SPLIT
+    u = t0
+    rb = _claim(ctr, nb, GS)
+    while rb >= 0:
+        for k in range(KTS):
+            s = (u + k) % STAGES
+            mbarrier.wait(empty.index(s), (((u + k) // STAGES) & 1) ^ 1)
+            slots.index(s).store(gl.full([1], rb, gl.int32, SL1))
+            mbarrier.expect(ready.index(s), 64 * 128)
+            tma.async_copy_global_to_shared(
+                w_desc, [rb * 64, ((pid % SPLIT) * KTS + k) * 128], ready.index(s),
+                ring.index(s))
+        u += KTS
+        rb = _claim(ctr, nb, GS)
+    s = u % STAGES
+    mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
+    slots.index(s).store(gl.full([1], -1, gl.int32, SL1))
+    mbarrier.arrive(ready.index(s), count=1)
+    return u + 1
+
+
+@gluon.jit
+def _next_block(ready, slots, u, STAGES: gl.constexpr):
+    """The row block whose first tile is at ring position u (-1: the weight is done), once
+    the loader has filled that slot."""
+    SL4: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    s = u % STAGES
+    mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+    return gl.max(slots.index(s).load(SL4), axis=0)
+
+
+@gluon.jit
+def _consume_claimed(ring, ready, empty, slots, xq_smem, sx_smem, x_ptr, nw_ptr, s_ptr,
+                     out_ptr, add_ptr, N, stride_s, eps, t0, K: gl.constexpr,
+                     KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                     GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
+                     tr_ptr, TR: gl.constexpr):
+    """_consume (kernels/fp8_gemv_tc.py) for the row blocks _load_claimed took, in its
+    order, up to its -1 slot (released here). Returns the ring position after it."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8, 32])
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    ks = gl.program_id(0) % SPLIT
+    rstd = _prologue(x_ptr, nw_ptr, x_ptr, xq_smem, sx_smem, eps, ks * KTS, K, KTS, PROLOGUE,
+                     False)
+    if TR >= 0:
+        mark(tr_ptr, TR)
+    u = t0
+    rb = _next_block(ready, slots, u, STAGES)
+    while rb >= 0:
+        acc = _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, ks * KTS,
+                         u, KTS, STAGES, GROUP)
+        _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, ks == 0, PROLOGUE, HAS_ADD)
+        u += KTS
+        rb = _next_block(ready, slots, u, STAGES)
+    mbarrier.arrive(empty.index(u % STAGES), count=1)
+    return u + 1
+
+
+@gluon.jit
+def _chain_loader(wo_desc, wg_desc, wd_desc, ring, ready, empty, slots, cnt_ptr, NO, NG, ND,
                   KTS_O: gl.constexpr, KTS_G: gl.constexpr, KTS_D: gl.constexpr,
                   S_O: gl.constexpr, S_G: gl.constexpr, S_D: gl.constexpr,
                   STAGES: gl.constexpr, WAIT_AFTER_O: gl.constexpr, tr_ptr,
@@ -100,16 +190,17 @@ def _chain_loader(wo_desc, wg_desc, wd_desc, ring, ready, empty, NO, NG, ND,
         _gdc_wait()
     if TRACE:
         mark(tr_ptr, 10)
-    t = _load_tiles(wg_desc, ring, ready, empty, NG, t, KTS_G, S_G, STAGES)
+    t = _load_claimed(wg_desc, ring, ready, empty, slots, cnt_ptr + 16, NG, t, KTS_G, S_G,
+                      STAGES)
     if TRACE:
         mark(tr_ptr, 11)
-    _load_tiles(wd_desc, ring, ready, empty, ND, t, KTS_D, S_D, STAGES)
+    _load_claimed(wd_desc, ring, ready, empty, slots, cnt_ptr + 32, ND, t, KTS_D, S_D, STAGES)
     if TRACE:
         mark(tr_ptr, 12)
 
 
 @gluon.jit
-def _chain_consumer(ring, ready, empty, xq_smem, sx_smem, attn_ptr, res_ptr, so_ptr, o_ptr,
+def _chain_consumer(ring, ready, empty, slots, xq_smem, sx_smem, attn_ptr, res_ptr, so_ptr, o_ptr,
                     nw_ptr, sg_ptr, gu_ptr, sd_ptr, dn_ptr, z1_ptr, z1_n, z2_ptr, z2_n,
                     cnt_ptr, NO, NG, ND, sso, ssg, ssd, eps,
                     KO: gl.constexpr, KG: gl.constexpr, KD: gl.constexpr,
@@ -133,16 +224,16 @@ def _chain_consumer(ring, ready, empty, xq_smem, sx_smem, attn_ptr, res_ptr, so_
     if TRACE:
         mark(tr_ptr, 3)
     _grid_sync(cnt_ptr)
-    t = _consume(ring, ready, empty, xq_smem, sx_smem, o_ptr, nw_ptr, res_ptr, sg_ptr,
-                 gu_ptr, gu_ptr, NG, ssg, eps, t, KG, KTS_G, S_G, STAGES, G_G, 1, False,
-                 False, tr_ptr, TR + 4)
+    t = _consume_claimed(ring, ready, empty, slots, xq_smem, sx_smem, o_ptr, nw_ptr, sg_ptr,
+                         gu_ptr, gu_ptr, NG, ssg, eps, t, KG, KTS_G, S_G, STAGES, G_G, 1,
+                         False, tr_ptr, TR + 4)
     if TRACE:
         mark(tr_ptr, 5)
     _grid_sync(cnt_ptr)
     _gdc_launch()  # every CTA is resident and past gate_up: the next launch may take SMs
-    _consume(ring, ready, empty, xq_smem, sx_smem, gu_ptr, gu_ptr, res_ptr, sd_ptr, dn_ptr,
-             o_ptr, ND, ssd, eps, t, KD, KTS_D, S_D, STAGES, G_D, 2, True, False, tr_ptr,
-             TR + 6)
+    _consume_claimed(ring, ready, empty, slots, xq_smem, sx_smem, gu_ptr, gu_ptr, sd_ptr,
+                     dn_ptr, o_ptr, ND, ssd, eps, t, KD, KTS_D, S_D, STAGES, G_D, 2, True,
+                     tr_ptr, TR + 6)
     if TRACE:
         mark(tr_ptr, 7)
 
@@ -164,16 +255,19 @@ def _fp8_chain_tc_kernel(wo_desc, wg_desc, wd_desc, attn_ptr, res_ptr, so_ptr, o
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    slots = gl.allocate_shared_memory(gl.int32, [STAGES, 1],
+                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_chain_consumer, (ring, ready, empty, xq_smem, sx_smem, attn_ptr, res_ptr, so_ptr,
+        (_chain_consumer, (ring, ready, empty, slots, xq_smem, sx_smem, attn_ptr, res_ptr, so_ptr,
                            o_ptr, nw_ptr, sg_ptr, gu_ptr, sd_ptr, dn_ptr, z1_ptr, z1_n,
                            z2_ptr, z2_n, cnt_ptr, NO, NG, ND, sso, ssg, ssd, eps, KO, KG, KD,
                            KTS_O, KTS_G, KTS_D, S_O, S_G, S_D, G_O, G_G, G_D, STAGES, ZCH,
                            tr_ptr, TRACE)),
-        (_chain_loader, (wo_desc, wg_desc, wd_desc, ring, ready, empty, NO, NG, ND, KTS_O,
+        (_chain_loader, (wo_desc, wg_desc, wd_desc, ring, ready, empty, slots, cnt_ptr, NO,
+                         NG, ND, KTS_O,
                          KTS_G, KTS_D, S_O, S_G, S_D, STAGES, WAIT_AFTER_O, tr_ptr, TRACE)),
     ], [1], [40])
 
@@ -183,6 +277,9 @@ def chain_plans(shapes: tuple[tuple[int, int], ...], sms: int) -> tuple[TcPlan, 
     plans = tuple(tc_plan(N, K, sms) for N, K in shapes)
     if len({p.grid for p in plans}) != 1:
         raise ValueError(f"chain: phases plan different grids {[p.grid for p in plans]}")
+    if plans[1].split > 16 or plans[2].split > 32:
+        raise ValueError(f"chain: K splits {plans[1].split}, {plans[2].split} exceed the "
+                         "counters (16 for gate_up, 32 for down)")
     return plans
 
 
@@ -201,7 +298,7 @@ def fp8_chain_tc(attn: torch.Tensor, wo: tuple[torch.Tensor, torch.Tensor],
     """The module doc's three products for one token: attn [1, Ko] (the attention's
     output), each weight (e4m3 [N, K], scales [N / 128, K / 128]); res [1, No] (fp32, the
     residual o_proj adds); o, gate_up, down (fp32 [1, N], zero on entry) receive the
-    outputs; counter: int64 [1], this grid size's arrival counter; zero: two fp32 buffers
+    outputs; counter: int64 [COUNTERS], the module doc's counters (zero at first); zero: two fp32 buffers
     (never this launch's inputs or outputs, except down) <- 0 once the launch before has
     finished. Off Hopper or on CPU: kernels.reference.fp8_gemv_tc_ref per phase. Returns
     down."""
@@ -219,7 +316,7 @@ def fp8_chain_tc(attn: torch.Tensor, wo: tuple[torch.Tensor, torch.Tensor],
                        ("gate_up", gate_up, Wg.shape[0]), ("down", down, Wd.shape[0])):
         check_tensor(name, t, shape=(1, n), dtypes=(torch.float32,), device=dev,
                      last_contiguous=True)
-    check_tensor("counter", counter, shape=(1,), dtypes=(torch.int64,), device=dev)
+    check_tensor("counter", counter, shape=(COUNTERS,), dtypes=(torch.int64,), device=dev)
     for i, z in enumerate(zero):
         check_tensor(f"zero[{i}]", z, dtypes=(torch.float32,), device=dev)
         if not z.is_contiguous() or any(z is t for t in (attn, res, o, gate_up)):

@@ -227,70 +227,91 @@ def _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, first_split,
 
 
 @gluon.jit
+def _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0, u,
+               KTS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+    """Row block rb's KTS tiles (the CTA's K split, groups k0..), from ring position u:
+    per tile wgmma, times its weight and activation scales, summed; GROUP tiles' wgmmas in
+    flight. Returns the partial [64, 8] (column 0 real)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8, 32])
+    acc = gl.zeros([64, 8], gl.float32, MMA)
+    zero = gl.zeros([64, 8], gl.float32, MMA)
+    for kl in range(0, KTS, GROUP):
+        v = u + kl
+        sc0 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl, kl)
+        tok0 = _issue(ring, ready, xq_smem, zero, v, kl, STAGES)
+        if GROUP == 1:
+            p0 = warpgroup_mma_wait(0, deps=[tok0])
+            mbarrier.arrive(empty.index(v % STAGES), count=1)
+            acc += p0 * sc0
+        if GROUP == 2:
+            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
+            tok1 = _issue(ring, ready, xq_smem, zero, v + 1, kl + 1, STAGES)
+            p0 = warpgroup_mma_wait(1, deps=[tok0])
+            mbarrier.arrive(empty.index(v % STAGES), count=1)
+            p1 = warpgroup_mma_wait(0, deps=[tok1])
+            mbarrier.arrive(empty.index((v + 1) % STAGES), count=1)
+            acc += p0 * sc0 + p1 * sc1
+        if GROUP == 4:
+            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
+            sc2 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 2, kl + 2)
+            sc3 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 3, kl + 3)
+            tok1 = _issue(ring, ready, xq_smem, zero, v + 1, kl + 1, STAGES)
+            tok2 = _issue(ring, ready, xq_smem, zero, v + 2, kl + 2, STAGES)
+            tok3 = _issue(ring, ready, xq_smem, zero, v + 3, kl + 3, STAGES)
+            p0 = warpgroup_mma_wait(3, deps=[tok0])
+            mbarrier.arrive(empty.index(v % STAGES), count=1)
+            p1 = warpgroup_mma_wait(2, deps=[tok1])
+            mbarrier.arrive(empty.index((v + 1) % STAGES), count=1)
+            p2 = warpgroup_mma_wait(1, deps=[tok2])
+            mbarrier.arrive(empty.index((v + 2) % STAGES), count=1)
+            p3 = warpgroup_mma_wait(0, deps=[tok3])
+            mbarrier.arrive(empty.index((v + 3) % STAGES), count=1)
+            acc += p0 * sc0 + p1 * sc1 + p2 * sc2 + p3 * sc3
+    return acc
+
+
+@gluon.jit
+def _prologue(x_ptr, nw_ptr, res_ptr, xq_smem, sx_smem, eps, k0, K: gl.constexpr,
+              KTS: gl.constexpr, PROLOGUE: gl.constexpr, RES_OUT: gl.constexpr):
+    """The activation's prologue for the CTA's K split into shared memory; returns rstd
+    ("norm") or 1."""
+    rstd = 1.0
+    if PROLOGUE == 1:
+        rstd = _norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
+    _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
+    return rstd
+
+
+@gluon.jit
 def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
              add_ptr, N, stride_s, eps, t0, K: gl.constexpr, KTS: gl.constexpr,
              SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
              PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
              tr_ptr=None, TR: gl.constexpr = -1):
-    """One weight's share of the CTA, its tiles from ring position t0: prologue, quantize,
-    per tile wgmma, scale, add; per row block RED into out. Returns the ring position after
-    its tiles. TR >= 0: mark(tr_ptr, TR) once the prologue is done (a timeline probe)."""
+    """One weight's share of the CTA, its tiles from ring position t0: prologue, then per
+    row block its tiles and a RED into out. Returns the ring position after its tiles.
+    TR >= 0: mark(tr_ptr, TR) once the prologue is done (a timeline probe)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 8, 32])
     pid = gl.program_id(0)
     GS = gl.num_programs(0) // SPLIT
     first = pid // SPLIT
     k0 = (pid % SPLIT) * KTS  # the CTA's first group
-    total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
+    blocks = (gl.cdiv(N, 64) - first + GS - 1) // GS
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    rstd = 1.0
-    if PROLOGUE == 1:
-        rstd = _norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
-    _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
+    rstd = _prologue(x_ptr, nw_ptr, res_ptr, xq_smem, sx_smem, eps, k0, K, KTS, PROLOGUE,
+                     RES_OUT)
     if TR >= 0:
         mark(tr_ptr, TR)
-    acc = gl.zeros([64, 8], gl.float32, MMA)
-    zero = gl.zeros([64, 8], gl.float32, MMA)
-    for t in range(0, total, GROUP):
-        u = t0 + t
-        rb = first + (t // KTS) * GS
-        kl = t % KTS
-        sc0 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl, kl)
-        tok0 = _issue(ring, ready, xq_smem, zero, u, kl, STAGES)
-        if GROUP == 1:
-            p0 = warpgroup_mma_wait(0, deps=[tok0])
-            mbarrier.arrive(empty.index(u % STAGES), count=1)
-            acc += p0 * sc0
-        if GROUP == 2:
-            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
-            tok1 = _issue(ring, ready, xq_smem, zero, u + 1, kl + 1, STAGES)
-            p0 = warpgroup_mma_wait(1, deps=[tok0])
-            mbarrier.arrive(empty.index(u % STAGES), count=1)
-            p1 = warpgroup_mma_wait(0, deps=[tok1])
-            mbarrier.arrive(empty.index((u + 1) % STAGES), count=1)
-            acc += p0 * sc0 + p1 * sc1
-        if GROUP == 4:
-            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
-            sc2 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 2, kl + 2)
-            sc3 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 3, kl + 3)
-            tok1 = _issue(ring, ready, xq_smem, zero, u + 1, kl + 1, STAGES)
-            tok2 = _issue(ring, ready, xq_smem, zero, u + 2, kl + 2, STAGES)
-            tok3 = _issue(ring, ready, xq_smem, zero, u + 3, kl + 3, STAGES)
-            p0 = warpgroup_mma_wait(3, deps=[tok0])
-            mbarrier.arrive(empty.index(u % STAGES), count=1)
-            p1 = warpgroup_mma_wait(2, deps=[tok1])
-            mbarrier.arrive(empty.index((u + 1) % STAGES), count=1)
-            p2 = warpgroup_mma_wait(1, deps=[tok2])
-            mbarrier.arrive(empty.index((u + 2) % STAGES), count=1)
-            p3 = warpgroup_mma_wait(0, deps=[tok3])
-            mbarrier.arrive(empty.index((u + 3) % STAGES), count=1)
-            acc += p0 * sc0 + p1 * sc1 + p2 * sc2 + p3 * sc3
-        if (t + GROUP) % KTS == 0:  # the row block's K split is done
-            _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, pid % SPLIT == 0, PROLOGUE,
-                 HAS_ADD)
-            acc = gl.zeros([64, 8], gl.float32, MMA)
-    return t0 + total
+    for i in range(blocks):
+        rb = first + i * GS
+        acc = _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0,
+                         t0 + i * KTS, KTS, STAGES, GROUP)
+        _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, pid % SPLIT == 0, PROLOGUE,
+             HAS_ADD)
+    return t0 + blocks * KTS
 
 
 @gluon.jit

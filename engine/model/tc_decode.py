@@ -37,7 +37,7 @@ class TcBuffers:
     gate_up: torch.Tensor
     down: torch.Tensor
     res: torch.Tensor
-    counter: torch.Tensor  # int64 [1]: the chain kernel's grid arrivals (kernels/fp8_chain_tc.py)
+    counter: torch.Tensor  # int64 [64]: the chain kernel's counters (kernels/fp8_chain_tc.py)
     chain: bool = False  # o_proj, gate_up and down in one launch
 
     @staticmethod
@@ -49,7 +49,7 @@ class TcBuffers:
         return TcBuffers(zeros(attn.qkv_proj.out_features), zeros(attn.o_proj.out_features),
                          zeros(mlp.gate_up_proj.out_features), zeros(mlp.down_proj.out_features),
                          zeros(attn.o_proj.out_features),
-                         torch.zeros(1, dtype=torch.int64, device=device), chain)
+                         torch.zeros(64, dtype=torch.int64, device=device), chain)
 
 
 def tc_layer_fits(layer: nn.Module) -> bool:
