@@ -41,6 +41,7 @@ from pdserve.kernels.fp8_gemv_tc import (
     GROUP_K,
     ROWS,
     TcPlan,
+    _add_rows,
     _consume,
     _gdc_launch,
     _gdc_wait,
@@ -48,6 +49,7 @@ from pdserve.kernels.fp8_gemv_tc import (
     _out,
     _prologue,
     _row_block,
+    _row_scales,
     _zero,
     mark,
     tc_available,
@@ -163,9 +165,12 @@ def _consume_claimed(ring, ready, empty, slots, xq_smem, sx_smem, x_ptr, nw_ptr,
     u = t0
     rb = _next_block(ready, slots, u, STAGES)
     while rb >= 0:
+        wsc = _row_scales(s_ptr, stride_s, rb, ks * KTS, N, KTS)
+        addv = _add_rows(add_ptr, rb, rows, N, ks == 0, HAS_ADD)
         acc = _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, ks * KTS,
-                         u, KTS, STAGES, GROUP)
-        _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, ks == 0, PROLOGUE, HAS_ADD)
+                         u, wsc, KTS, STAGES, GROUP, True)
+        _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, ks == 0, addv, PROLOGUE, HAS_ADD,
+             True)
         u += KTS
         rb = _next_block(ready, slots, u, STAGES)
     mbarrier.arrive(empty.index(u % STAGES), count=1)
@@ -220,7 +225,7 @@ def _chain_consumer(ring, ready, empty, slots, xq_smem, sx_smem, attn_ptr, res_p
     _zero(z2_ptr, z2_n, ZCH)
     t = _consume(ring, ready, empty, xq_smem, sx_smem, attn_ptr, attn_ptr, res_ptr, so_ptr,
                  o_ptr, res_ptr, NO, sso, eps, 0, KO, KTS_O, S_O, STAGES, G_O, 0, True, False,
-                 tr_ptr, TR + 2)
+                 True, tr_ptr, TR + 2)
     if TRACE:
         mark(tr_ptr, 3)
     _grid_sync(cnt_ptr)

@@ -57,13 +57,15 @@ GROUP_K = 128  # K columns per tile, per weight scale and per activation scale
 class TcPlan:
     """split: K splits per row block; group: tiles whose wgmmas are in flight at once;
     stages: ring depth in tiles; grid: CTAs; prefill: the ring starts filling before the
-    PDL wait (while the kernel before runs); maxnreg: the consumer's registers."""
+    PDL wait (while the kernel before runs); maxnreg: the consumer's registers; prefetch:
+    each row block's weight scales and residual are loaded one row block ahead."""
     split: int
     group: int
     stages: int
     grid: int
     prefill: bool = True
     maxnreg: int = 128
+    prefetch: bool = True
 
 
 @functools.cache
@@ -193,12 +195,29 @@ def _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K: gl.constexpr, KTS: gl.con
 
 
 @gluon.jit
-def _tile_scale(s_ptr, sx_smem, stride_s, rb, kg, kl):
-    """Tile (row block rb, global group kg = the CTA's group kl): weight block scale times
-    the activation group's."""
+def _row_scales(s_ptr, stride_s, rb, k0, N, KTS: gl.constexpr):
+    """Row block rb's KTS weight block scales in the CTA's K split (groups k0..), in every
+    thread: [KTS] (0 past the last row block)."""
+    SV: gl.constexpr = gl.BlockedLayout([KTS], [32], [4], [0])
+    k = gl.arange(0, KTS, layout=SV)
+    return gl.load(s_ptr + (rb * 64 // 128) * stride_s + k0 + k, mask=(k < KTS) & (rb * 64 < N),
+                   other=0.0)
+
+
+@gluon.jit
+def _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl, wsc, KTS: gl.constexpr,
+                PREFETCH: gl.constexpr):
+    """Tile (row block rb, the CTA's group kl = global group k0 + kl): weight block scale
+    (from wsc = _row_scales of rb when PREFETCH, else loaded now) times the activation
+    group's."""
     SL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     sx = gl.sum(sx_smem.index(kl * 8).load(SL), axis=0)
-    return gl.load(s_ptr + (rb * 64 // 128) * stride_s + kg) * sx
+    if PREFETCH:
+        SV: gl.constexpr = gl.BlockedLayout([KTS], [32], [4], [0])
+        w = gl.sum(gl.where(gl.arange(0, KTS, layout=SV) == kl, wsc, 0.0), axis=0)
+    else:
+        w = gl.load(s_ptr + (rb * 64 // 128) * stride_s + k0 + kl)
+    return w * sx
 
 
 @gluon.jit
@@ -212,23 +231,33 @@ def _issue(ring, ready, xq_smem, zero, u, kl, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, first_split,
-         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr):
+def _add_rows(add_ptr, rb, rows, N, first_split, HAS_ADD: gl.constexpr):
+    """Row block rb's residual [64] (split 0 only; zero elsewhere or without one)."""
+    n = rb * 64 + rows
+    return gl.load(add_ptr + n, mask=(n < N) & first_split & HAS_ADD, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, first_split, addv,
+         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, PREFETCH: gl.constexpr):
     """Column 0 of acc [64, 8] is row block rb's partial: times rstd ("norm"), plus the
-    residual on split 0, added into out (RED, fire and forget)."""
+    residual on split 0 (addv = _add_rows when PREFETCH, else loaded now), added into out
+    (RED, fire and forget)."""
     n = rb * 64 + rows
     if PROLOGUE == 1:
         acc = acc * rstd
     if HAS_ADD:
-        acc += gl.load(add_ptr + n, mask=(n < N) & first_split, other=0.0
-                       ).to(gl.float32)[:, None]
+        if not PREFETCH:
+            addv = _add_rows(add_ptr, rb, rows, N, first_split, HAS_ADD)
+        acc += addv[:, None]
     keep = (n < N)[:, None] & (cols == 0)[None, :]
     gl.atomic_add(out_ptr + n[:, None] + cols[None, :] * 0, acc, mask=keep, sem="relaxed")
 
 
 @gluon.jit
-def _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0, u,
-               KTS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+def _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0, u, wsc,
+               KTS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+               PREFETCH: gl.constexpr):
     """Row block rb's KTS tiles (the CTA's K split, groups k0..), from ring position u:
     per tile wgmma, times its weight and activation scales, summed; GROUP tiles' wgmmas in
     flight. Returns the partial [64, 8] (column 0 real)."""
@@ -238,14 +267,14 @@ def _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0, u,
     zero = gl.zeros([64, 8], gl.float32, MMA)
     for kl in range(0, KTS, GROUP):
         v = u + kl
-        sc0 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl, kl)
+        sc0 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl, wsc, KTS, PREFETCH)
         tok0 = _issue(ring, ready, xq_smem, zero, v, kl, STAGES)
         if GROUP == 1:
             p0 = warpgroup_mma_wait(0, deps=[tok0])
             mbarrier.arrive(empty.index(v % STAGES), count=1)
             acc += p0 * sc0
         if GROUP == 2:
-            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
+            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl + 1, wsc, KTS, PREFETCH)
             tok1 = _issue(ring, ready, xq_smem, zero, v + 1, kl + 1, STAGES)
             p0 = warpgroup_mma_wait(1, deps=[tok0])
             mbarrier.arrive(empty.index(v % STAGES), count=1)
@@ -253,9 +282,9 @@ def _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0, u,
             mbarrier.arrive(empty.index((v + 1) % STAGES), count=1)
             acc += p0 * sc0 + p1 * sc1
         if GROUP == 4:
-            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 1, kl + 1)
-            sc2 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 2, kl + 2)
-            sc3 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0 + kl + 3, kl + 3)
+            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl + 1, wsc, KTS, PREFETCH)
+            sc2 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl + 2, wsc, KTS, PREFETCH)
+            sc3 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl + 3, wsc, KTS, PREFETCH)
             tok1 = _issue(ring, ready, xq_smem, zero, v + 1, kl + 1, STAGES)
             tok2 = _issue(ring, ready, xq_smem, zero, v + 2, kl + 2, STAGES)
             tok3 = _issue(ring, ready, xq_smem, zero, v + 3, kl + 3, STAGES)
@@ -288,10 +317,13 @@ def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr
              add_ptr, N, stride_s, eps, t0, K: gl.constexpr, KTS: gl.constexpr,
              SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
              PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
-             tr_ptr=None, TR: gl.constexpr = -1):
+             PREFETCH: gl.constexpr = True, tr_ptr=None, TR: gl.constexpr = -1):
     """One weight's share of the CTA, its tiles from ring position t0: prologue, then per
     row block its tiles and a RED into out. Returns the ring position after its tiles.
-    TR >= 0: mark(tr_ptr, TR) once the prologue is done (a timeline probe)."""
+    PREFETCH: the next row block's weight scales and residual are loaded while this one's
+    tiles stream (otherwise each tile's scale and the residual are loaded where they are
+    used, a round trip behind the stream's traffic each). TR >= 0: mark(tr_ptr, TR) once
+    the prologue is done (a timeline probe)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 8, 32])
     pid = gl.program_id(0)
@@ -305,12 +337,23 @@ def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr
                      RES_OUT)
     if TR >= 0:
         mark(tr_ptr, TR)
+    split0 = pid % SPLIT == 0
+    wsc = _row_scales(s_ptr, stride_s, first, k0, N, KTS)
+    addv = _add_rows(add_ptr, first, rows, N, split0, HAS_ADD and PREFETCH)
     for i in range(blocks):
         rb = first + i * GS
+        if PREFETCH:
+            wsc_next = _row_scales(s_ptr, stride_s, rb + GS, k0, N, KTS)
+            addv_next = _add_rows(add_ptr, rb + GS, rows, N, split0, HAS_ADD)
+        else:
+            wsc_next = wsc
+            addv_next = addv
         acc = _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0,
-                         t0 + i * KTS, KTS, STAGES, GROUP)
-        _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, pid % SPLIT == 0, PROLOGUE,
-             HAS_ADD)
+                         t0 + i * KTS, wsc, KTS, STAGES, GROUP, PREFETCH)
+        _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, split0, addv, PROLOGUE,
+             HAS_ADD, PREFETCH)
+        wsc = wsc_next
+        addv = addv_next
     return t0 + blocks * KTS
 
 
@@ -319,7 +362,8 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
               add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr,
               KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
               GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
-              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr):
+              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr,
+              PREFETCH: gl.constexpr):
     """One warpgroup: the module doc's lifecycle after the PDL wait."""
     _gdc_launch()  # the next launch may fill its ring while this one streams
     _gdc_wait()
@@ -328,7 +372,7 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
         _zero(z2_ptr, z2_n, ZCH)
     _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
              add_ptr, N, stride_s, eps, 0, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD,
-             RES_OUT)
+             RES_OUT, PREFETCH)
 
 
 @gluon.jit
@@ -336,7 +380,8 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
                         z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
                         SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
-                        ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr):
+                        ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr,
+                        PREFETCH: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -350,7 +395,7 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
     gl.warp_specialize([
         (_consumer, (ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr,
                      out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K, KTS,
-                     SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z)),
+                     SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z, PREFETCH)),
         (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL)),
     ], [1], [40])
 
@@ -430,5 +475,5 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
-        PREFILL=plan.prefill, num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
+        PREFILL=plan.prefill, PREFETCH=plan.prefetch, num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
     return out

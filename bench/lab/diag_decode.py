@@ -189,6 +189,10 @@ SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
             # o_proj -> gate_up -> down in one launch: ring depth, and whether gate_up's
             # tiles wait for the attention's end
+            # each tile's weight scale and the residual loaded where used, not a row
+            # block ahead
+            variant("tc_noprefetch", tc_plans={s: {"prefetch": False}
+                                               for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
             variant("chain", chain={}),
             variant("chain_s8", chain={"stages": 8}),
             variant("chain_nowait", chain={"wait_after_o": False}),
