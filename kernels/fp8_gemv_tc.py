@@ -58,7 +58,8 @@ class TcPlan:
     """split: K splits per row block; group: tiles whose wgmmas are in flight at once;
     stages: ring depth in tiles; grid: CTAs; prefill: the ring starts filling before the
     PDL wait (while the kernel before runs); maxnreg: the consumer's registers; prefetch:
-    each row block's weight scales and residual are loaded one row block ahead."""
+    each row block's weight scales and residual are loaded one row block ahead; late_launch:
+    the next launch is let in after this one's PDL wait, not before it."""
     split: int
     group: int
     stages: int
@@ -66,6 +67,7 @@ class TcPlan:
     prefill: bool = True
     maxnreg: int = 128
     prefetch: bool = True
+    late_launch: bool = False
 
 
 @functools.cache
@@ -363,10 +365,13 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
               KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
               GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
               RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr,
-              PREFETCH: gl.constexpr):
+              PREFETCH: gl.constexpr, LATE_LAUNCH: gl.constexpr):
     """One warpgroup: the module doc's lifecycle after the PDL wait."""
-    _gdc_launch()  # the next launch may fill its ring while this one streams
+    if not LATE_LAUNCH:
+        _gdc_launch()  # the next launch may fill its ring while this one streams
     _gdc_wait()
+    if LATE_LAUNCH:
+        _gdc_launch()
     if HAS_Z:
         _zero(z1_ptr, z1_n, ZCH)
         _zero(z2_ptr, z2_n, ZCH)
@@ -381,7 +386,7 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
                         SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
                         ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr,
-                        PREFETCH: gl.constexpr):
+                        PREFETCH: gl.constexpr, LATE_LAUNCH: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -395,7 +400,8 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
     gl.warp_specialize([
         (_consumer, (ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr,
                      out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K, KTS,
-                     SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z, PREFETCH)),
+                     SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z, PREFETCH,
+                     LATE_LAUNCH)),
         (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL)),
     ], [1], [40])
 
@@ -475,5 +481,6 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
-        PREFILL=plan.prefill, PREFETCH=plan.prefetch, num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
+        PREFILL=plan.prefill, PREFETCH=plan.prefetch, LATE_LAUNCH=plan.late_launch,
+        num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
     return out

@@ -211,6 +211,17 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             variant("tc_qkv_dn_g132", tc_plans={QKV: {"grid": 132, "split": 4, "stages": 12},
                                                 DOWN: {"grid": 132, "split": 6, "stages": 16}}),
             variant("tc_o_s4", tc_plans={O_PROJ: {"stages": 4}}),
+            # o_proj's consumer capped lower: more of its CTAs resident beside the attention
+            variant("tc_o_r64", tc_plans={O_PROJ: {"maxnreg": 64}}),
+            # o_proj lets gate_up in only after the attention has ended (its PDL wait), on
+            # one CTA per SM with a ring that leaves room for one gate_up CTA beside it:
+            # gate_up's ring fills while o_proj computes, not while the attention runs
+            variant("tc_o_late", tc_plans={O_PROJ: {"late_launch": True}}),
+            *[variant(f"tc_o_g132_s{st}{'_late' if late else ''}",
+                      tc_plans={O_PROJ: {"grid": 132, "split": 2, "stages": st,
+                                         "late_launch": late}})
+              for st in (12, 13) for late in (True, False)],
+            variant("tc_o_r96", tc_plans={O_PROJ: {"maxnreg": 96}}),
             variant("tc_mlp_s8", tc_plans={GATE_UP: {"stages": 8}, DOWN: {"stages": 8}}),
             variant("tc_qkv_s12", tc_plans={QKV: {"stages": 12}}),
             variant("tc_r96", tc_plans={s: {"maxnreg": 96} for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
