@@ -217,6 +217,14 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # one CTA per SM with a ring that leaves room for one gate_up CTA beside it:
             # gate_up's ring fills while o_proj computes, not while the attention runs
             variant("tc_o_late", tc_plans={O_PROJ: {"late_launch": True}}),
+            # 8-tile rings (72 KB): one CTA of the next projection fits beside the two of
+            # the one before and fills its ring while that one computes; o_proj lets
+            # gate_up in only once the attention has ended
+            variant("tc_gu8", tc_plans={GATE_UP: {"stages": 8}}),
+            variant("tc_gu8_olate", tc_plans={O_PROJ: {"late_launch": True},
+                                              GATE_UP: {"stages": 8}}),
+            variant("tc_mlp8_olate", tc_plans={O_PROJ: {"late_launch": True},
+                                               GATE_UP: {"stages": 8}, DOWN: {"stages": 8}}),
             *[variant(f"tc_o_g132_s{st}{'_late' if late else ''}",
                       tc_plans={O_PROJ: {"grid": 132, "split": 2, "stages": st,
                                          "late_launch": late}})
