@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pdserve.kernels._triton import check_tensor, interpreting, num_sms
+from pdserve.kernels._triton import check_tensor, interpreting, num_sms, prefer_max_shared
 
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
 ROWS = 64  # wgmma's M: weight rows per tile
@@ -68,6 +68,7 @@ class TcPlan:
     maxnreg: int = 128
     prefetch: bool = True
     late_launch: bool = False
+    carveout: bool = False
 
 
 @functools.cache
@@ -386,7 +387,8 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
                         SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
                         ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr,
-                        PREFETCH: gl.constexpr, LATE_LAUNCH: gl.constexpr):
+                        PREFETCH: gl.constexpr, LATE_LAUNCH: gl.constexpr,
+                        CARVEOUT: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -474,7 +476,7 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     z = list(zero) + [out] * (2 - len(zero))  # placeholders: n = 0 stores nothing
     zn = [t.numel() if i < len(zero) else 0 for i, t in enumerate(z)]
     zch = max(128, triton.next_power_of_2(triton.cdiv(max(zn), plan.grid))) if zero else 128
-    _fp8_gemv_tc_kernel[(plan.grid,)](
+    k = _fp8_gemv_tc_kernel[(plan.grid,)](
         desc, x, norm_weight if norm_weight is not None else x,
         res_out if res_out is not None else out, scales, out,
         add if add is not None else out, z[0], zn[0], z[1], zn[1], N, scales.stride(0),
@@ -482,5 +484,7 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
         PREFILL=plan.prefill, PREFETCH=plan.prefetch, LATE_LAUNCH=plan.late_launch,
-        num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
+        CARVEOUT=plan.carveout, num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
+    if plan.carveout:
+        prefer_max_shared(k.function)
     return out

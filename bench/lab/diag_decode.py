@@ -221,6 +221,20 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # the one before and fills its ring while that one computes; o_proj lets
             # gate_up in only once the attention has ended
             variant("tc_gu8", tc_plans={GATE_UP: {"stages": 8}}),
+            # every projection's kernel with the whole shared-memory carveout
+            variant("tc_carve", tc_plans={s: {"carveout": True}
+                                          for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
+            variant("tc_carve_gu8_olate", tc_plans={
+                QKV: {"carveout": True}, DOWN: {"carveout": True},
+                O_PROJ: {"late_launch": True, "carveout": True},
+                GATE_UP: {"stages": 8, "carveout": True}}),
+            variant("tc_carve_mlp8_olate", tc_plans={
+                QKV: {"carveout": True}, O_PROJ: {"late_launch": True, "carveout": True},
+                GATE_UP: {"stages": 8, "carveout": True}, DOWN: {"stages": 8, "carveout": True}}),
+            variant("tc_carve_o_g132_s12_late", tc_plans={
+                QKV: {"carveout": True}, DOWN: {"carveout": True}, GATE_UP: {"carveout": True},
+                O_PROJ: {"grid": 132, "split": 2, "stages": 12, "late_launch": True,
+                         "carveout": True}}),
             variant("tc_gu8_olate", tc_plans={O_PROJ: {"late_launch": True},
                                               GATE_UP: {"stages": 8}}),
             variant("tc_mlp8_olate", tc_plans={O_PROJ: {"late_launch": True},
