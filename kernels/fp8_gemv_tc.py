@@ -116,10 +116,11 @@ def mark(tr_ptr, i: gl.constexpr):
 
 @gluon.jit
 def _load_tiles(w_desc, ring, ready, empty, N, t0, KTS: gl.constexpr, SPLIT: gl.constexpr,
-                STAGES: gl.constexpr):
+                STAGES: gl.constexpr, KT: gl.constexpr = 0):
     """The CTA's [64, 128] tiles of one weight into the ring, in consumption order, from
     ring position t0 (the tiles an earlier weight of the same launch took); returns the
-    position after them."""
+    position after them. KT > 0: the weight is tile-packed (pack_tiles; KT tiles a row
+    block), so tile (row block r, K tile k) is rows (r * KT + k) * 64.. of w_desc."""
     pid = gl.program_id(0)
     GS = gl.num_programs(0) // SPLIT
     first = pid // SPLIT
@@ -129,19 +130,24 @@ def _load_tiles(w_desc, ring, ready, empty, N, t0, KTS: gl.constexpr, SPLIT: gl.
         s = u % STAGES
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), 64 * 128)
-        tma.async_copy_global_to_shared(
-            w_desc, [(first + (t // KTS) * GS) * 64, ((pid % SPLIT) * KTS + t % KTS) * 128],
-            ready.index(s), ring.index(s))
+        rb = first + (t // KTS) * GS
+        kt = (pid % SPLIT) * KTS + t % KTS
+        if KT > 0:
+            tma.async_copy_global_to_shared(w_desc, [(rb * KT + kt) * 64, 0], ready.index(s),
+                                            ring.index(s))
+        else:
+            tma.async_copy_global_to_shared(w_desc, [rb * 64, kt * 128], ready.index(s),
+                                            ring.index(s))
     return t0 + total
 
 
 @gluon.jit
 def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
-            STAGES: gl.constexpr, PREFILL: gl.constexpr):
+            STAGES: gl.constexpr, PREFILL: gl.constexpr, KT: gl.constexpr):
     """One warp: the CTA's weight tiles into the ring."""
     if not PREFILL:
         _gdc_wait()
-    _load_tiles(w_desc, ring, ready, empty, N, 0, KTS, SPLIT, STAGES)
+    _load_tiles(w_desc, ring, ready, empty, N, 0, KTS, SPLIT, STAGES, KT)
 
 
 @gluon.jit
@@ -388,7 +394,7 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
                         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
                         ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr,
                         PREFETCH: gl.constexpr, LATE_LAUNCH: gl.constexpr,
-                        CARVEOUT: gl.constexpr):
+                        CARVEOUT: gl.constexpr, KT: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -404,8 +410,21 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
                      out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K, KTS,
                      SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z, PREFETCH,
                      LATE_LAUNCH)),
-        (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL)),
+        (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL, KT)),
     ], [1], [40])
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> its [64, 128] tiles one after another, row block-major: [T * 64, 128]
+    with tile (r, k) at rows (r * K / 128 + k) * 64 (N padded to 64 with zeros), so that each
+    tile and each row block's run of tiles is contiguous in memory."""
+    N, K = weight.shape
+    w = weight.view(torch.uint8)  # bytes: cat and permute for any 1-byte dtype
+    pad = (-N) % ROWS
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, K)])
+    return (w.view(-1, ROWS, K // GROUP_K, GROUP_K).permute(0, 2, 1, 3).contiguous()
+            .view(-1, GROUP_K).view(weight.dtype))
 
 
 @functools.cache
@@ -457,14 +476,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, prologue
 def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 prologue: str = "none", norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,
-                res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = ()
-                ) -> torch.Tensor:
+                res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = (),
+                packed: torch.Tensor | None = None) -> torch.Tensor:
     """out [1, N] (fp32, zero on entry) += the module doc's product for x [1, K] ([1, 2K]
     = gate | up for "silu"), weight e4m3 [N, K] with scales [N / 128, K / 128]; plus add
     [1, N] (the residual); res_out [1, K] (fp32) <- x ("norm" only); each of `zero` (<= 2
     fp32 buffers, never this launch's inputs) <- 0 once the launch before has finished.
+    packed: the same weight tile-packed (pack_tiles), read instead on the GPU.
     Off Hopper or on CPU: kernels.reference.fp8_gemv_tc_ref. Returns out."""
     _check(x, weight, scales, prologue, norm_weight, out, add, res_out, zero)
+    if packed is not None and (packed.dtype != weight.dtype or tuple(packed.shape) != (
+            triton.cdiv(weight.shape[0], ROWS) * weight.shape[1] // GROUP_K * ROWS, GROUP_K)):
+        raise ValueError(f"packed: {tuple(packed.shape)} {packed.dtype} is not pack_tiles of "
+                         f"the weight {tuple(weight.shape)}")
     if not (weight.is_cuda and tc_available(weight.device.index or 0)):
         from pdserve.kernels.reference import fp8_gemv_tc_ref
         return fp8_gemv_tc_ref(x, weight, scales, prologue, norm_weight, eps, out=out,
@@ -472,7 +496,11 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     N, K = weight.shape
     plan = tc_plan(N, K, num_sms(weight.device.index or 0))
     layout = gl.NVMMASharedLayout.get_default_for([ROWS, GROUP_K], gl.float8e4nv)
-    desc = TensorDescriptor(weight, [N, K], [K, 1], [ROWS, GROUP_K], layout)
+    if packed is not None:
+        rows = packed.shape[0]
+        desc = TensorDescriptor(packed, [rows, GROUP_K], [GROUP_K, 1], [ROWS, GROUP_K], layout)
+    else:
+        desc = TensorDescriptor(weight, [N, K], [K, 1], [ROWS, GROUP_K], layout)
     z = list(zero) + [out] * (2 - len(zero))  # placeholders: n = 0 stores nothing
     zn = [t.numel() if i < len(zero) else 0 for i, t in enumerate(z)]
     zch = max(128, triton.next_power_of_2(triton.cdiv(max(zn), plan.grid))) if zero else 128
@@ -484,7 +512,8 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
         PREFILL=plan.prefill, PREFETCH=plan.prefetch, LATE_LAUNCH=plan.late_launch,
-        CARVEOUT=plan.carveout, num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
+        CARVEOUT=plan.carveout, KT=K // GROUP_K if packed is not None else 0, num_warps=4,
+        launch_pdl=True, maxnreg=plan.maxnreg)
     if plan.carveout:
         prefer_max_shared(k.function)
     return out

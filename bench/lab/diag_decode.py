@@ -143,12 +143,13 @@ def engine_timeline(engine, vocab: int) -> dict:
 
 # whether the variant being captured takes the tensor-core FP8 GEMV where the model fits it
 # (Model.use_tc_gemv; set by a variant's setup, read by capture)
-TC = {"on": True, "chain": None}
+TC = {"on": True, "chain": None, "packed": False}
+KEEP: list = []  # tile-packed weights that captured graphs read
 
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None, chain: dict | None = None):
+            tc_plans: dict | None = None, chain: dict | None = None, packed: bool = False):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
@@ -175,6 +176,7 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
         tc_mod.tc_plan = plan
         TC["on"] = tc
         TC["chain"] = chain
+        TC["packed"] = packed
         ops.fp8_chain_tc = functools.partial(ORIGINAL_CHAIN, **(chain or {}))
     return name, setup, splits
 
@@ -221,6 +223,8 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # the one before and fills its ring while that one computes; o_proj lets
             # gate_up in only once the attention has ended
             variant("tc_gu8", tc_plans={GATE_UP: {"stages": 8}}),
+            # each weight's [64, 128] tiles contiguous in memory (pack_tiles), row block-major
+            variant("tc_packed", packed=True),
             # every projection's kernel with the whole shared-memory carveout
             variant("tc_carve", tc_plans={s: {"carveout": True}
                                           for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
@@ -332,6 +336,14 @@ def capture(engine, setup, splits, vocab: int):
     setup()
     model.backend.num_splits = splits
     model.use_tc_gemv(TC["on"], chain=TC["chain"] is not None)
+    for layer in model.layers:  # the tensor-core GEMV reads weight_tiles where present
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                  layer.mlp.down_proj):
+            if TC["packed"]:
+                m.weight_tiles = tc_mod.pack_tiles(m.weight)
+                KEEP.append(m.weight_tiles)
+            elif hasattr(m, "weight_tiles"):
+                del m.weight_tiles
     buffers = model.layers[0].tc  # this graph's: a later capture's use_tc_gemv makes new ones
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]

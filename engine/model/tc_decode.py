@@ -75,15 +75,19 @@ def forward_tc(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
 
     def w(m: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor]:
         return m.weight, m.weight_scale
+
+    def p(m: Fp8Linear) -> torch.Tensor | None:
+        return getattr(m, "weight_tiles", None)
     gemv(x, *w(attn.qkv_proj), "norm", ln1.weight, ln1.eps, out=b.qkv, res_out=b.res,
-         zero=(b.o, b.gate_up))
+         zero=(b.o, b.gate_up), packed=p(attn.qkv_proj))
     o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype)
     if b.chain:
         return fused_kernels().fp8_chain_tc(
             o, w(attn.o_proj), w(mlp.gate_up_proj), w(mlp.down_proj), ln2.weight, ln2.eps,
             res=b.res, o=b.o, gate_up=b.gate_up, down=b.down, counter=b.counter,
             zero=(b.qkv, b.down))
-    gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down))
-    gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up)
-    gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o)
+    gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down), packed=p(attn.o_proj))
+    gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up,
+         packed=p(mlp.gate_up_proj))
+    gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o, packed=p(mlp.down_proj))
     return b.down
