@@ -52,29 +52,6 @@ def is_pow2(n: int) -> bool:
 
 
 @functools.cache
-def _libcuda():
-    import ctypes
-    return ctypes.CDLL("libcuda.so.1")
-
-
-@functools.cache
-def prefer_max_shared(function: int) -> None:
-    """Ask the driver to run this compiled kernel (CUfunction handle) with the SM's whole
-    shared-memory carveout, so that CTAs of the next launch fit beside its own by the
-    physical 228 KB, not by the carveout the driver picked for this kernel alone."""
-    attr_preferred_carveout, max_shared_pct = 9, 100
-    rc = _libcuda().cuFuncSetAttribute(ctypes_handle(function), attr_preferred_carveout,
-                                       max_shared_pct)
-    if rc != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(carveout) failed: CUresult {rc}")
-
-
-def ctypes_handle(function: int):
-    import ctypes
-    return ctypes.c_void_p(function)
-
-
-@functools.cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -22,8 +22,9 @@ a buffer is zeroed only once every reader has finished (engine/model/decoder.py,
 
 Lifecycle of one CTA: loader warp streams tiles | consumer: PDL wait -> zero its slice of
 the `zero` buffers -> prologue (norm: the whole x for the sum of squares; silu(gate) * up;
-none), quantize its K range into shared memory -> per tile: wgmma, scale, add -> per row
-block: (rstd, residual on split 0) RED into out.
+none), quantize its K range into shared memory -> per row block (its weight scales and
+residual loaded one row block ahead): per tile wgmma, scale, add; (rstd, residual on split
+0) RED into out.
 
 CPU and the interpreter: fp8_gemv_tc_ref (kernels/reference.py) is the function; the
 decoder's tests run it on CPU, the GPU tests compare the kernel with it.
@@ -46,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pdserve.kernels._triton import check_tensor, interpreting, num_sms, prefer_max_shared
+from pdserve.kernels._triton import check_tensor, interpreting, num_sms
 
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
 ROWS = 64  # wgmma's M: weight rows per tile
@@ -57,18 +58,13 @@ GROUP_K = 128  # K columns per tile, per weight scale and per activation scale
 class TcPlan:
     """split: K splits per row block; group: tiles whose wgmmas are in flight at once;
     stages: ring depth in tiles; grid: CTAs; prefill: the ring starts filling before the
-    PDL wait (while the kernel before runs); maxnreg: the consumer's registers; prefetch:
-    each row block's weight scales and residual are loaded one row block ahead; late_launch:
-    the next launch is let in after this one's PDL wait, not before it."""
+    PDL wait (while the kernel before runs); maxnreg: the consumer's registers."""
     split: int
     group: int
     stages: int
     grid: int
     prefill: bool = True
     maxnreg: int = 128
-    prefetch: bool = True
-    late_launch: bool = False
-    carveout: bool = False
 
 
 @functools.cache
@@ -107,47 +103,22 @@ def _gdc_launch():
 
 
 @gluon.jit
-def mark(tr_ptr, i: gl.constexpr):
-    """Timeline probe: tr [grid, 16] int64, this CTA's slot i <- the global timer (ns)."""
-    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                    is_pure=False, pack=1)
-    gl.store(tr_ptr + gl.program_id(0) * 16 + i, now)
-
-
-@gluon.jit
-def _load_tiles(w_desc, ring, ready, empty, N, t0, KTS: gl.constexpr, SPLIT: gl.constexpr,
-                STAGES: gl.constexpr, KT: gl.constexpr = 0):
-    """The CTA's [64, 128] tiles of one weight into the ring, in consumption order, from
-    ring position t0 (the tiles an earlier weight of the same launch took); returns the
-    position after them. KT > 0: the weight is tile-packed (pack_tiles; KT tiles a row
-    block), so tile (row block r, K tile k) is rows (r * KT + k) * 64.. of w_desc."""
+def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
+            STAGES: gl.constexpr, PREFILL: gl.constexpr):
+    """One warp: the CTA's [64, 128] weight tiles into the ring, in consumption order."""
+    if not PREFILL:
+        _gdc_wait()
     pid = gl.program_id(0)
     GS = gl.num_programs(0) // SPLIT
     first = pid // SPLIT
     total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
     for t in range(total):
-        u = t0 + t
-        s = u % STAGES
-        mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), 64 * 128)
-        rb = first + (t // KTS) * GS
-        kt = (pid % SPLIT) * KTS + t % KTS
-        if KT > 0:
-            tma.async_copy_global_to_shared(w_desc, [(rb * KT + kt) * 64, 0], ready.index(s),
-                                            ring.index(s))
-        else:
-            tma.async_copy_global_to_shared(w_desc, [rb * 64, kt * 128], ready.index(s),
-                                            ring.index(s))
-    return t0 + total
-
-
-@gluon.jit
-def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
-            STAGES: gl.constexpr, PREFILL: gl.constexpr, KT: gl.constexpr):
-    """One warp: the CTA's weight tiles into the ring."""
-    if not PREFILL:
-        _gdc_wait()
-    _load_tiles(w_desc, ring, ready, empty, N, 0, KTS, SPLIT, STAGES, KT)
+        tma.async_copy_global_to_shared(
+            w_desc, [(first + (t // KTS) * GS) * 64, ((pid % SPLIT) * KTS + t % KTS) * 128],
+            ready.index(s), ring.index(s))
 
 
 @gluon.jit
@@ -209,24 +180,17 @@ def _row_scales(s_ptr, stride_s, rb, k0, N, KTS: gl.constexpr):
     thread: [KTS] (0 past the last row block)."""
     SV: gl.constexpr = gl.BlockedLayout([KTS], [32], [4], [0])
     k = gl.arange(0, KTS, layout=SV)
-    return gl.load(s_ptr + (rb * 64 // 128) * stride_s + k0 + k, mask=(k < KTS) & (rb * 64 < N),
-                   other=0.0)
+    return gl.load(s_ptr + (rb * 64 // 128) * stride_s + k0 + k, mask=rb * 64 < N, other=0.0)
 
 
 @gluon.jit
-def _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl, wsc, KTS: gl.constexpr,
-                PREFETCH: gl.constexpr):
-    """Tile (row block rb, the CTA's group kl = global group k0 + kl): weight block scale
-    (from wsc = _row_scales of rb when PREFETCH, else loaded now) times the activation
-    group's."""
+def _tile_scale(sx_smem, wsc, kl, KTS: gl.constexpr):
+    """The scale of the CTA's tile kl in a row block: its weight block scale (wsc, the row
+    block's _row_scales) times the activation group's."""
     SL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    SV: gl.constexpr = gl.BlockedLayout([KTS], [32], [4], [0])
     sx = gl.sum(sx_smem.index(kl * 8).load(SL), axis=0)
-    if PREFETCH:
-        SV: gl.constexpr = gl.BlockedLayout([KTS], [32], [4], [0])
-        w = gl.sum(gl.where(gl.arange(0, KTS, layout=SV) == kl, wsc, 0.0), axis=0)
-    else:
-        w = gl.load(s_ptr + (rb * 64 // 128) * stride_s + k0 + kl)
-    return w * sx
+    return gl.sum(gl.where(gl.arange(0, KTS, layout=SV) == kl, wsc, 0.0), axis=0) * sx
 
 
 @gluon.jit
@@ -247,43 +211,37 @@ def _add_rows(add_ptr, rb, rows, N, first_split, HAS_ADD: gl.constexpr):
 
 
 @gluon.jit
-def _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, first_split, addv,
-         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, PREFETCH: gl.constexpr):
+def _out(out_ptr, acc, rb, rows, cols, N, rstd, addv, PROLOGUE: gl.constexpr):
     """Column 0 of acc [64, 8] is row block rb's partial: times rstd ("norm"), plus the
-    residual on split 0 (addv = _add_rows when PREFETCH, else loaded now), added into out
-    (RED, fire and forget)."""
+    residual addv (_add_rows), added into out (RED, fire and forget)."""
     n = rb * 64 + rows
     if PROLOGUE == 1:
         acc = acc * rstd
-    if HAS_ADD:
-        if not PREFETCH:
-            addv = _add_rows(add_ptr, rb, rows, N, first_split, HAS_ADD)
-        acc += addv[:, None]
+    acc += addv[:, None]
     keep = (n < N)[:, None] & (cols == 0)[None, :]
     gl.atomic_add(out_ptr + n[:, None] + cols[None, :] * 0, acc, mask=keep, sem="relaxed")
 
 
 @gluon.jit
-def _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0, u, wsc,
-               KTS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-               PREFETCH: gl.constexpr):
-    """Row block rb's KTS tiles (the CTA's K split, groups k0..), from ring position u:
-    per tile wgmma, times its weight and activation scales, summed; GROUP tiles' wgmmas in
-    flight. Returns the partial [64, 8] (column 0 real)."""
+def _row_block(ring, ready, empty, xq_smem, sx_smem, u, wsc, KTS: gl.constexpr,
+               STAGES: gl.constexpr, GROUP: gl.constexpr):
+    """A row block's KTS tiles (the CTA's K split) from ring position u: per tile wgmma,
+    times its weight and activation scales (wsc: the row block's _row_scales), summed;
+    GROUP tiles' wgmmas in flight. Returns the partial [64, 8] (column 0 real)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 8, 32])
     acc = gl.zeros([64, 8], gl.float32, MMA)
     zero = gl.zeros([64, 8], gl.float32, MMA)
     for kl in range(0, KTS, GROUP):
         v = u + kl
-        sc0 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl, wsc, KTS, PREFETCH)
+        sc0 = _tile_scale(sx_smem, wsc, kl, KTS)
         tok0 = _issue(ring, ready, xq_smem, zero, v, kl, STAGES)
         if GROUP == 1:
             p0 = warpgroup_mma_wait(0, deps=[tok0])
             mbarrier.arrive(empty.index(v % STAGES), count=1)
             acc += p0 * sc0
         if GROUP == 2:
-            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl + 1, wsc, KTS, PREFETCH)
+            sc1 = _tile_scale(sx_smem, wsc, kl + 1, KTS)
             tok1 = _issue(ring, ready, xq_smem, zero, v + 1, kl + 1, STAGES)
             p0 = warpgroup_mma_wait(1, deps=[tok0])
             mbarrier.arrive(empty.index(v % STAGES), count=1)
@@ -291,9 +249,9 @@ def _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0, u,
             mbarrier.arrive(empty.index((v + 1) % STAGES), count=1)
             acc += p0 * sc0 + p1 * sc1
         if GROUP == 4:
-            sc1 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl + 1, wsc, KTS, PREFETCH)
-            sc2 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl + 2, wsc, KTS, PREFETCH)
-            sc3 = _tile_scale(s_ptr, sx_smem, stride_s, rb, k0, kl + 3, wsc, KTS, PREFETCH)
+            sc1 = _tile_scale(sx_smem, wsc, kl + 1, KTS)
+            sc2 = _tile_scale(sx_smem, wsc, kl + 2, KTS)
+            sc3 = _tile_scale(sx_smem, wsc, kl + 3, KTS)
             tok1 = _issue(ring, ready, xq_smem, zero, v + 1, kl + 1, STAGES)
             tok2 = _issue(ring, ready, xq_smem, zero, v + 2, kl + 2, STAGES)
             tok3 = _issue(ring, ready, xq_smem, zero, v + 3, kl + 3, STAGES)
@@ -310,29 +268,15 @@ def _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0, u,
 
 
 @gluon.jit
-def _prologue(x_ptr, nw_ptr, res_ptr, xq_smem, sx_smem, eps, k0, K: gl.constexpr,
-              KTS: gl.constexpr, PROLOGUE: gl.constexpr, RES_OUT: gl.constexpr):
-    """The activation's prologue for the CTA's K split into shared memory; returns rstd
-    ("norm") or 1."""
-    rstd = 1.0
-    if PROLOGUE == 1:
-        rstd = _norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
-    _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
-    return rstd
-
-
-@gluon.jit
 def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
-             add_ptr, N, stride_s, eps, t0, K: gl.constexpr, KTS: gl.constexpr,
+             add_ptr, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
              SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-             PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
-             PREFETCH: gl.constexpr = True, tr_ptr=None, TR: gl.constexpr = -1):
-    """One weight's share of the CTA, its tiles from ring position t0: prologue, then per
-    row block its tiles and a RED into out. Returns the ring position after its tiles.
-    PREFETCH: the next row block's weight scales and residual are loaded while this one's
-    tiles stream (otherwise each tile's scale and the residual are loaded where they are
-    used, a round trip behind the stream's traffic each). TR >= 0: mark(tr_ptr, TR) once
-    the prologue is done (a timeline probe)."""
+             PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr):
+    """The CTA's share of the weight: prologue, then per row block its tiles and a RED into
+    out. The next row block's weight scales and residual are loaded while this one's tiles
+    stream: loaded where used, each was a round trip behind the weight stream's traffic
+    (Qwen3-8B FP8 step 2.441-2.455 -> 2.428-2.444 ms, bench/results/
+    diag_tc_prefetch_h200_2026-11-30.json)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 8, 32])
     pid = gl.program_id(0)
@@ -342,28 +286,22 @@ def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr
     blocks = (gl.cdiv(N, 64) - first + GS - 1) // GS
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    rstd = _prologue(x_ptr, nw_ptr, res_ptr, xq_smem, sx_smem, eps, k0, K, KTS, PROLOGUE,
-                     RES_OUT)
-    if TR >= 0:
-        mark(tr_ptr, TR)
     split0 = pid % SPLIT == 0
     wsc = _row_scales(s_ptr, stride_s, first, k0, N, KTS)
-    addv = _add_rows(add_ptr, first, rows, N, split0, HAS_ADD and PREFETCH)
+    addv = _add_rows(add_ptr, first, rows, N, split0, HAS_ADD)
+    rstd = 1.0
+    if PROLOGUE == 1:
+        rstd = _norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
+    _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
     for i in range(blocks):
         rb = first + i * GS
-        if PREFETCH:
-            wsc_next = _row_scales(s_ptr, stride_s, rb + GS, k0, N, KTS)
-            addv_next = _add_rows(add_ptr, rb + GS, rows, N, split0, HAS_ADD)
-        else:
-            wsc_next = wsc
-            addv_next = addv
-        acc = _row_block(ring, ready, empty, xq_smem, sx_smem, s_ptr, stride_s, rb, k0,
-                         t0 + i * KTS, wsc, KTS, STAGES, GROUP, PREFETCH)
-        _out(out_ptr, add_ptr, acc, rb, rows, cols, N, rstd, split0, addv, PROLOGUE,
-             HAS_ADD, PREFETCH)
+        wsc_next = _row_scales(s_ptr, stride_s, rb + GS, k0, N, KTS)
+        addv_next = _add_rows(add_ptr, rb + GS, rows, N, split0, HAS_ADD)
+        acc = _row_block(ring, ready, empty, xq_smem, sx_smem, i * KTS, wsc, KTS, STAGES,
+                         GROUP)
+        _out(out_ptr, acc, rb, rows, cols, N, rstd, addv, PROLOGUE)
         wsc = wsc_next
         addv = addv_next
-    return t0 + blocks * KTS
 
 
 @gluon.jit
@@ -371,20 +309,15 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
               add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr,
               KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
               GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
-              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr,
-              PREFETCH: gl.constexpr, LATE_LAUNCH: gl.constexpr):
+              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr):
     """One warpgroup: the module doc's lifecycle after the PDL wait."""
-    if not LATE_LAUNCH:
-        _gdc_launch()  # the next launch may fill its ring while this one streams
+    _gdc_launch()  # the next launch may fill its ring while this one streams
     _gdc_wait()
-    if LATE_LAUNCH:
-        _gdc_launch()
     if HAS_Z:
         _zero(z1_ptr, z1_n, ZCH)
         _zero(z2_ptr, z2_n, ZCH)
     _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
-             add_ptr, N, stride_s, eps, 0, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD,
-             RES_OUT, PREFETCH)
+             add_ptr, N, stride_s, eps, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT)
 
 
 @gluon.jit
@@ -392,9 +325,7 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
                         z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
                         SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                         PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
-                        ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr,
-                        PREFETCH: gl.constexpr, LATE_LAUNCH: gl.constexpr,
-                        CARVEOUT: gl.constexpr, KT: gl.constexpr):
+                        ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -408,23 +339,9 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
     gl.warp_specialize([
         (_consumer, (ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr,
                      out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K, KTS,
-                     SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z, PREFETCH,
-                     LATE_LAUNCH)),
-        (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL, KT)),
+                     SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z)),
+        (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL)),
     ], [1], [40])
-
-
-def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> its [64, 128] tiles one after another, row block-major: [T * 64, 128]
-    with tile (r, k) at rows (r * K / 128 + k) * 64 (N padded to 64 with zeros), so that each
-    tile and each row block's run of tiles is contiguous in memory."""
-    N, K = weight.shape
-    w = weight.view(torch.uint8)  # bytes: cat and permute for any 1-byte dtype
-    pad = (-N) % ROWS
-    if pad:
-        w = torch.cat([w, w.new_zeros(pad, K)])
-    return (w.view(-1, ROWS, K // GROUP_K, GROUP_K).permute(0, 2, 1, 3).contiguous()
-            .view(-1, GROUP_K).view(weight.dtype))
 
 
 @functools.cache
@@ -476,19 +393,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, prologue
 def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 prologue: str = "none", norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,
-                res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = (),
-                packed: torch.Tensor | None = None) -> torch.Tensor:
+                res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = ()
+                ) -> torch.Tensor:
     """out [1, N] (fp32, zero on entry) += the module doc's product for x [1, K] ([1, 2K]
     = gate | up for "silu"), weight e4m3 [N, K] with scales [N / 128, K / 128]; plus add
     [1, N] (the residual); res_out [1, K] (fp32) <- x ("norm" only); each of `zero` (<= 2
     fp32 buffers, never this launch's inputs) <- 0 once the launch before has finished.
-    packed: the same weight tile-packed (pack_tiles), read instead on the GPU.
     Off Hopper or on CPU: kernels.reference.fp8_gemv_tc_ref. Returns out."""
     _check(x, weight, scales, prologue, norm_weight, out, add, res_out, zero)
-    if packed is not None and (packed.dtype != weight.dtype or tuple(packed.shape) != (
-            triton.cdiv(weight.shape[0], ROWS) * weight.shape[1] // GROUP_K * ROWS, GROUP_K)):
-        raise ValueError(f"packed: {tuple(packed.shape)} {packed.dtype} is not pack_tiles of "
-                         f"the weight {tuple(weight.shape)}")
     if not (weight.is_cuda and tc_available(weight.device.index or 0)):
         from pdserve.kernels.reference import fp8_gemv_tc_ref
         return fp8_gemv_tc_ref(x, weight, scales, prologue, norm_weight, eps, out=out,
@@ -496,24 +408,16 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     N, K = weight.shape
     plan = tc_plan(N, K, num_sms(weight.device.index or 0))
     layout = gl.NVMMASharedLayout.get_default_for([ROWS, GROUP_K], gl.float8e4nv)
-    if packed is not None:
-        rows = packed.shape[0]
-        desc = TensorDescriptor(packed, [rows, GROUP_K], [GROUP_K, 1], [ROWS, GROUP_K], layout)
-    else:
-        desc = TensorDescriptor(weight, [N, K], [K, 1], [ROWS, GROUP_K], layout)
+    desc = TensorDescriptor(weight, [N, K], [K, 1], [ROWS, GROUP_K], layout)
     z = list(zero) + [out] * (2 - len(zero))  # placeholders: n = 0 stores nothing
     zn = [t.numel() if i < len(zero) else 0 for i, t in enumerate(z)]
     zch = max(128, triton.next_power_of_2(triton.cdiv(max(zn), plan.grid))) if zero else 128
-    k = _fp8_gemv_tc_kernel[(plan.grid,)](
+    _fp8_gemv_tc_kernel[(plan.grid,)](
         desc, x, norm_weight if norm_weight is not None else x,
         res_out if res_out is not None else out, scales, out,
         add if add is not None else out, z[0], zn[0], z[1], zn[1], N, scales.stride(0),
         float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
-        PREFILL=plan.prefill, PREFETCH=plan.prefetch, LATE_LAUNCH=plan.late_launch,
-        CARVEOUT=plan.carveout, KT=K // GROUP_K if packed is not None else 0, num_warps=4,
-        launch_pdl=True, maxnreg=plan.maxnreg)
-    if plan.carveout:
-        prefer_max_shared(k.function)
+        PREFILL=plan.prefill, num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
     return out

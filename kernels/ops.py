@@ -14,7 +14,6 @@ from pdserve.kernels.decode_attention import (
     paged_decode_attention,
 )
 from pdserve.kernels.decode_attention_config import choose_num_splits
-from pdserve.kernels.fp8_chain_tc import fp8_chain_tc
 from pdserve.kernels.fp8_gemm import fp8_gemm, quant_act
 from pdserve.kernels.fp8_gemv_tc import fp8_gemv_tc, tc_available
 from pdserve.kernels.fp8_gemv_tc import tc_fits as fp8_gemv_tc_fits
@@ -33,8 +32,8 @@ from pdserve.kernels.spec_accept import spec_accept
 
 __all__ = [
     "Fp8Experts", "GEMV_MAX_ROWS", "GEMV_ROWS", "MAX_GROUP_ROWS", "Prologue", "argmax", "choose_num_splits",
-    "fp8_chain_tc", "fp8_gemm", "fp8_gemv_tc", "fp8_gemv_tc_fits", "fused_add_rmsnorm",
-    "fused_decode_attention", "fused_experts", "fused_moe",
+    "fp8_gemm", "fp8_gemv_tc", "fp8_gemv_tc_fits", "fused_add_rmsnorm", "fused_decode_attention",
+    "fused_experts", "fused_moe",
     "fused_qk_norm_rope_kv", "gemv", "moe_align", "moe_down", "moe_gate_up", "moe_route",
     "moe_route_align", "paged_decode_attention", "paged_prefill_attention", "quant_act",
     "silu_and_mul", "spec_accept", "tc_available", "write_kv",

@@ -14,7 +14,6 @@ decode off and on. Prints a table; writes JSON.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -25,7 +24,6 @@ import torch
 import pdserve.kernels.fp8_gemv_tc  # noqa: F401  (tc_mod below)
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
 import pdserve.kernels.moe_gemv as moe_gemv
-import pdserve.kernels.ops as ops
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm import build_engine
 
@@ -56,9 +54,7 @@ def critical_by_position(fn) -> dict:
     pos, done = 0, events[0].time_range.start
     for e in events:
         label = "other"
-        if e.name.startswith("_fp8_chain_tc_kernel"):  # o_proj, gate_up and down in one
-            label, pos = "chain", 0
-        elif e.name.startswith(NAMES[LAYER[pos]]):
+        if e.name.startswith(NAMES[LAYER[pos]]):
             label, pos = LAYER[pos], (pos + 1) % len(LAYER)
         crit[label] += max(0, e.time_range.end - done) / 1e3
         dur[label] += (e.time_range.end - e.time_range.start) / 1e3
@@ -71,7 +67,6 @@ ORIGINAL_PICK = gemv_mod.pick_config
 ORIGINAL_PICK_MOE = moe_gemv.pick_gemv_config
 tc_mod = sys.modules["pdserve.kernels.fp8_gemv_tc"]
 ORIGINAL_TC_PLAN = tc_mod.tc_plan
-ORIGINAL_CHAIN = ops.fp8_chain_tc
 
 
 def replay_probe(g: DecodeGraphs) -> dict:
@@ -143,19 +138,17 @@ def engine_timeline(engine, vocab: int) -> dict:
 
 # whether the variant being captured takes the tensor-core FP8 GEMV where the model fits it
 # (Model.use_tc_gemv; set by a variant's setup, read by capture)
-TC = {"on": True, "chain": None, "packed": False}
-KEEP: list = []  # tile-packed weights that captured graphs read
+TC = {"on": True}
 
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None, chain: dict | None = None, packed: bool = False):
+            tc_plans: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
     whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py), with TcPlan
-    fields to override per (N, K) (`tc_plans`); `chain`: o_proj, gate_up and down in one
-    launch (kernels/fp8_chain_tc.py) with these keyword arguments."""
+    fields to override per (N, K) (`tc_plans`)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -175,9 +168,6 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
         moe_gemv.pick_gemv_config = pick_moe
         tc_mod.tc_plan = plan
         TC["on"] = tc
-        TC["chain"] = chain
-        TC["packed"] = packed
-        ops.fp8_chain_tc = functools.partial(ORIGINAL_CHAIN, **(chain or {}))
     return name, setup, splits
 
 
@@ -189,16 +179,6 @@ QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
-            # o_proj -> gate_up -> down in one launch: ring depth, and whether gate_up's
-            # tiles wait for the attention's end
-            # each tile's weight scale and the residual loaded where used, not a row
-            # block ahead
-            variant("tc_noprefetch", tc_plans={s: {"prefetch": False}
-                                               for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
-            variant("chain", chain={}),
-            variant("chain_s8", chain={"stages": 8}),
-            variant("chain_nowait", chain={"wait_after_o": False}),
-            variant("chain_s8_nowait", chain={"stages": 8, "wait_after_o": False}),
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
@@ -213,41 +193,6 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             variant("tc_qkv_dn_g132", tc_plans={QKV: {"grid": 132, "split": 4, "stages": 12},
                                                 DOWN: {"grid": 132, "split": 6, "stages": 16}}),
             variant("tc_o_s4", tc_plans={O_PROJ: {"stages": 4}}),
-            # o_proj's consumer capped lower: more of its CTAs resident beside the attention
-            variant("tc_o_r64", tc_plans={O_PROJ: {"maxnreg": 64}}),
-            # o_proj lets gate_up in only after the attention has ended (its PDL wait), on
-            # one CTA per SM with a ring that leaves room for one gate_up CTA beside it:
-            # gate_up's ring fills while o_proj computes, not while the attention runs
-            variant("tc_o_late", tc_plans={O_PROJ: {"late_launch": True}}),
-            # 8-tile rings (72 KB): one CTA of the next projection fits beside the two of
-            # the one before and fills its ring while that one computes; o_proj lets
-            # gate_up in only once the attention has ended
-            variant("tc_gu8", tc_plans={GATE_UP: {"stages": 8}}),
-            # each weight's [64, 128] tiles contiguous in memory (pack_tiles), row block-major
-            variant("tc_packed", packed=True),
-            # every projection's kernel with the whole shared-memory carveout
-            variant("tc_carve", tc_plans={s: {"carveout": True}
-                                          for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
-            variant("tc_carve_gu8_olate", tc_plans={
-                QKV: {"carveout": True}, DOWN: {"carveout": True},
-                O_PROJ: {"late_launch": True, "carveout": True},
-                GATE_UP: {"stages": 8, "carveout": True}}),
-            variant("tc_carve_mlp8_olate", tc_plans={
-                QKV: {"carveout": True}, O_PROJ: {"late_launch": True, "carveout": True},
-                GATE_UP: {"stages": 8, "carveout": True}, DOWN: {"stages": 8, "carveout": True}}),
-            variant("tc_carve_o_g132_s12_late", tc_plans={
-                QKV: {"carveout": True}, DOWN: {"carveout": True}, GATE_UP: {"carveout": True},
-                O_PROJ: {"grid": 132, "split": 2, "stages": 12, "late_launch": True,
-                         "carveout": True}}),
-            variant("tc_gu8_olate", tc_plans={O_PROJ: {"late_launch": True},
-                                              GATE_UP: {"stages": 8}}),
-            variant("tc_mlp8_olate", tc_plans={O_PROJ: {"late_launch": True},
-                                               GATE_UP: {"stages": 8}, DOWN: {"stages": 8}}),
-            *[variant(f"tc_o_g132_s{st}{'_late' if late else ''}",
-                      tc_plans={O_PROJ: {"grid": 132, "split": 2, "stages": st,
-                                         "late_launch": late}})
-              for st in (12, 13) for late in (True, False)],
-            variant("tc_o_r96", tc_plans={O_PROJ: {"maxnreg": 96}}),
             variant("tc_mlp_s8", tc_plans={GATE_UP: {"stages": 8}, DOWN: {"stages": 8}}),
             variant("tc_qkv_s12", tc_plans={QKV: {"stages": 12}}),
             variant("tc_r96", tc_plans={s: {"maxnreg": 96} for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
@@ -335,15 +280,7 @@ def capture(engine, setup, splits, vocab: int):
     model = runner.model
     setup()
     model.backend.num_splits = splits
-    model.use_tc_gemv(TC["on"], chain=TC["chain"] is not None)
-    for layer in model.layers:  # the tensor-core GEMV reads weight_tiles where present
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                  layer.mlp.down_proj):
-            if TC["packed"]:
-                m.weight_tiles = tc_mod.pack_tiles(m.weight)
-                KEEP.append(m.weight_tiles)
-            elif hasattr(m, "weight_tiles"):
-                del m.weight_tiles
+    model.use_tc_gemv(TC["on"])
     buffers = model.layers[0].tc  # this graph's: a later capture's use_tc_gemv makes new ones
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]

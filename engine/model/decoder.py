@@ -224,13 +224,13 @@ class Model(nn.Module):
                          and fused_kernels().tc_available(weight.device.index or 0))
         return self
 
-    def use_tc_gemv(self, enabled: bool = True, chain: bool = False) -> bool:
+    def use_tc_gemv(self, enabled: bool = True) -> bool:
         """Batch-1 decode through kernels/fp8_gemv_tc.py (engine/model/tc_decode.py): on by
         use_fused_ops on a Hopper GPU where every layer fits (tc_layer_fits: dense, block
         FP8) and there is no TP; elsewhere the kernel's torch reference runs it (tests).
         Returns whether it is on."""
         on = enabled and self.tp is None and all(tc_layer_fits(la) for la in self.layers)
-        buffers = TcBuffers.for_layer(self.layers[0], self.embed_tokens.weight.device, chain) \
+        buffers = TcBuffers.for_layer(self.layers[0], self.embed_tokens.weight.device) \
             if on else None
         for layer in self.layers:
             layer.tc = buffers

@@ -37,19 +37,16 @@ class TcBuffers:
     gate_up: torch.Tensor
     down: torch.Tensor
     res: torch.Tensor
-    counter: torch.Tensor  # int64 [64]: the chain kernel's counters (kernels/fp8_chain_tc.py)
-    chain: bool = False  # o_proj, gate_up and down in one launch
 
     @staticmethod
-    def for_layer(layer: nn.Module, device: torch.device, chain: bool = False) -> TcBuffers:
+    def for_layer(layer: nn.Module, device: torch.device) -> TcBuffers:
         attn, mlp = layer.self_attn, layer.mlp
 
         def zeros(n: int) -> torch.Tensor:
             return torch.zeros(1, n, dtype=torch.float32, device=device)
         return TcBuffers(zeros(attn.qkv_proj.out_features), zeros(attn.o_proj.out_features),
                          zeros(mlp.gate_up_proj.out_features), zeros(mlp.down_proj.out_features),
-                         zeros(attn.o_proj.out_features),
-                         torch.zeros(64, dtype=torch.int64, device=device), chain)
+                         zeros(attn.o_proj.out_features))
 
 
 def tc_layer_fits(layer: nn.Module) -> bool:
@@ -75,19 +72,10 @@ def forward_tc(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
 
     def w(m: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor]:
         return m.weight, m.weight_scale
-
-    def p(m: Fp8Linear) -> torch.Tensor | None:
-        return getattr(m, "weight_tiles", None)
     gemv(x, *w(attn.qkv_proj), "norm", ln1.weight, ln1.eps, out=b.qkv, res_out=b.res,
-         zero=(b.o, b.gate_up), packed=p(attn.qkv_proj))
+         zero=(b.o, b.gate_up))
     o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype)
-    if b.chain:
-        return fused_kernels().fp8_chain_tc(
-            o, w(attn.o_proj), w(mlp.gate_up_proj), w(mlp.down_proj), ln2.weight, ln2.eps,
-            res=b.res, o=b.o, gate_up=b.gate_up, down=b.down, counter=b.counter,
-            zero=(b.qkv, b.down))
-    gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down), packed=p(attn.o_proj))
-    gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up,
-         packed=p(mlp.gate_up_proj))
-    gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o, packed=p(mlp.down_proj))
+    gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down))
+    gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up)
+    gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o)
     return b.down

@@ -56,10 +56,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _fused(folder: Path, tc: bool, chain: bool = False):
+def _fused(folder: Path, tc: bool):
     model, _ = load_hf(folder, backend=TritonAttentionBackend())
     model.use_fused_ops()
-    assert model.use_tc_gemv(tc, chain) is tc
+    assert model.use_tc_gemv(tc) is tc
     return Paged(model)
 
 
@@ -88,19 +88,6 @@ def test_a_step_replayed_gives_the_same_logits(folder: Path) -> None:
     (c,) = second.step([([9], len(toks) + 1, table)])
     torch.testing.assert_close(b, a)
     assert not torch.equal(c, b)
-
-
-def test_one_launch_for_o_proj_and_the_mlp_gives_the_same_logits(folder: Path) -> None:
-    """kernels/fp8_chain_tc.py's protocol: it zeroes q/k/v's buffer and down's own."""
-    three, chain = _fused(folder, True), _fused(folder, True, chain=True)
-    assert chain.model.layers[0].tc.chain and not three.model.layers[0].tc.chain
-    toks, table = prompt(6, 5), [3, 7, 1]
-    three.step([(toks, 0, table)])
-    chain.step([(toks, 0, table)])
-    for i in range(3):
-        nxt = [([(7 * i + 2) % VOCAB], len(toks) + i, table)]
-        (a,), (b,) = three.step(nxt), chain.step(nxt)
-        torch.testing.assert_close(b, a)
 
 
 def test_models_the_kernel_does_not_take_stay_on_the_gemv(tmp_path: Path) -> None:

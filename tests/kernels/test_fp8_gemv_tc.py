@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.fp8_gemv_tc import fp8_gemv_tc, pack_tiles, tc_available, tc_plan
+from pdserve.kernels.fp8_gemv_tc import fp8_gemv_tc, tc_available, tc_plan
 from pdserve.kernels.reference import fp8_dequant_ref, fp8_gemv_tc_ref, gemv_ref
 
 from tests.kernels.test_fp8_gemv import fp8_weight
@@ -118,32 +118,3 @@ def test_kernel_is_the_reference(N, K, prologue):
     assert not zs[0].any() and not zs[1].any()
     if res is not None:
         torch.testing.assert_close(res, x.float())
-
-
-def test_pack_tiles_lays_each_tile_out_contiguously(device):
-    w8, _ = fp8_weight(200, 384, (128, 128), device, 3)  # 200 rows: padded to 256
-    packed = pack_tiles(w8)
-    assert packed.shape == (4 * 3 * 64, 128) and packed.dtype == w8.dtype
-    b = w8.view(torch.uint8)
-    p = packed.view(torch.uint8)
-    for r, k in ((0, 0), (1, 2), (3, 1)):
-        tile = p[(r * 3 + k) * 64:(r * 3 + k + 1) * 64]
-        want = b[r * 64:(r + 1) * 64, k * 128:(k + 1) * 128]
-        assert torch.equal(tile[:want.shape[0]], want)
-        assert not tile[want.shape[0]:].any()  # the padding rows
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not tc_available(0),
-                    reason="needs a compute capability 9.0 GPU")
-@pytest.mark.parametrize("N,K,prologue", [(200, 384, "norm"), (24576, 4096, "norm")])
-def test_packed_weight_gives_the_same_result(N, K, prologue):
-    dev = torch.device("cuda")
-    w8, scales, x, nw, add = _inputs(N, K, prologue, dev)
-    outs = []
-    for packed in (None, pack_tiles(w8)):
-        out = torch.zeros(1, N, device=dev)
-        fp8_gemv_tc(x, w8, scales, prologue, nw, 1e-6, out=out, add=add, packed=packed)
-        outs.append(out)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5 * outs[0].abs().max().item())
