@@ -193,9 +193,6 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             variant("tc_qkv_dn_g132", tc_plans={QKV: {"grid": 132, "split": 4, "stages": 12},
                                                 DOWN: {"grid": 132, "split": 6, "stages": 16}}),
             variant("tc_o_s4", tc_plans={O_PROJ: {"stages": 4}}),
-            # eight tiles' wgmmas in flight (a row block's K split at once), not four
-            variant("tc_g8", tc_plans={s: {"group": 8} for s in (O_PROJ, GATE_UP, DOWN)}),
-            variant("tc_o_g8", tc_plans={O_PROJ: {"group": 8}}),
             variant("tc_mlp_s8", tc_plans={GATE_UP: {"stages": 8}, DOWN: {"stages": 8}}),
             variant("tc_qkv_s12", tc_plans={QKV: {"stages": 12}}),
             variant("tc_r96", tc_plans={s: {"maxnreg": 96} for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
