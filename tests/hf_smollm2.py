@@ -82,18 +82,8 @@ def _save(model, folder: Path) -> None:
 
 
 def _model_from_gguf(path: Path):
+    """transformers' GGUF from_pretrained (it needs accelerate, a test dependency)."""
     import transformers
 
-    try:
-        import accelerate  # noqa: F401  (transformers' GGUF from_pretrained requires it)
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    except ImportError:  # the same transformers GGUF reader and dequantiser, loaded by hand
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-        cfg = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True,
-                                       model_to_load=model)["tensors"]
-        model.load_state_dict(tensors, strict=False)
-        model.tie_weights()
-        return model
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()

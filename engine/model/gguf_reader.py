@@ -10,7 +10,7 @@ and shaped as gguf-py's (so gguf.quants.dequantize takes them); the gguf package
 provides the type table, dequantization and the writer.
 
     f = GGUFFile(path)             # ValueError / struct.error on malformed bytes
-    f.fields["general.architecture"].contents()  -> "llama"
+    f.fields["general.architecture"].value  -> "llama"
     f.tensors[0].name, .shape (ggml order: fastest dim first), .tensor_type, .data
 """
 from __future__ import annotations
@@ -44,10 +44,7 @@ class GGUFField:
     name: str
     offset: int
     nbytes: int
-    value: object  # int / float / bool / str, or a list of them
-
-    def contents(self) -> object:
-        return self.value
+    value: object  # int / float / bool / str, or a list of them (gguf-py's contents())
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def gguf_value(reader: GGUFFile, key: str, default: object = _REQUIRED) -> objec
         if default is _REQUIRED:
             raise WeightsError(f"{reader.data.filename}: GGUF metadata {key!r} is missing")
         return default
-    return field.contents()
+    return field.value
 
 
 def _rope_from_gguf(reader: GGUFFile, head_dim: int, theta: float) -> RopeScaling | None:
@@ -88,7 +88,7 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         raise WeightsError(f"{reader.data.filename}: GGUF tensor 'token_embd.weight' is missing")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     embd_rows = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = gguf_value(reader, f"{arch}.vocab_size", len(tokens.contents()) if tokens else embd_rows)
+    vocab = gguf_value(reader, f"{arch}.vocab_size", len(tokens.value) if tokens else embd_rows)
     eos = [gguf_value(reader, k, None) for k in ("tokenizer.ggml.eos_token_id",
                                                   "tokenizer.ggml.eot_token_id")]
     try:

@@ -185,7 +185,7 @@ class Tokenizer:
 
         def meta(key: str, default: object = None) -> object:
             field = reader.fields.get(key)
-            return default if field is None else field.contents()
+            return default if field is None else field.value
 
         kind = meta("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -25,7 +25,7 @@ def assert_same_reading(path: Path) -> None:
     assert list(mine.fields) == list(stored)
     for key, field in stored.items():
         got = mine.fields[key]
-        assert got.contents() == field.contents(), key
+        assert got.value == field.contents(), key
         assert (got.offset, got.nbytes) == (field.offset, sum(p.nbytes for p in field.parts)), key
     assert [t.name for t in mine.tensors] == [t.name for t in ref.tensors]
     for want, got in zip(ref.tensors, mine.tensors):
@@ -71,8 +71,8 @@ def test_every_value_type_and_tensor_type(tmp_path: Path) -> None:
     w.close()
     assert_same_reading(path)
     f = GGUFFile(path)
-    assert f.fields["t.strs"].contents() == ["a", "", "日本"]
-    assert f.fields["t.bool"].contents() is True
+    assert f.fields["t.strs"].value == ["a", "", "日本"]
+    assert f.fields["t.bool"].value is True
     assert f.tensors[3].shape == (64, 4)  # ggml order
 
 
