@@ -100,8 +100,9 @@ class Leader:
         followers take its hidden states. graphed: rank 0 replays its decode graph."""
         flags = (proto.RETURN_PRENORM if return_prenorm else 0) | (
             proto.USE_LAUNCHED if launched else 0) | (proto.GRAPHED if graphed else 0)
-        self.send(proto.Kind.FORWARD,
-                  proto.forward_fields(batch, logits_rows, verify_rows, prompt_slices), flags)
+        fields = proto.launched_fields(logits_rows, verify_rows, prompt_slices) if launched \
+            else proto.forward_fields(batch, logits_rows, verify_rows, prompt_slices)
+        self.send(proto.Kind.FORWARD, fields, flags)
 
     def launch_ahead(self, batch: HostBatch, graphed: bool = False) -> None:
         """Announce a decode forward launched ahead (engine/exec/overlap.py): its input ids
@@ -188,14 +189,15 @@ class Follower:
 
     @torch.inference_mode()
     def forward(self, msg: proto.Message) -> None:
-        batch = proto.batch_of(msg)
         launched, self.launched = self.launched, None
         if msg.flags & proto.USE_LAUNCHED:  # the forward launched ahead serves this step
-            if launched is None or not _same_step(launched[0], batch):
+            if launched is None:  # (rank 0 checked that its batch is this step's)
                 raise proto.ProtocolError("forward.flags: no forward launched ahead for "
-                                          "this batch")
+                                          "this step")
+            proto.launched_of(msg, len(launched[0].input_ids))
             hidden = launched[1]
         else:
+            batch = proto.batch_of(msg)
             hidden = self._run(batch, msg.flags)
             if msg.flags & proto.LAUNCH_AHEAD:
                 self.launched = (batch, hidden)
@@ -253,13 +255,6 @@ class Follower:
             hidden = rows_of(self.hidden, plan.rows)
         follow_plan(plan, self.head, self.model, self.kv_cache, hidden)
         self.mtp_passes += 1
-
-
-def _same_step(launched: HostBatch, batch: HostBatch) -> bool:
-    """Whether `batch` is the forward launched ahead (its input ids were unknown then)."""
-    return (launched.positions, launched.slots, launched.query_lens, launched.seq_lens,
-            launched.block_tables) == (batch.positions, batch.slots, batch.query_lens,
-                                       batch.seq_lens, batch.block_tables)
 
 
 class LeaderModel:

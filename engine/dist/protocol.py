@@ -11,7 +11,11 @@ Header: [MAGIC, VERSION, kind, seq, flags, nfields, len_0 .. len_{MAX_FIELDS-1}]
     HostBatch's (engine/model/attention.py) plus the rows whose logits the leader computes:
     prompt_rows (prompt logprobs, one LM head call per prompt_slices length), then
     logits_rows (sampled), then verify_rows (MTP verification), LM head calls in that order
-    (the followers join each collective for exactly those rows).
+    (the followers join each collective for exactly those rows). A FORWARD flagged
+    USE_LAUNCHED carries no batch (launched_fields): its batch is the one the follower
+    launched ahead, which rank 0 checked to be this step's (engine/exec/overlap.py take);
+    sending it again cost a whole second encode a step (256 sequences x 1K context: ~17K
+    block ids).
 
 Kinds: FORWARD (one model forward + its logits), COPY_BLOCKS (copy-on-write of whole blocks
 in every rank's cache), KEEPALIVE (the leader is idle but alive), STOP (leave the loop),
@@ -30,16 +34,19 @@ bytes travel packed 8 to an int64 word after their length (pack_bytes / unpack_b
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.spec.mtp_plan import MTPPlan
 
 MAGIC = 0x7064_7470  # "pdtp"
-VERSION = 4  # 2: the KV kinds; 3: MTP, FORWARD.verify_rows; 4: FORWARD.prompt_rows
+VERSION = 5  # 2: the KV kinds; 3: MTP, FORWARD.verify_rows; 4: FORWARD.prompt_rows;
+# 5: a USE_LAUNCHED FORWARD carries no batch
 MAX_FIELDS = 14
 HEADER_LEN = 6 + MAX_FIELDS
 MAX_PAYLOAD = 1 << 26  # int64 values: far beyond any step (tokens + block tables)
@@ -93,6 +100,8 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
                "greedy", "scalars"),
 }
 
+BATCH_FIELDS = FIELDS[Kind.FORWARD][:8]  # a FORWARD's HostBatch (forward_fields)
+
 
 @dataclass(frozen=True)
 class Message:
@@ -111,8 +120,11 @@ def encode(kind: Kind, seq: int, fields: dict[str, list[int]], flags: int = 0
     values = [fields[n] for n in names]
     header = [MAGIC, VERSION, int(kind), seq, flags, len(names)] + [len(v) for v in values]
     header += [0] * (HEADER_LEN - len(header))
-    flat = [int(x) for v in values for x in v]
-    return torch.tensor(header, dtype=torch.int64), torch.tensor(flat, dtype=torch.int64)
+    # one C-level pass over every value (a Python int() per value took ~2 ms for a 256-
+    # sequence step's ~18K values, on the leader's critical path between two steps)
+    flat = np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64,
+                       count=sum(header[6:]))
+    return torch.tensor(header, dtype=torch.int64), torch.from_numpy(flat)
 
 
 def read_header(header: torch.Tensor, expect_seq: int) -> tuple[Kind, int, list[int]]:
@@ -176,6 +188,35 @@ def forward_fields(batch: HostBatch, logits_rows: list[int],
             "prompt_slices": [len(sl) for sl in prompt_slices]}
 
 
+def launched_fields(logits_rows: list[int], verify_rows: list[int] | tuple[int, ...] = (),
+                    prompt_slices: list[list[int]] | tuple = ()) -> dict[str, list[int]]:
+    """A USE_LAUNCHED FORWARD's fields: only the rows; the batch is the launched one."""
+    fields = forward_fields(HostBatch([], [], [], [], [], [], 0), logits_rows, verify_rows,
+                            prompt_slices)
+    fields["scalars"] = []
+    return fields
+
+
+def check_rows(msg: Message, num_tokens: int) -> None:
+    """A FORWARD's logit rows lie in its batch of num_tokens rows (names the field)."""
+    f = msg.fields
+    for name in ("logits_rows", "verify_rows", "prompt_rows"):
+        if any(r < 0 or r >= num_tokens for r in f[name]):
+            raise ProtocolError(f"forward.{name}: rows outside [0, {num_tokens})")
+    if any(n <= 0 for n in f["prompt_slices"]) or sum(f["prompt_slices"]) != len(f["prompt_rows"]):
+        raise ProtocolError(f"forward.prompt_slices: {f['prompt_slices']} do not cut "
+                            f"{len(f['prompt_rows'])} prompt_rows")
+
+
+def launched_of(msg: Message, num_tokens: int) -> None:
+    """Check a USE_LAUNCHED FORWARD: no batch of its own, rows within the launched batch's
+    num_tokens (names the field)."""
+    for name in BATCH_FIELDS:
+        if msg.fields[name]:
+            raise ProtocolError(f"forward.{name}: a USE_LAUNCHED forward carries no batch")
+    check_rows(msg, num_tokens)
+
+
 def batch_of(msg: Message) -> HostBatch:
     """The HostBatch a FORWARD carries, checked for consistency (names the field)."""
     f = msg.fields
@@ -189,12 +230,7 @@ def batch_of(msg: Message) -> HostBatch:
             raise ProtocolError(f"forward.{name}: {n} values, expected {want}")
     if sum(f["query_lens"]) != T or B == 0:
         raise ProtocolError(f"forward.query_lens: sum {sum(f['query_lens'])} != {T} tokens")
-    for name in ("logits_rows", "verify_rows", "prompt_rows"):
-        if any(r < 0 or r >= T for r in f[name]):
-            raise ProtocolError(f"forward.{name}: rows outside [0, {T})")
-    if any(n <= 0 for n in f["prompt_slices"]) or sum(f["prompt_slices"]) != len(f["prompt_rows"]):
-        raise ProtocolError(f"forward.prompt_slices: {f['prompt_slices']} do not cut "
-                            f"{len(f['prompt_rows'])} prompt_rows")
+    check_rows(msg, T)
     tables = cut(f["block_tables"], f["table_lens"])
     return HostBatch(f["input_ids"], f["positions"], f["slots"], f["query_lens"],
                      f["seq_lens"], tables, f["scalars"][0])

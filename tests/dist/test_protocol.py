@@ -69,6 +69,36 @@ def test_forward_carries_the_prompt_logprob_calls() -> None:
             proto.batch_of(_roundtrip(proto.Kind.FORWARD, 0, fields))
 
 
+def test_a_launched_forward_carries_only_its_rows() -> None:
+    """USE_LAUNCHED: the batch is the one the follower launched ahead; the message carries the
+    logit rows only, checked against that batch's tokens (a batch field is refused)."""
+    fields = proto.launched_fields([1, 3], (), [[0]])
+    msg = _roundtrip(proto.Kind.FORWARD, 2, fields, proto.USE_LAUNCHED)
+    assert msg.fields["logits_rows"] == [1, 3] and msg.fields["input_ids"] == []
+    _, payload = proto.encode(proto.Kind.FORWARD, 2, fields)
+    assert payload.numel() == 4  # logits_rows, prompt_rows, prompt_slices: nothing else
+    proto.launched_of(msg, 4)
+    with pytest.raises(proto.ProtocolError, match="^forward.logits_rows: rows outside"):
+        proto.launched_of(msg, 3)
+    with pytest.raises(proto.ProtocolError, match="^forward.positions: a USE_LAUNCHED"):
+        proto.launched_of(_roundtrip(proto.Kind.FORWARD, 0, {**fields, "positions": [4]}), 4)
+
+
+def test_a_follower_refuses_a_launched_forward_it_never_launched() -> None:
+    from pdserve.engine.dist.lockstep import Follower
+
+    follower = Follower(None, None, torch.zeros(1), graphs=None)  # type: ignore[arg-type]
+    msg = _roundtrip(proto.Kind.FORWARD, 0, proto.launched_fields([0]), proto.USE_LAUNCHED)
+    with pytest.raises(proto.ProtocolError, match="^forward.flags: no forward launched ahead"):
+        follower.forward(msg)
+
+
+def test_encode_takes_bools_and_large_ids() -> None:
+    fields = {"src": [True, 2**40], "dst": [0, -1]}
+    assert _roundtrip(proto.Kind.COPY_BLOCKS, 0, fields).fields == {"src": [1, 2**40],
+                                                                    "dst": [0, -1]}
+
+
 def _plan() -> MTPPlan:
     # job 0: a verify's 2 accepted rows then 2 drafts; job 1: a prefill chunk's 3 rows, no
     # drafts (only the MTP KV), a sampled request
