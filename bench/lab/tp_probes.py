@@ -116,7 +116,7 @@ def analyze(events, num_layers: int, device: str) -> dict:
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in RANGES
                and not e.name.startswith(("Memcpy", "Memset"))]
     # NCCL's kernels, and the one-shot peer all-reduce's inside graphs (engine/dist/
-    # peer_all_reduce.py: torch's symmetric-memory one_shot_all_reduce_kernel)
+    # peer_all_reduce.py: kernels/push_all_reduce.py)
     nccl = [k for k in kernels if "nccl" in k.name.lower() or "all_reduce" in k.name.lower()]
     ops = [e for e in cpu if e.name.startswith(("gloo:", "nccl:"))]
     coll_ops = [e for e in ops if "broadcast" not in e.name]  # the forward's collectives

@@ -219,14 +219,15 @@ class TPGroup:
             raise GroupError(f"rank {self.rank}: {what} failed (a rank died or passed the "
                              f"{self.cfg.timeout_s} s deadline): {e}") from e
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """Sum over ranks; returns the sum (t itself, summed in place, or a new tensor).
         Under a CUDA graph capture: the one-shot peer all-reduce (peer_all_reduce.py), when
-        the group joined it. Eager on NCCL: the collective runs on the current stream
+        the group joined it, launched as a PDL dependent when `pdl` (t comes from a
+        PDL-chained Triton kernel). Eager on NCCL: the collective runs on the current stream
         (asyncOp False, torch >= 2.8): no side stream to join and no event pair per call."""
         if self.peer is not None and torch.cuda.is_current_stream_capturing() \
                 and self.peer.fits(t):
-            return self.peer.all_reduce(t)
+            return self.peer.all_reduce(t, pdl=pdl)
         if self.size > 1:
             opts = dist.AllreduceOptions()
             opts.asyncOp = self.cfg.backend != "nccl"

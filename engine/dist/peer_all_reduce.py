@@ -3,32 +3,30 @@
 Why not NCCL there (measured on two H200s joined by NVLink, bf16 [T, 4096], per all-reduce
 inside a graph of 73; bench/results/allreduce_h200x2_2026-11-29b.json):
 
-    rows   torch's NCCL group         NCCL called directly   this (one-shot, peer memory)
+    rows   torch's NCCL group         NCCL called directly   torch's one-shot (peer memory)
     1      hung in 3 of 3 probe runs  18.1 us                6.2 us
     64     (at 64 or 256 rows)        21.4 us                9.5 us
     256                               36.0 us               18.5 us
 
-In Qwen3-8B's TP 2 decode graphs the two came out level (0.74 vs 0.67 ms of collectives a
-step, 337.0 vs 332.8 tok/s at batch 1; bench/results/tp_h200x2_2026-11-29_peer.json,
-_nccl_graphs.json): there the wait for the follower rank dominates. This path stays for its
-isolated speed, which counts once the ranks launch together, and because torch's NCCL group
-hung in graph probes before. A decode step's all-reduces are small (one row per sequence),
-where NCCL's ring protocol pays its fixed cost twice over. One-shot: every rank copies its
-rows into its own buffer of symmetric memory (mapped into every peer's address space), the
-ranks meet at a barrier of device-side signals, and every rank reads all peers' buffers over
-NVLink and sums. That is
-torch's symmetric-memory kernel (torch.ops.symm_mem.one_shot_all_reduce_copy_out: the copy,
-the barrier and the sum in one launch), as vLLM and SGLang use peer memory for theirs.
+A decode step's all-reduces are small (one row per sequence), where NCCL's ring protocol pays
+its fixed cost twice over. torch's one-shot kernel (copy in, a barrier of device-side
+signals, a sum over the peers' buffers read over NVLink, a barrier again) still cost ~10 us
+a call inside Qwen3-8B's TP 2 decode graphs, 0.74 ms of a 2.96 ms batch-1 step, and as a
+non-Triton kernel it broke the PDL chain of the GEMVs twice a layer. So the sum is our own
+kernel, kernels/push_all_reduce.py: each rank pushes its rows into every rank's buffer and
+sums what arrived in its own, polling per element for a sentinel (no barrier), and it takes
+part in PDL behind the GEMVs (pdl=True).
 
 Only graph captures use it (TPGroup.all_reduce). Eager all-reduces stay on NCCL, whose
-watchdog aborts one that a dead peer never joins; the device-side barrier here has no
-deadline, as no collective inside a replayed graph has (docs/tensor_parallel.md).
+watchdog aborts one that a dead peer never joins; the kernel's polling has no deadline, as no
+collective inside a replayed graph has (the GPU watchdog ends the process,
+docs/tensor_parallel.md).
 
     # TPGroup._peer, at the group's join: every rank, or none
     peer = PeerAllReduce.join(cfg, store, nccl) if group.all_agree(fresh_process()) else None
     peer = peer if group.all_agree(peer is not None) else None
     if peer is not None and peer.fits(x):
-        y = peer.all_reduce(x)               # a new [T, H] tensor, on the current stream
+        y = peer.all_reduce(x, pdl)          # a new [T, H] tensor, on the current stream
 """
 from __future__ import annotations
 
@@ -39,19 +37,20 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.dist.config import ParallelConfig
+from pdserve.kernels.push_all_reduce import BITS, PushBuffers, push_all_reduce
 
 log = logging.getLogger(__name__)
 
 # the activations' dtypes the kernel sums: bf16 (bf16 and FP8 checkpoints), fp32 (the
-# tests). torch's one-shot kernel has no fp16: fp16 all-reduces stay on NCCL
-DTYPES = (torch.bfloat16, torch.float32)
+# tests); fp16 all-reduces stay on NCCL
+DTYPES = tuple(BITS)
 NAME_KEY = "peer_all_reduce/name"
-ALIGN = 16  # bytes: the kernel reads and writes 16-byte vectors
 
 
 class PeerAllReduce:
-    """One rank's symmetric buffers, one of cfg.peer_all_reduce_bytes per dtype (the kernel
-    sums in the input's dtype, so each dtype has its own), and the group they joined.
+    """One rank's receive buffers in symmetric memory, one per dtype holding up to
+    cfg.peer_all_reduce_bytes of rows (the kernel sums in the input's dtype), and the group
+    they joined.
 
     One group per process: torch exchanges the buffers' handles under keys numbered by a
     per-process counter, so a process's second group (an offline engine made after another,
@@ -64,18 +63,20 @@ class PeerAllReduce:
     def fresh_process(cls) -> bool:
         return not cls._exchanged
 
-    def __init__(self, buffers: dict[torch.dtype, torch.Tensor], group_name: str,
-                 registered: dist.ProcessGroup) -> None:
-        self.buffers = buffers  # dtype -> [n] symmetric: every rank's holds n elements
+    def __init__(self, buffers: dict[torch.dtype, PushBuffers], group_name: str,
+                 registered: dist.ProcessGroup, keep: list[torch.Tensor]) -> None:
+        self.buffers = buffers  # dtype -> this rank's side of the kernel's buffers
         self.group_name = group_name
         self.registered = registered  # c10d's registry holds it weakly: kept alive here
+        self._keep = keep  # the symmetric tensors and the peers' views of them
 
     @classmethod
     def join(cls, cfg: ParallelConfig, store: dist.Store,
              nccl: dist.ProcessGroupNCCL) -> PeerAllReduce | None:
-        """Allocate and exchange the buffers (every rank of the group calls this, in step).
-        None, with the reason logged, when this torch or machine cannot map peer memory:
-        graph captures then use NCCL."""
+        """Allocate and exchange the buffers, each filled with the kernel's sentinel before
+        this returns (every rank of the group calls this, in step; the caller's agreement
+        after it is the barrier before any rank pushes). None, with the reason logged, when
+        this torch or machine cannot map peer memory: graph captures then use NCCL."""
         if cfg.backend != "nccl" or cfg.tp_size < 2 or cfg.peer_all_reduce_bytes == 0:
             return None
         # a name no other group of this process has (rank 0's random one, read from the
@@ -85,44 +86,51 @@ class PeerAllReduce:
         name = store.get(NAME_KEY).decode()
         PeerAllReduce._exchanged = True
         try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018 - this torch has it
             registered = _register(name, cfg, store, nccl)
-            buffers = {}
+            buffers, keep = {}, []
             for dtype in DTYPES:
-                n = cfg.peer_all_reduce_bytes // dtype.itemsize
-                buffers[dtype] = symm_mem.empty(n, dtype=dtype, device=cfg.device)
-                symm_mem.rendezvous(buffers[dtype], name)
+                buffers[dtype] = _exchange(dtype, cfg, name, keep)
+            torch.cuda.synchronize(cfg.device)  # every buffer empty before anyone pushes
         except Exception as e:  # noqa: BLE001 - any failure here means: use NCCL
             log.warning("rank %d: no peer-memory all-reduce (%s: %s); CUDA graphs at TP use "
                         "NCCL", cfg.rank, type(e).__name__, e)
             _unregister(name)
             return None
-        return cls(buffers, name, registered)
+        return cls(buffers, name, registered, keep)
 
     def fits(self, x: torch.Tensor) -> bool:
-        """x's dtype has a buffer that holds x, and x is whole 16-byte vectors. Shape and
-        dtype only: they are the same on every rank, so every rank takes the same path (one
-        rank in the peer kernel's barrier and another in NCCL would wait for each other
-        forever)."""
-        buffer = self.buffers.get(x.dtype)
-        return buffer is not None and x.numel() <= buffer.numel() \
-            and x.numel() * x.element_size() % ALIGN == 0
+        """x's dtype has a buffer that holds x. Shape and dtype only: they are the same on
+        every rank, so every rank takes the same path (one rank in the peer kernel and
+        another in NCCL would wait for each other forever)."""
+        buffers = self.buffers.get(x.dtype)
+        return buffers is not None and x.numel() <= buffers.slot
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's x [T, H], as a new tensor (x is left as it was). One
-        kernel: x into this rank's buffer, the barrier, the sum of every rank's buffer."""
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(
-            self.buffers[x.dtype][:x.numel()], x.view(-1), "sum", self.group_name, out.view(-1))
-        return out
+    def all_reduce(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """The sum of every rank's x [T, H], as a new tensor (x is left as it was), in one
+        kernel on the current stream. pdl: the kernel before is a PDL-chained Triton one."""
+        return push_all_reduce(x.contiguous(), self.buffers[x.dtype], pdl=pdl)
 
     def close(self) -> None:
-        self.buffers = {}
+        self.buffers, self._keep = {}, []
         _unregister(self.group_name)
         self.registered = None
+
+
+def _exchange(dtype: torch.dtype, cfg: ParallelConfig, name: str,
+              keep: list[torch.Tensor]) -> PushBuffers:
+    """This rank's receive buffer for dtype in symmetric memory, emptied, and every rank's
+    buffer address as mapped here."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    slot = cfg.peer_all_reduce_bytes // dtype.itemsize
+    numel = PushBuffers.elements(slot, cfg.tp_size)
+    bits = BITS[dtype]
+    mine = PushBuffers.empty(symm_mem.empty(numel, dtype=bits, device=cfg.device))
+    handle = symm_mem.rendezvous(mine, name)
+    views = [handle.get_buffer(q, (numel,), bits) for q in range(cfg.tp_size)]
+    keep += [mine, *views]
+    addrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=cfg.device)
+    return PushBuffers(dtype, addrs, slot, cfg.rank, cfg.tp_size)
 
 
 def _register(name: str, cfg: ParallelConfig, store: dist.Store,

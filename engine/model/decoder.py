@@ -179,17 +179,18 @@ class DecoderLayer(nn.Module):
         # it instead was slower (bench/results/diag_decode_h100_2026-11-24_prefetch*.json)
         # with TP, rank 0 alone adds the residual: the all-reduce then holds it once
         add = self.adds_residual
-        h = self.reduce(linear_gemv(o, attn.o_proj, add=h if add else None, prefetch=True))
+        h = self.reduce(linear_gemv(o, attn.o_proj, add=h if add else None, prefetch=True),
+                        pdl=True)
         if not isinstance(mlp, SwiGLUMLP):  # MoE: the norm rides in the router (batch 1),
             # a PDL launch behind o_proj unless an all-reduce comes between (PDL behind a
             # non-Triton kernel broke CUDA-graph captures, kernels/rmsnorm.py)
             return self.reduce(mlp.forward_normed(h, ln2, pdl=self.reduce is _identity)), h
         gate_up, _ = linear_gemv(h, mlp.gate_up_proj, "norm", None, ln2.weight, ln2.eps)
         return self.reduce(linear_gemv(gate_up, mlp.down_proj, "silu",
-                                       add=h if add else None)), None
+                                       add=h if add else None), pdl=True), None
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
+def _identity(t: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     return t
 
 

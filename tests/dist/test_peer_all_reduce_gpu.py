@@ -3,8 +3,9 @@
 graph of several all-reduces, each with its own data, every sum is right on both ranks,
 replay after replay with new inputs (a buffer reused before a peer finished reading it would
 show here); outside a capture the all-reduce stays NCCL's (in place); what the kernel cannot
-take (a dtype without a buffer, fp16 among them; a size past the buffer or not whole 16-byte
-vectors) is left to NCCL. Needs 2 CUDA devices."""
+take (a dtype without a buffer, fp16 among them; a size past the buffer) is left to NCCL.
+Each graph mixes sizes (one row; the test's rows; more chunks than the kernel has programs)
+and chains the calls by PDL, as a decode graph does. Needs 2 CUDA devices."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ from tests.dist.tp_harness import run_ranks
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 CALLS = 9  # all-reduces per graph (a decode step has 2 per layer)
+BIG = 1500  # rows: 1500 x 96 elements is more chunks than push_all_reduce.GROUP
 
 
 def _fill(xs: list[torch.Tensor], rank: int, replay: int) -> None:
@@ -34,7 +36,8 @@ def _expected(x: torch.Tensor, i: int, replay: int, size: int) -> torch.Tensor:
 
 def _graph_sums(group: TPGroup, rows: int, dtype: torch.dtype) -> dict:
     dev = torch.device(group.cfg.device)
-    xs = [torch.empty(rows, 96, dtype=dtype, device=dev) for _ in range(CALLS)]
+    xs = [torch.empty((rows, 1, BIG)[i % 3], 96, dtype=dtype, device=dev)
+          for i in range(CALLS)]
     _fill(xs, group.rank, 0)
     eager = group.all_reduce(xs[0])
     torch.cuda.synchronize(dev)
@@ -42,7 +45,7 @@ def _graph_sums(group: TPGroup, rows: int, dtype: torch.dtype) -> dict:
            "eager_right": bool((eager == _expected(xs[0], 0, 0, group.size)).all())}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sums = [group.all_reduce(x) for x in xs]
+        sums = [group.all_reduce(x, pdl=i > 0) for i, x in enumerate(xs)]
     wrong = []
     for replay in range(1, 4):
         _fill(xs, group.rank, replay)
@@ -61,13 +64,13 @@ def _fits(group: TPGroup) -> dict:
     peer = group.peer
     if peer is None:
         return {"peer": None}
-    n = peer.buffers[torch.bfloat16].numel()
+    n = peer.buffers[torch.bfloat16].slot
 
     def fits(numel: int, dtype: torch.dtype) -> bool:
         return peer.fits(torch.empty(numel, dtype=dtype, device=dev))
     return {"bf16_fits": fits(n, torch.bfloat16), "too_big": fits(n + 1, torch.bfloat16),
             "float64": fits(4, torch.float64), "float16": fits(8, torch.float16),
-            "not_16_byte_vectors": fits(3, torch.bfloat16)}
+            "odd_size": fits(3, torch.bfloat16)}
 
 
 def _check(results: dict) -> list[dict]:
@@ -92,4 +95,4 @@ def test_what_has_no_buffer_is_left_to_nccl() -> None:
         pytest.skip("needs 2 CUDA devices")
     for res in _check(run_ranks(_fits, 2, timeout_s=60, cuda=True)):
         assert res == {"bf16_fits": True, "too_big": False, "float64": False,
-                       "float16": False, "not_16_byte_vectors": False}
+                       "float16": False, "odd_size": True}

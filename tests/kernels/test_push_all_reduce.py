@@ -1,0 +1,89 @@
+"""kernels/push_all_reduce.py under the interpreter: one process plays every rank, each
+buffer a CPU tensor (every rank maps every buffer at the same address here). The push and
+sum phases run apart (a rank's sum polls until every peer has pushed: in one process the
+peers push first). The real two-GPU run: tests/dist/test_peer_all_reduce_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.push_all_reduce import (
+    BITS,
+    BLOCK,
+    GROUP,
+    SENTINEL,
+    PushBuffers,
+    push_all_reduce,
+    push_all_reduce_reference,
+)
+
+
+def _ranks(world: int, slot: int, dtype: torch.dtype) -> tuple[list[PushBuffers], list]:
+    raw = [PushBuffers.empty(torch.empty(PushBuffers.elements(slot, world), dtype=BITS[dtype]))
+           for _ in range(world)]
+    addrs = torch.tensor([r.data_ptr() for r in raw], dtype=torch.int64)
+    return [PushBuffers(dtype, addrs, slot, r, world) for r in range(world)], raw
+
+
+def _call(ranks: list[PushBuffers], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One all-reduce: every rank pushes, then every rank sums (rank 0 in one launch of
+    both phases, once the others have pushed)."""
+    for b, x in zip(ranks[1:], xs[1:]):
+        push_all_reduce(x, b, phases=(True, False))
+    outs = [push_all_reduce(xs[0], ranks[0])]
+    return outs + [push_all_reduce(x, b, phases=(False, True)) for b, x in zip(ranks[1:], xs[1:])]
+
+
+@pytest.mark.parametrize("world,dtype", [(2, torch.bfloat16), (3, torch.float32),
+                                         (1, torch.bfloat16)])
+def test_sums_match_the_reference_across_calls_of_odd_sizes(world: int, dtype) -> None:
+    """Sizes that end mid-chunk, one chunk, many chunks (more than GROUP: a program loops),
+    in turn: every rank gets the reference sum, bit for bit the same; after each call every
+    receive buffer is empty again (all sentinel) and the parity counters moved."""
+    slot = (GROUP + 3) * BLOCK
+    ranks, raw = _ranks(world, slot, dtype)
+    g = torch.Generator().manual_seed(0)
+    for numel in (1, 37, BLOCK, 3 * BLOCK + 5, (GROUP + 2) * BLOCK + 1, 4097):
+        xs = [torch.randn(numel, generator=g).to(dtype) for _ in range(world)]
+        xs[0][0] = -0.0  # travels as +0.0: the sum is unchanged
+        outs = _call(ranks, xs)
+        want = push_all_reduce_reference(xs)
+        for out in outs:
+            assert out.dtype == dtype and out.shape == xs[0].shape
+            # bf16: the interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest
+            tol = {"atol": 0, "rtol": 2 ** -7} if dtype == torch.bfloat16 else {"atol": 0, "rtol": 0}
+            torch.testing.assert_close(out, want, **tol)
+            assert torch.equal(out.view(BITS[dtype]), outs[0].view(BITS[dtype]))
+        for r in raw:
+            assert (r == SENTINEL[BITS[dtype]]).all(), f"a slot left full after {numel}"
+    used = ranks[0].epochs
+    assert used[0] == 6 and used[GROUP - 1] == 1  # program 0 ran every call; the last one once
+
+
+def test_consecutive_calls_alternate_buffer_halves() -> None:
+    """A peer's push for the next call lands in the other parity: pushed before this rank
+    summed, it neither corrupts this sum nor is lost for the next."""
+    ranks, _ = _ranks(2, 2 * BLOCK, torch.float32)
+    a = [torch.full((5,), float(r + 1)) for r in range(2)]
+    b = [torch.full((5,), 10.0 * (r + 1)) for r in range(2)]
+    push_all_reduce(a[0], ranks[0], phases=(True, False))
+    push_all_reduce(a[1], ranks[1])  # rank 1 done with call 1 (its sum: rank 0 pushed)...
+    push_all_reduce(b[1], ranks[1], phases=(True, False))  # ...and pushed call 2 early
+    assert torch.equal(push_all_reduce(a[0], ranks[0], phases=(False, True)), torch.full((5,), 3.0))
+    push_all_reduce(b[0], ranks[0], phases=(True, False))
+    assert torch.equal(push_all_reduce(b[0], ranks[0], phases=(False, True)), torch.full((5,), 30.0))
+    assert torch.equal(push_all_reduce(b[1], ranks[1], phases=(False, True)), torch.full((5,), 30.0))
+
+
+def test_bad_arguments_are_refused_naming_the_field() -> None:
+    ranks, _ = _ranks(2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="^x: .* elements, the buffers hold 64"):
+        push_all_reduce(torch.zeros(65, dtype=torch.bfloat16), ranks[0])
+    with pytest.raises(TypeError, match="^x: dtype torch.float32"):
+        push_all_reduce(torch.zeros(8, dtype=torch.float32), ranks[0])
+    with pytest.raises(ValueError, match="^x: must be contiguous"):
+        push_all_reduce(torch.zeros(8, 8, dtype=torch.bfloat16).t(), ranks[0])
+    with pytest.raises(ValueError, match="^dtype:"):
+        PushBuffers(torch.float16, ranks[0].bufs, 64, 0, 2)
+    with pytest.raises(ValueError, match="^bufs: 2 addresses for world 3"):
+        PushBuffers(torch.bfloat16, ranks[0].bufs, 64, 0, 3)
