@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.dist.config import ParallelConfig
-from pdserve.kernels.push_all_reduce import BITS, PushBuffers, push_all_reduce
+from pdserve.kernels.push_all_reduce import BITS, MAX_WORLD, PushBuffers, push_all_reduce
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class PeerAllReduce:
         self.buffers = buffers  # dtype -> this rank's side of the kernel's buffers
         self.group_name = group_name
         self.registered = registered  # c10d's registry holds it weakly: kept alive here
-        self._keep = keep  # the symmetric tensors and the peers' views of them
+        self._keep = keep  # the symmetric tensors (the buffers hold every rank's view)
 
     @classmethod
     def join(cls, cfg: ParallelConfig, store: dist.Store,
@@ -77,7 +77,8 @@ class PeerAllReduce:
         this returns (every rank of the group calls this, in step; the caller's agreement
         after it is the barrier before any rank pushes). None, with the reason logged, when
         this torch or machine cannot map peer memory: graph captures then use NCCL."""
-        if cfg.backend != "nccl" or cfg.tp_size < 2 or cfg.peer_all_reduce_bytes == 0:
+        if cfg.backend != "nccl" or not 2 <= cfg.tp_size <= MAX_WORLD \
+                or cfg.peer_all_reduce_bytes == 0:
             return None
         # a name no other group of this process has (rank 0's random one, read from the
         # store): a group left registered by an engine in this process must not be joined
@@ -119,7 +120,7 @@ class PeerAllReduce:
 def _exchange(dtype: torch.dtype, cfg: ParallelConfig, name: str,
               keep: list[torch.Tensor]) -> PushBuffers:
     """This rank's receive buffer for dtype in symmetric memory, emptied, and every rank's
-    buffer address as mapped here."""
+    buffer as mapped here."""
     import torch.distributed._symmetric_memory as symm_mem
 
     slot = cfg.peer_all_reduce_bytes // dtype.itemsize
@@ -128,9 +129,8 @@ def _exchange(dtype: torch.dtype, cfg: ParallelConfig, name: str,
     mine = PushBuffers.empty(symm_mem.empty(numel, dtype=bits, device=cfg.device))
     handle = symm_mem.rendezvous(mine, name)
     views = [handle.get_buffer(q, (numel,), bits) for q in range(cfg.tp_size)]
-    keep += [mine, *views]
-    addrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=cfg.device)
-    return PushBuffers(dtype, addrs, slot, cfg.rank, cfg.tp_size)
+    keep.append(mine)
+    return PushBuffers(dtype, views, slot, cfg.rank)
 
 
 def _register(name: str, cfg: ParallelConfig, store: dist.Store,

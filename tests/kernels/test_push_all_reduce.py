@@ -21,8 +21,7 @@ from pdserve.kernels.push_all_reduce import (
 def _ranks(world: int, slot: int, dtype: torch.dtype) -> tuple[list[PushBuffers], list]:
     raw = [PushBuffers.empty(torch.empty(PushBuffers.elements(slot, world), dtype=BITS[dtype]))
            for _ in range(world)]
-    addrs = torch.tensor([r.data_ptr() for r in raw], dtype=torch.int64)
-    return [PushBuffers(dtype, addrs, slot, r, world) for r in range(world)], raw
+    return [PushBuffers(dtype, raw, slot, r) for r in range(world)], raw
 
 
 def _call(ranks: list[PushBuffers], xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -84,6 +83,10 @@ def test_bad_arguments_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="^x: must be contiguous"):
         push_all_reduce(torch.zeros(8, 8, dtype=torch.bfloat16).t(), ranks[0])
     with pytest.raises(ValueError, match="^dtype:"):
-        PushBuffers(torch.float16, ranks[0].bufs, 64, 0, 2)
-    with pytest.raises(ValueError, match="^bufs: 2 addresses for world 3"):
-        PushBuffers(torch.bfloat16, ranks[0].bufs, 64, 0, 3)
+        PushBuffers(torch.float16, ranks[0].bufs, 64, 0)
+    with pytest.raises(ValueError, match="^bufs: 2 buffers .* for rank 2"):
+        PushBuffers(torch.bfloat16, ranks[0].bufs, 64, 2)
+    with pytest.raises(ValueError, match=r"^bufs\[0\]: 256 elements .* expected 512"):
+        PushBuffers(torch.bfloat16, ranks[0].bufs, 128, 0)
+    with pytest.raises(TypeError, match=r"^bufs\[0\]: dtype"):
+        PushBuffers(torch.bfloat16, [b.view(torch.bfloat16) for b in ranks[0].bufs], 64, 0)
