@@ -3,6 +3,7 @@
     python -m bench.lab.probe_allreduce --out $OUT/allreduce.json     # needs 2 GPUs
     python -m bench.lab.probe_allreduce --comm direct --no-symm --out $OUT/direct.json
     python -m bench.lab.probe_allreduce --comm none --out $OUT/symm.json   # symm_mem only
+    python -m bench.lab.probe_allreduce --comm push --out $OUT/push.json   # our push kernel
 
 Two processes, one GPU each. For hidden rows [T, 4096] bf16 (T = 1, 64, 256: a Qwen3-8B
 decode step's all-reduce at those batch sizes), per all-reduce:
@@ -18,6 +19,7 @@ Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -61,11 +63,13 @@ def _graph(body) -> torch.cuda.CUDAGraph:
 def _group(rank: int, port: int, comm: str):
     """(all_reduce(x), close()) of this rank: the engine's TPGroup (torch's NCCL process
     group), or NCCL called directly (bench/lab/nccl_direct.py)."""
-    from pdserve.engine.dist.config import ParallelConfig
+    from pdserve.engine.dist.config import GRAPH_ALL_REDUCE_BYTES, ParallelConfig
     from pdserve.engine.dist.group import TPGroup, open_store
 
     cfg = ParallelConfig.for_device(2, rank, f"tcp://127.0.0.1:{port}", f"cuda:{rank}", 60.0)
-    if comm == "torch":
+    if comm in ("torch", "push"):  # push: graph captures take kernels/push_all_reduce.py
+        if comm == "push":
+            cfg = dataclasses.replace(cfg, peer_all_reduce_bytes=GRAPH_ALL_REDUCE_BYTES)
         group = TPGroup(cfg)
         return group.all_reduce, group.close
     from bench.lab.nccl_direct import DirectComm
@@ -87,9 +91,9 @@ def _nccl(rank: int, port: int, rows: tuple[int, ...], comm: str = "torch") -> d
         eager = _time(lambda: all_reduce(x), 200)
         print(f"rank {rank}: {t} rows eager {1e3 * eager:.1f} us", flush=True)
 
-        def step() -> None:
-            for _ in range(PER_STEP):
-                all_reduce(x)
+        def step() -> None:  # (pdl: TPGroup's push kernels chain, as behind the GEMVs)
+            for i in range(PER_STEP):
+                all_reduce(x, pdl=i > 0) if comm == "push" else all_reduce(x)
         g = _graph(step)
         graph = _time(g.replay, 20) / PER_STEP
         out[t] = {"nccl_eager_us": 1e3 * eager, "nccl_graph_us": 1e3 * graph}
@@ -159,8 +163,9 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)),
                     help="hidden rows per all-reduce, comma-separated")
     ap.add_argument("--no-symm", action="store_true", help="NCCL only")
-    ap.add_argument("--comm", choices=("torch", "direct", "none"),
+    ap.add_argument("--comm", choices=("torch", "push", "direct", "none"),
                     default="torch", help="torch's NCCL process group (the engine's TPGroup), "
+                    "the same with its push kernel inside graphs (kernels/push_all_reduce.py), "
                     "NCCL called directly (bench/lab/nccl_direct.py), or none (symm_mem only)")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ports", default=None, help=argparse.SUPPRESS)

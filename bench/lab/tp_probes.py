@@ -145,6 +145,10 @@ def analyze(events, num_layers: int, device: str) -> dict:
            "kernel_busy_ms_per_step": ms(kernels) if device == "cuda" else None,
            "kernels_by_name_per_step": {k: v / n for k, v in Counter(
                k.name[:60] for k in kernels).most_common(16)},
+           # device time by kernel name (with PDL a kernel's span starts at its early launch,
+           # so it includes its wait for the kernel before), and the time any kernel ran
+           "kernel_ms_by_name_per_step": _ms_by_name(kernels, n) if device == "cuda" else None,
+           "kernel_union_ms_per_step": _union_ms(kernels) / n if device == "cuda" else None,
            "layer_calls": len(layers), "num_layers": num_layers}
     if spans:
         out["per_layer"] = {
@@ -153,6 +157,26 @@ def analyze(events, num_layers: int, device: str) -> dict:
             "collective_calls": statistics.median(_count_in(coll_at, a, b) for a, b in spans)}
     out["method"] = METHOD
     return out
+
+
+def _ms_by_name(kernels, n: int) -> dict[str, float]:
+    from collections import Counter
+
+    total: Counter = Counter()
+    for k in kernels:
+        total[k.name[:60]] += (k.time_range.end - k.time_range.start) / 1e3
+    return {k: round(v / n, 4) for k, v in total.most_common(16)}
+
+
+def _union_ms(kernels) -> float:
+    """Milliseconds in which at least one of the kernels ran."""
+    spans = sorted((k.time_range.start, k.time_range.end) for k in kernels)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
 
 
 METHOD = ("torch.profiler on rank 0. collectives: NCCL kernels' device time (including the "

@@ -219,14 +219,19 @@ class TPGroup:
             raise GroupError(f"rank {self.rank}: {what} failed (a rank died or passed the "
                              f"{self.cfg.timeout_s} s deadline): {e}") from e
 
-    def all_reduce(self, t: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, pdl: bool = False,
+                   eager_peer: bool = False) -> torch.Tensor:
         """Sum over ranks; returns the sum (t itself, summed in place, or a new tensor).
-        Under a CUDA graph capture: the one-shot peer all-reduce (peer_all_reduce.py), when
-        the group joined it, launched as a PDL dependent when `pdl` (t comes from a
-        PDL-chained Triton kernel). Eager on NCCL: the collective runs on the current stream
-        (asyncOp False, torch >= 2.8): no side stream to join and no event pair per call."""
-        if self.peer is not None and torch.cuda.is_current_stream_capturing() \
-                and self.peer.fits(t):
+        Under a CUDA graph capture, or outside one where the caller asks (eager_peer: a
+        decode step's small collectives, where NCCL's eager call costs ~30 us): the one-shot
+        peer all-reduce (peer_all_reduce.py), when the group joined it, launched as a PDL
+        dependent when `pdl` (t comes from a PDL-chained Triton kernel). Each call site
+        decides the same way on every rank (capture and eager_peer follow the lockstep
+        messages; fits() looks at shape and dtype only). Else NCCL: the collective runs on
+        the current stream (asyncOp False, torch >= 2.8): no side stream to join and no
+        event pair per call."""
+        if self.peer is not None and self.peer.fits(t) and (
+                eager_peer or torch.cuda.is_current_stream_capturing()):
             return self.peer.all_reduce(t, pdl=pdl)
         if self.size > 1:
             opts = dist.AllreduceOptions()
@@ -234,10 +239,21 @@ class TPGroup:
             self._run(lambda: self.device.allreduce([t], opts), "all_reduce", on_device=True)
         return t
 
-    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """[..., n, ...] per rank -> the ranks' pieces concatenated along dim (rank order)."""
+    def all_gather(self, t: torch.Tensor, dim: int = -1, eager_peer: bool = False
+                   ) -> torch.Tensor:
+        """[..., n, ...] per rank -> the ranks' pieces concatenated along dim (rank order).
+        eager_peer: as all_reduce's, a sum of zero-padded pieces when the peer kernel takes
+        the dtype and the whole (exact: each value plus zeros)."""
         if self.size == 1:
             return t
+        dim = dim % t.dim()
+        if eager_peer and self.peer is not None:
+            shape = list(t.shape)
+            n, shape[dim] = shape[dim], shape[dim] * self.size
+            padded = t.new_zeros(shape)
+            if self.peer.fits(padded):
+                padded.narrow(dim, self.rank * n, n).copy_(t)
+                return self.peer.all_reduce(padded)
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
         self._run(lambda: self.device.allgather([parts], [t]), "all_gather", on_device=True)

@@ -221,8 +221,8 @@ class Follower:
         sampled ids (from_rank0)."""
         ids = None
         if flags & proto.LAUNCH_AHEAD:
-            ids = parallel.from_rank0(torch.zeros(len(batch.input_ids), dtype=torch.int64,
-                                                  device=self.device), self.group)
+            ids = parallel.ids_from_rank0(torch.zeros(len(batch.input_ids), dtype=torch.int64,
+                                                      device=self.device), self.model.tp)
         if flags & proto.GRAPHED:  # a decode step, or a verify step of k drafts
             k = max(batch.query_lens) - 1
             graphs = self.graphs if k == 0 else self.verify_graphs.get(k)

@@ -76,7 +76,7 @@ def embed(ids: torch.Tensor, weight: torch.Tensor, vocab: VocabRange,
 
 def gather_logits(local: torch.Tensor, vocab: VocabRange, group: TPGroup) -> torch.Tensor:
     """[N, rows] per rank -> [N, V] (rank order is vocabulary order; padding cut off)."""
-    return group.all_gather(local, dim=-1)[:, :vocab.vocab_size]
+    return group.all_gather(local, dim=-1, eager_peer=True)[:, :vocab.vocab_size]
 
 
 def argmax(local: torch.Tensor, vocab: VocabRange, group: TPGroup) -> torch.Tensor:
@@ -97,8 +97,17 @@ def argmax(local: torch.Tensor, vocab: VocabRange, group: TPGroup) -> torch.Tens
 
 
 def from_rank0(t: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """Rank 0's tensor on every rank (its drafts, its hidden rows): rank 0 contributes t, the
-    others zeros of the same shape and dtype, and an all-reduce sums them (exact: x + 0).
-    Every rank passes a tensor of the same shape; the result is a new tensor."""
+    """Rank 0's tensor on every rank (its hidden rows): rank 0 contributes t, the others
+    zeros of the same shape and dtype, and an all-reduce sums them (exact: x + 0). Every
+    rank passes a tensor of the same shape; the result is a new tensor."""
     out = t.clone() if group.rank == 0 else torch.zeros_like(t)
-    return group.all_reduce(out)
+    return group.all_reduce(out, eager_peer=True)
+
+
+def ids_from_rank0(ids: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Rank 0's token ids (int64, each in [0, vocab)) on every rank: from_rank0, through the
+    peer kernel as float32 where the group has it (exact: every id is below 2^24 when the
+    vocabulary is), a decode step's one collective outside its graph."""
+    if tp.group.peer is None or tp.vocab.vocab_size > 1 << 24:
+        return from_rank0(ids, tp.group)
+    return from_rank0(ids.float(), tp.group).long()

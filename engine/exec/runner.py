@@ -377,7 +377,7 @@ class ModelRunner:
                 if graphs is not None and graphs.fits(ahead) is None:
                     return  # DecodeAhead.launch would launch nothing, while they ran it
                 self.leader.launch_ahead(ahead, graphed=graphs is not None)
-                ids = parallel.from_rank0(ids, self.model.tp.group)
+                ids = parallel.ids_from_rank0(ids, self.model.tp)
             self.ahead.launch(ahead, ids)
 
         return hook, caught_up

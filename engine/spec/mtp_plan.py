@@ -105,7 +105,7 @@ def tp_draft(head: torch.nn.Module, model: Model, g: torch.Tensor, greedy: bool,
         tokens = draw(logits, active)
     else:
         tokens = torch.zeros(g.shape[0], dtype=torch.int64, device=g.device)
-    return parallel.from_rank0(tokens, model.tp.group) if model.tp is not None else tokens
+    return parallel.ids_from_rank0(tokens, model.tp) if model.tp is not None else tokens
 
 
 def follow_plan(plan: MTPPlan, head: torch.nn.Module, model: Model, kv_cache: torch.Tensor,

@@ -73,6 +73,26 @@ def _fits(group: TPGroup) -> dict:
             "odd_size": fits(3, torch.bfloat16)}
 
 
+def _eager(group: TPGroup) -> dict:
+    """A decode step's collectives outside its graph (eager_peer): the logits' all-gather as
+    a sum of zero-padded pieces, and rank 0's token ids as float32 (ids_from_rank0)."""
+    from pdserve.engine.dist import parallel
+
+    dev = torch.device(group.cfg.device)
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(group.rank)
+                         ).to(dev, torch.bfloat16)
+    parts = [torch.randn(3, 1000, generator=torch.Generator().manual_seed(r)).to(dev, torch.bfloat16)
+             for r in range(group.size)]
+    gathered = group.all_gather(logits, dim=-1, eager_peer=True)
+    tp = parallel.TPContext(group, vocab_size=(1 << 24))
+    ids = torch.tensor([0, 7, (1 << 24) - 1, 151935], device=dev) if group.rank == 0 \
+        else torch.zeros(4, dtype=torch.int64, device=dev)
+    shared = parallel.ids_from_rank0(ids, tp)
+    torch.cuda.synchronize(dev)
+    return {"gathered": bool(torch.equal(gathered, torch.cat(parts, dim=-1))),
+            "ids": shared.tolist(), "ids_dtype": str(shared.dtype)}
+
+
 def _check(results: dict) -> list[dict]:
     errors = [v for v in results.values() if isinstance(v, tuple) and v[0] == "error"]
     assert not errors, errors
@@ -96,3 +116,11 @@ def test_what_has_no_buffer_is_left_to_nccl() -> None:
     for res in _check(run_ranks(_fits, 2, timeout_s=60, cuda=True)):
         assert res == {"bf16_fits": True, "too_big": False, "float64": False,
                        "float16": False, "odd_size": True}
+
+
+def test_a_decode_steps_eager_collectives_take_the_peer_kernel_exactly() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    for res in _check(run_ranks(_eager, 2, timeout_s=60, cuda=True)):
+        assert res == {"gathered": True, "ids": [0, 7, (1 << 24) - 1, 151935],
+                       "ids_dtype": "torch.int64"}
