@@ -19,7 +19,6 @@ Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -63,13 +62,13 @@ def _graph(body) -> torch.cuda.CUDAGraph:
 def _group(rank: int, port: int, comm: str):
     """(all_reduce(x), close()) of this rank: the engine's TPGroup (torch's NCCL process
     group), or NCCL called directly (bench/lab/nccl_direct.py)."""
-    from pdserve.engine.dist.config import GRAPH_ALL_REDUCE_BYTES, ParallelConfig
+    from pdserve.engine.dist.config import ParallelConfig
     from pdserve.engine.dist.group import TPGroup, open_store
 
     cfg = ParallelConfig.for_device(2, rank, f"tcp://127.0.0.1:{port}", f"cuda:{rank}", 60.0)
     if comm in ("torch", "push"):  # push: graph captures take kernels/push_all_reduce.py
         if comm == "push":
-            cfg = dataclasses.replace(cfg, peer_all_reduce_bytes=GRAPH_ALL_REDUCE_BYTES)
+            cfg = cfg.with_graphs(True)
         group = TPGroup(cfg)
         return group.all_reduce, group.close
     from bench.lab.nccl_direct import DirectComm

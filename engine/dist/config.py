@@ -26,10 +26,11 @@ class ParallelConfig:
     init_address: str = ""  # "tcp://127.0.0.1:29512"; "" only when tp_size == 1
     timeout_s: float = 60.0
     device: str = "cpu"  # this rank's device, e.g. "cuda:1"
-    # NCCL only: the symmetric buffer of the one-shot peer all-reduce that CUDA graph
-    # captures use (peer_all_reduce.py); larger all-reduces take NCCL. 0 (the default, and
-    # every group that captures no graphs): not joined. The offline engine with
-    # use_cuda_graphs sets GRAPH_ALL_REDUCE_BYTES.
+    # NCCL only: the receive buffer of the one-shot peer all-reduce that CUDA graph
+    # captures (and a decode step's few collectives around them) use (peer_all_reduce.py);
+    # larger all-reduces take NCCL. 0 (the default, and every group that captures no
+    # graphs): not joined. with_graphs(True) sets GRAPH_ALL_REDUCE_BYTES: the offline
+    # engine's ranks and a serving TP worker's, each side from the same engine config.
     peer_all_reduce_bytes: int = 0
     join_timeout_s: float = 300.0
 
@@ -71,6 +72,12 @@ class ParallelConfig:
         """nccl on CUDA devices, gloo elsewhere."""
         backend = "nccl" if device.startswith("cuda") else "gloo"
         return cls(tp_size, rank, backend, init_address, timeout_s, device)
+
+    def with_graphs(self, graphs: bool) -> ParallelConfig:
+        """This config for a group whose ranks capture CUDA graphs (`graphs`): they join the
+        peer all-reduce (NCCL groups only). Every rank must decide from the same setting."""
+        on = graphs and self.backend == "nccl"
+        return replace(self, peer_all_reduce_bytes=GRAPH_ALL_REDUCE_BYTES if on else 0)
 
     def with_rank(self, rank: int) -> ParallelConfig:
         return replace(self, rank=rank)

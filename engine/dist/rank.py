@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core.config import ConfigError, SpecConfig
 from pdserve.engine.core.engine_args import EngineArgs
-from pdserve.engine.dist.config import GRAPH_ALL_REDUCE_BYTES, ParallelConfig
+from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import GroupError, TPGroup, open_store
 from pdserve.engine.dist.lockstep import Leader
 
@@ -95,9 +95,9 @@ class LocalRanks:
         cfg = ParallelConfig.for_device(tp, 0, "tcp://127.0.0.1:0", rank_device(device, 0),
                                         timeout_s)
         store = open_store(cfg)
-        graphs = args.use_cuda_graphs  # captures: their all-reduces through peer memory
-        cfg = dataclasses.replace(cfg, init_address=f"tcp://127.0.0.1:{store.port}",
-                                  peer_all_reduce_bytes=GRAPH_ALL_REDUCE_BYTES if graphs else 0)
+        # captures: their all-reduces through peer memory
+        cfg = dataclasses.replace(cfg, init_address=f"tcp://127.0.0.1:{store.port}"
+                                  ).with_graphs(args.use_cuda_graphs)
         ranks = cls(cfg, store)
         try:
             for r in range(1, tp):

@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.core.config import ConfigError
 from pdserve.engine.dist import protocol as proto
-from pdserve.engine.dist.config import ParallelConfig
+from pdserve.engine.dist.config import GRAPH_ALL_REDUCE_BYTES, ParallelConfig
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.spec.mtp_plan import MTPPlan
 
@@ -146,6 +146,11 @@ def test_parallel_config_names_the_bad_field() -> None:
     ok = ParallelConfig(2, 1, "gloo", "tcp://127.0.0.1:29500")
     assert not ok.is_leader and ok.with_rank(0).is_leader
     assert ParallelConfig.for_device(2, 0, "tcp://h:1", "cuda:0").backend == "nccl"
+    # the peer all-reduce: NCCL groups that capture graphs, every rank from the same setting
+    cuda = ParallelConfig.for_device(2, 1, "tcp://h:1", "cuda:1")
+    assert cuda.with_graphs(True).peer_all_reduce_bytes == GRAPH_ALL_REDUCE_BYTES
+    assert cuda.with_graphs(True).with_graphs(False).peer_all_reduce_bytes == 0
+    assert ok.with_graphs(True).peer_all_reduce_bytes == 0  # gloo: none
     for kw, field in (({"tp_size": 0}, "tensor_parallel_size"), ({"rank": 2}, "rank"),
                       ({"backend": "mpi"}, "backend"), ({"init_address": "h:1"}, "init_address"),
                       ({"timeout_s": 0}, "timeout_s"), ({"backend": "nccl"}, "backend"),
