@@ -168,6 +168,11 @@ class TPWorkerActor(WorkerActor):
         first = self.transport.local.peer_info().tp_info.head_map[0][0]
         return self.w.rt.kv_head_digests(block_ids, num_tokens, first)
 
+    def peer_all_reduce(self) -> bool:
+        """Whether the group joined the peer all-reduce (engine/dist/peer_all_reduce.py:
+        every rank or none) for its graphs' collectives (tests, benchmarks)."""
+        return self.group.peer is not None
+
     def graph_replays(self) -> int:
         """Rank 0's decode steps replayed from its CUDA graphs (tests)."""
         graphs = self.w.rt.engine.runner.cuda_graphs

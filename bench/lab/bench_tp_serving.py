@@ -97,8 +97,9 @@ def run_worker(args: argparse.Namespace, graphs: bool) -> dict:
         rows = [measure(stub, n, args.prompt_len, args.vocab, args.max_tokens, tag)
                 for n in args.streams]
         replays = ray.get(actor.graph_replays.remote(), timeout=60)
+        peer = ray.get(actor.peer_all_reduce.remote(), timeout=60)
         return {"cuda_graphs": graphs, "startup_s": round(startup_s, 1),
-                "rank0_graph_replays": replays, "runs": rows}
+                "rank0_graph_replays": replays, "peer_all_reduce": peer, "runs": rows}
     finally:
         try:
             ray.get(actor.shutdown.remote(), timeout=60)
