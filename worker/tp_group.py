@@ -130,9 +130,7 @@ class RankActor:
         cfg = cfg.on_node()
         bind_ucx(cfg.host)  # before the transport creates its NIXL agent
         logging.basicConfig(level=cfg.log_level.upper())
-        # graphs: the peer all-reduce, as rank 0 decides from the same cfg (tp_worker.py)
-        self._model = FollowerRank.start(cfg, self._cfg(address).with_graphs(
-            cfg.engine.use_cuda_graphs))
+        self._model = FollowerRank.start(cfg, self._cfg(address))
         return self.rank
 
     def kv_head_digests(self, block_ids: list[int], num_tokens: int) -> dict[int, list[str]]:

@@ -87,10 +87,10 @@ class TPWorkerActor(WorkerActor):
         host = ray.util.get_node_ip_address()
         pcfg = ParallelConfig.for_device(tp, 0, f"tcp://{host}:0", rank_device(cfg), timeout)
         store = open_store(pcfg)
-        # with graphs every rank joins the peer all-reduce (the followers decide from the
-        # same cfg.engine: worker/tp_group.py serve_follower)
-        pcfg = dataclasses.replace(pcfg, init_address=f"tcp://{host}:{store.port}"
-                                   ).with_graphs(cfg.engine.use_cuda_graphs)
+        # no peer all-reduce here (its graphs capture NCCL): Ray shows each rank actor its
+        # one GPU as cuda:0, and torch's symmetric memory refuses ranks on "overlapping
+        # devices" (seen on two H200s, docs/tensor_parallel.md)
+        pcfg = dataclasses.replace(pcfg, init_address=f"tcp://{host}:{store.port}")
         # the followers' processes are up first: the join deadline (tp_timeout_s) is for
         # joining, not for Ray starting a process (CUDA init on a GPU node takes seconds)
         ray.get([f.ping.remote() for f in self.followers], timeout=FOLLOWER_START_TIMEOUT_S)
