@@ -17,6 +17,9 @@ from pdserve.kernels.push_all_reduce import (
     push_all_reduce_reference,
 )
 
+# the interpreter converts each program's id array to a loop bound (numpy deprecation noise)
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
 
 def _ranks(world: int, slot: int, dtype: torch.dtype) -> tuple[list[PushBuffers], list]:
     raw = [PushBuffers.empty(torch.empty(PushBuffers.elements(slot, world), dtype=BITS[dtype]))
