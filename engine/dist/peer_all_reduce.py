@@ -1,12 +1,12 @@
 """A one-shot all-reduce through peer GPU memory, for the collectives inside CUDA graphs.
 
-Why not NCCL there (measured on two H200s joined by NVLink, bf16 [T, 4096], per all-reduce
-inside a graph of 73; bench/results/allreduce_h200x2_2026-11-29b.json):
+Why not NCCL there (two H200s joined by NVLink, bf16 [T, 4096], per all-reduce inside a
+graph of 73; bench/results/allreduce_h200x2_2026-11-29b.json and _2026-11-30_push.json):
 
-    rows   torch's NCCL group         NCCL called directly   torch's one-shot (peer memory)
-    1      hung in 3 of 3 probe runs  18.1 us                6.2 us
-    64     (at 64 or 256 rows)        21.4 us                9.5 us
-    256                               36.0 us               18.5 us
+    rows   torch's NCCL group    NCCL called directly   torch's one-shot   this (push)
+    1      hung in 3 of 3 runs   18.1 us                6.2-6.3 us         2.3 us
+    64     (at 64 or 256 rows)   21.4 us                9.5-9.6 us         4.7 us
+    256                          36.0 us                18.5-18.6 us       14.7 us
 
 A decode step's all-reduces are small (one row per sequence), where NCCL's ring protocol pays
 its fixed cost twice over. torch's one-shot kernel (copy in, a barrier of device-side
