@@ -32,18 +32,22 @@ from __future__ import annotations
 
 import logging
 import secrets
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from pdserve.engine.dist.config import ParallelConfig
-from pdserve.kernels.push_all_reduce import BITS, MAX_WORLD, PushBuffers, push_all_reduce
+
+if TYPE_CHECKING:
+    from pdserve.kernels.push_all_reduce import PushBuffers
 
 log = logging.getLogger(__name__)
 
-# the activations' dtypes the kernel sums: bf16 (bf16 and FP8 checkpoints), fp32 (the
-# tests); fp16 all-reduces stay on NCCL
-DTYPES = tuple(BITS)
+# the activations' dtypes the kernel sums (kernels/push_all_reduce.py BITS): bf16 (bf16 and
+# FP8 checkpoints), fp32 (the tests); fp16 all-reduces stay on NCCL
+DTYPES = (torch.bfloat16, torch.float32)
+MAX_WORLD = 8  # kernels/push_all_reduce.py MAX_WORLD (imported with triton, only on join)
 NAME_KEY = "peer_all_reduce/name"
 
 
@@ -109,6 +113,8 @@ class PeerAllReduce:
     def all_reduce(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """The sum of every rank's x [T, H], as a new tensor (x is left as it was), in one
         kernel on the current stream. pdl: the kernel before is a PDL-chained Triton one."""
+        from pdserve.kernels.push_all_reduce import push_all_reduce
+
         return push_all_reduce(x.contiguous(), self.buffers[x.dtype], pdl=pdl)
 
     def close(self) -> None:
@@ -122,6 +128,8 @@ def _exchange(dtype: torch.dtype, cfg: ParallelConfig, name: str,
     """This rank's receive buffer for dtype in symmetric memory, emptied, and every rank's
     buffer as mapped here."""
     import torch.distributed._symmetric_memory as symm_mem
+
+    from pdserve.kernels.push_all_reduce import BITS, PushBuffers
 
     slot = cfg.peer_all_reduce_bytes // dtype.itemsize
     numel = PushBuffers.elements(slot, cfg.tp_size)

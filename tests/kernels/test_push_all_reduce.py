@@ -4,6 +4,9 @@ sum phases run apart (a rank's sum polls until every peer has pushed: in one pro
 peers push first). The real two-GPU run: tests/dist/test_peer_all_reduce_gpu.py."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -93,3 +96,18 @@ def test_bad_arguments_are_refused_naming_the_field() -> None:
         PushBuffers(torch.bfloat16, ranks[0].bufs, 128, 0)
     with pytest.raises(TypeError, match=r"^bufs\[0\]: dtype"):
         PushBuffers(torch.bfloat16, [b.view(torch.bfloat16) for b in ranks[0].bufs], 64, 0)
+
+
+def test_the_tp_group_imports_the_kernel_only_when_it_joins() -> None:
+    """engine/dist keeps its copies of the kernel's constants in step, and importing the TP
+    group does not import triton (a process without peer memory never needs it; importing
+    triton first would also pin the interpreter choice, kernels/triton_mode.py)."""
+    from pdserve.engine.dist import peer_all_reduce as peer
+    from pdserve.kernels import push_all_reduce as kernel
+
+    assert peer.DTYPES == tuple(kernel.BITS) and peer.MAX_WORLD == kernel.MAX_WORLD
+    code = ("import sys, pdserve.engine.dist.group, pdserve.engine.dist.parallel, "
+            "pdserve.engine.dist.lockstep; print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "False"
