@@ -111,3 +111,31 @@ def test_the_tp_group_imports_the_kernel_only_when_it_joins() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.gpu
+def test_compiled_on_one_gpu_alone_and_in_a_pdl_chained_graph() -> None:
+    """The compiled kernel on one GPU as a group of one (its own buffer is every buffer):
+    odd sizes give x back exactly, eagerly and replayed in a CUDA graph of PDL-chained calls
+    (the parity counters advance on the device between replays). Two GPUs:
+    tests/dist/test_peer_all_reduce_gpu.py."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    slot = (GROUP + 2) * BLOCK
+    buf = PushBuffers.empty(torch.empty(PushBuffers.elements(slot, 1), dtype=torch.int16,
+                                        device=dev))
+    ranks = PushBuffers(torch.bfloat16, [buf], slot, 0)
+    xs = [torch.randn(n, device=dev).to(torch.bfloat16) for n in (1, 37, 4096, slot - 3)]
+    for x in xs:
+        assert torch.equal(push_all_reduce(x, ranks), x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [push_all_reduce(x, ranks, pdl=i > 0) for i, x in enumerate(xs)]
+    for replay in range(3):
+        for x in xs:
+            x.copy_(torch.randn(x.numel(), device=dev).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, x) for o, x in zip(outs, xs)), replay
+    assert (buf == SENTINEL[torch.int16]).all()
