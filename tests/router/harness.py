@@ -92,7 +92,9 @@ class ServeProcess:
                 return
             except BaseException:
                 self.stop()
-                if attempt + 1 == self.ATTEMPTS or "address already in use" not in self.output():
+                # uvicorn says "address already in use", gRPC "Address already in use"
+                if attempt + 1 == self.ATTEMPTS or \
+                        "address already in use" not in self.output().lower():
                     raise
 
     def _start(self, args: Sequence[str], cluster_secret: str | None) -> None:
