@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.sampling_params import DuplicateRequestError
+from pdserve.engine.exec.device_io import bind_thread
 from pdserve.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
@@ -193,6 +194,7 @@ class EngineLoop:
     def _run(self) -> None:
         last_tick, idle = 0.0, True
         try:
+            bind_thread(self.engine.config.device)  # the engine's GPU, not cuda:0 (a TP rank)
             while not self._stop.is_set():
                 self._beat = time.monotonic()
                 self._drain_commands(block=idle)

@@ -36,12 +36,6 @@ log = logging.getLogger(__name__)
 ENDPOINT_KEY = "kvep/{rank}"  # the store key under which rank r publishes its RankEndpoint
 
 
-def rank_device(cfg: WorkerConfig) -> str:
-    """Each rank actor sees its own GPU as cuda:0 under Ray; CPU ranks share the host."""
-    device = cfg.engine.device or "cpu"
-    return "cuda:0" if device.startswith("cuda") else device
-
-
 def tp_kv_info(compat: dict, tp: int) -> TPKVInfo:
     """The worker's TP map for its transports (heads outermost in a block from KV layout
     version 2 on)."""

@@ -28,7 +28,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.engine.exec.device_io import bind_thread
 from pdserve.kernels.triton_mode import select_triton_mode
+from pdserve.worker.rank_gpu import rank_actor_options, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ class RankActor:
     def __init__(self, worker_id: str, rank: int, tp: int, timeout_s: float, device: str) -> None:
         select_triton_mode()  # an entry point, as worker/actor.py's WorkerActor
         self.worker_id, self.rank, self.tp = worker_id, rank, tp
-        self.timeout_s, self.device = timeout_s, device
+        self.timeout_s, self.device = timeout_s, rank_device(device)
         self.store = None
         self.group = None
         self.leader = None
@@ -76,6 +78,7 @@ class RankActor:
         """The rank's shard of a seeded random model `cfg` (ModelConfig), then rank 0 leads
         (keep-alives on a thread) and the others follow on a thread: the group's mechanics
         without an engine (tests/dist/test_tp_group_ray.py); load_engine serves."""
+        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         import torch
 
         from pdserve.engine.dist.lockstep import Follower, Leader, LeaderModel
@@ -102,6 +105,7 @@ class RankActor:
         """Every rank loads the checkpoint of `args` (EngineArgs) and keeps its
         shard (engine/llm.py load_rank); rank 0 builds the engine (scheduler, sampler) with
         a Leader, the others follow on a thread until STOP or a GroupError."""
+        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         from pdserve.engine.dist.lockstep import Leader
         from pdserve.engine.llm import load_rank
         from pdserve.engine.llm_engine import LLMEngine
@@ -124,13 +128,16 @@ class RankActor:
         """A serving TP worker's follower (worker/tp_worker.py starts it): load, join the
         group at `address` (rank 0's store), run the lockstep loop and the KV thread over
         this rank's own transport (worker/tp_follower.py). Returns once both run."""
+        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         from pdserve.kv_transfer.ucx_binding import bind_ucx
         from pdserve.worker.tp_follower import FollowerRank
 
         cfg = cfg.on_node()
         bind_ucx(cfg.host)  # before the transport creates its NIXL agent
         logging.basicConfig(level=cfg.log_level.upper())
-        self._model = FollowerRank.start(cfg, self._cfg(address))
+        # graphs: the peer all-reduce, as rank 0 decides from the same cfg (tp_worker.py)
+        self._model = FollowerRank.start(cfg, self._cfg(address).with_graphs(
+            cfg.engine.use_cuda_graphs))
         return self.rank
 
     def kv_head_digests(self, block_ids: list[int], num_tokens: int) -> dict[int, list[str]]:
@@ -149,6 +156,7 @@ class RankActor:
     def generate_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Rank 0 with load_engine: greedy completions of token-id prompts through the engine
         (tests; serving goes through the Worker's gRPC, docs/tensor_parallel.md)."""
+        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         from pdserve.engine.core.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -191,6 +199,7 @@ class RankActor:
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         """Rank 0 after load: greedy decoding of `prompts` in lockstep (tests; a serving
         worker decodes through its engine instead)."""
+        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         from pdserve.engine.dist.steps import greedy_batch
 
         with self._lock:
@@ -269,6 +278,7 @@ def launch_tp_group(worker_id: str, tp: int, generation: int = 0, num_gpus: floa
         ranks = [cls.options(
             name=f"{group_name(worker_id, generation)}.rank{r}", num_cpus=num_cpus,
             num_gpus=num_gpus, max_restarts=0, max_task_retries=0, max_concurrency=4,
+            **rank_actor_options(num_gpus),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=r)).remote(worker_id, r, tp, timeout_s, device)
             for r in range(tp)]

@@ -43,7 +43,8 @@ from pdserve.engine.exec.heap import freeze_startup_heap
 from pdserve.engine.exec.warmup import warm_up
 from pdserve.worker.actor import DIE_DELAY_S, WorkerActor
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.tp_follower import ENDPOINT_KEY, die, rank_device, rank_transport
+from pdserve.worker.rank_gpu import rank_actor_options, rank_device
+from pdserve.worker.tp_follower import ENDPOINT_KEY, die, rank_transport
 from pdserve.worker.tp_group import RankActor, group_name, remove_previous
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class TPWorkerActor(WorkerActor):
         from pdserve.kv_transfer.ucx_binding import bind_ucx
 
         select_triton_mode()
+        self.device = rank_device(cfg.engine.device or "cpu")  # first: its GPU made current
         cfg = cfg.on_node()
         bind_ucx(cfg.host)
         logging.basicConfig(level=cfg.log_level.upper())
@@ -85,12 +87,13 @@ class TPWorkerActor(WorkerActor):
 
         tp, timeout = cfg.engine.tensor_parallel_size, cfg.tp_timeout_s
         host = ray.util.get_node_ip_address()
-        pcfg = ParallelConfig.for_device(tp, 0, f"tcp://{host}:0", rank_device(cfg), timeout)
+        pcfg = ParallelConfig.for_device(tp, 0, f"tcp://{host}:0", self.device, timeout)
         store = open_store(pcfg)
-        # no peer all-reduce here (its graphs capture NCCL): Ray shows each rank actor its
-        # one GPU as cuda:0, and torch's symmetric memory refuses ranks on "overlapping
-        # devices" (seen on two H200s, docs/tensor_parallel.md)
-        pcfg = dataclasses.replace(pcfg, init_address=f"tcp://{host}:{store.port}")
+        # with graphs every rank joins the peer all-reduce (the followers decide from the
+        # same cfg.engine: worker/tp_group.py serve_follower); each rank sees its peers'
+        # GPUs (tp_follower.RANK_RUNTIME_ENV)
+        pcfg = dataclasses.replace(pcfg, init_address=f"tcp://{host}:{store.port}"
+                                   ).with_graphs(cfg.engine.use_cuda_graphs)
         # the followers' processes are up first: the join deadline (tp_timeout_s) is for
         # joining, not for Ray starting a process (CUDA init on a GPU node takes seconds)
         ray.get([f.ping.remote() for f in self.followers], timeout=FOLLOWER_START_TIMEOUT_S)
@@ -218,11 +221,13 @@ def launch_tp_worker(cfg: WorkerConfig, generation: int = 0, num_gpus: float = 0
 
     def place(r: int) -> dict:
         return dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0,
+                    **rank_actor_options(num_gpus),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         pg, placement_group_bundle_index=r))
     followers = [ray.remote(RankActor).options(name=f"{name}.rank{r}", max_concurrency=4,
                                                **place(r)).remote(
-        cfg.worker_id, r, tp, cfg.tp_timeout_s, rank_device(cfg)) for r in range(1, tp)]
+        cfg.worker_id, r, tp, cfg.tp_timeout_s, cfg.engine.device or "cpu")
+        for r in range(1, tp)]
     actor_name = cfg.worker_id if generation == 0 else f"{cfg.worker_id}.r{generation}"
     return ray.remote(TPWorkerActor).options(name=actor_name, max_concurrency=4,
                                              **place(0)).remote(cfg, followers, name)

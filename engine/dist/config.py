@@ -30,8 +30,7 @@ class ParallelConfig:
     # captures (and a decode step's few collectives around them) use (peer_all_reduce.py);
     # larger all-reduces take NCCL. 0 (the default, and every group that captures no
     # graphs): not joined. with_graphs(True) sets GRAPH_ALL_REDUCE_BYTES: the offline
-    # engine's ranks (serving TP workers' Ray actors each see their GPU as cuda:0, which
-    # torch's symmetric memory refuses: their graphs capture NCCL).
+    # engine's ranks and a serving TP worker's, each side from the same engine config.
     peer_all_reduce_bytes: int = 0
     join_timeout_s: float = 300.0
 

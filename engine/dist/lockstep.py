@@ -26,7 +26,7 @@ from pdserve.engine.dist.config import ParallelConfig
 from pdserve.engine.dist.group import TPGroup
 from pdserve.engine.dist.watchdog import GpuWatchdog
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
-from pdserve.engine.exec.device_io import rows_of
+from pdserve.engine.exec.device_io import bind_thread, rows_of
 from pdserve.engine.model.attention import HostBatch
 from pdserve.engine.model.decoder import Model
 from pdserve.engine.spec.mtp_head import tp_mtp_head
@@ -173,6 +173,7 @@ class Follower:
 
     def run(self) -> int:
         """Follow until STOP; returns the number of forwards run."""
+        bind_thread(self.device)  # a serving rank runs this on a thread of its own
         while True:
             msg = self.receive()
             if msg.kind == proto.Kind.STOP:

@@ -24,6 +24,17 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def bind_thread(device: torch.device | str) -> None:
+    """Make `device` the calling thread's current CUDA device; nothing on CPU. CUDA keeps one
+    current device per host thread, and Triton launches on it (whatever device the tensors
+    are on), so each thread that runs a model's steps binds its device first: a rank of a
+    serving TP worker sees every GPU of its node and runs on one other than cuda:0
+    (worker/rank_gpu.py), its steps on threads of its own."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:  # "cuda": the current one
+        torch.cuda.set_device(device)
+
+
 def rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] for a host list of row indices; x itself when rows are all of x in order."""
     if len(rows) == x.shape[0] and rows == list(range(len(rows))):

@@ -104,6 +104,7 @@ def test_a_dying_engine_ends_open_streams_and_refuses_calls(engine) -> None:
     class Broken:
         """An engine whose step raises: what a device fault looks like to the loop."""
         idle = True
+        config = types.SimpleNamespace(device="cpu")  # the loop binds its thread to it
 
         def has_unfinished(self) -> bool:
             return True

@@ -1,6 +1,7 @@
 """A serving tensor-parallel worker with CUDA graphs on two GPUs (worker/tp_worker.py, a real
 local Ray instance, NCCL between the ranks): greedy decoding through gRPC equals the offline
-engine at TP 1, and both ranks serve decode steps from their graphs. Then its follower rank
+engine at TP 1, and both ranks serve decode steps from their graphs, whose all-reduces go
+through the peer kernel (engine/dist/peer_all_reduce.py). Then its follower rank
 is stopped (SIGSTOP: alive, never in the next collective) in the middle of a long decode: the
 stream ends with an error well before its gRPC deadline, and the worker's process ends (the
 GPU watchdog or torch's NCCL watchdog, whichever collective is waiting), so the router can
@@ -67,6 +68,9 @@ def test_tp2_serves_from_graphs_and_a_stopped_rank_ends_the_worker(tmp_path) -> 
         replays = (ray.get(d.actor.graph_replays.remote(), timeout=30),
                    ray.get(follower.graph_replays.remote(), timeout=30))
         assert min(replays) > 0, replays  # both ranks decoded from their graphs
+        # their all-reduces went through the peer kernel (every rank joined, or none): each
+        # rank actor sees its peer's GPU (worker/rank_gpu.py)
+        assert ray.get(d.actor.peer_all_reduce.remote(), timeout=30)
 
         long = pb.SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
         stream = decode_stream(d, "stalled", PROMPTS[0], long, timeout_s=120)
