@@ -163,17 +163,16 @@ def check_head_dim(name: str, head_dim: int) -> None:
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 _SCRATCH: dict[torch.device, list[torch.Tensor]] = {}
-_POLLED: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _grown(pool: dict[torch.device, list[torch.Tensor]], device: torch.device, n: int,
-           dtype: torch.dtype, what: str, fill: int = 0) -> torch.Tensor:
+           dtype: torch.dtype, what: str) -> torch.Tensor:
     bufs = pool.setdefault(device, [])
     if not bufs or bufs[-1].numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{what}: {n} elements needed during CUDA-graph capture; run "
                                "the batch eagerly once first")
-        bufs.append(torch.full((max(n, 1 << 16),), fill, dtype=dtype, device=device))
+        bufs.append(torch.zeros(max(n, 1 << 16), dtype=dtype, device=device))
     return bufs[-1]
 
 
@@ -185,18 +184,6 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     per device, before any CUDA-graph capture (the warm-up runs first); buffers a graph may
     hold stay alive."""
     return _grown(_COUNTERS, device, n, torch.int32, "arrival counters")
-
-
-SENTINEL_BITS = -(1 << 31)  # the int32 bits of -0.0: "not written yet" in polled scratch
-
-
-def polled_scratch(device: torch.device, n: int) -> torch.Tensor:
-    """int32 scratch (fp32 values as bits) for split-K partials that the merging program
-    polls for instead of counting arrivals: every element holds SENTINEL_BITS until a
-    program writes it (writers send -0.0 as +0.0), and the merger writes the sentinel back
-    once it has read it. Shared by every launch on the device, under the same rules as
-    arrival_counters."""
-    return _grown(_POLLED, device, n, torch.int32, "polled split-K scratch", SENTINEL_BITS)
 
 
 def scratch_fp32(device: torch.device, n: int) -> torch.Tensor:

@@ -39,7 +39,6 @@ import torch
 import triton.language as tl
 
 from pdserve.kernels._triton import (
-    SENTINEL_BITS,
     arrival_counters,
     check_tensor,
     dot_dtype,
@@ -50,7 +49,6 @@ from pdserve.kernels._triton import (
     num_sms,
     pdl_enter,
     pdl_launch,
-    polled_scratch,
 )
 from pdserve.kernels.attn_prologue import (
     Prologue,
@@ -71,7 +69,6 @@ from pdserve.kernels.decode_attention_tiles import (
     attend_keys_quarters,
     load_tile,
     merge_splits,
-    store_partial_bits,
 )
 from pdserve.kernels.kv_quant import KVScales, cache_is_fp8
 from pdserve.kernels.kv_write import DYN_FACTOR, check_q_and_cache
@@ -99,8 +96,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True,
-                   POLL: tl.constexpr = False, SENT: tl.constexpr = SENTINEL_BITS):
+                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,25 +188,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         if n_active <= 1:  # one split: its result is final
             tl.store(out_ptr + qrow[:, None] * stride_ob + heads[:, None] * stride_oh
                      + d[None, :], o, mask=row_ok[:, None])
-        else:  # partial result, merged by one of the n_active programs
+        else:  # partial result; the last of the n_active programs to finish merges them
             row = (qrow * HQ + heads) * num_splits + split  # mid_*: [B * R, Hq, splits(, D)]
+            tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-            if POLL:  # the last split merges, polling for the others' partials
-                store_partial_bits(mid_o_ptr, mid_lse_ptr, row, o, lse, row_ok, d, D, SENT)
-                if split == n_active - 1:
-                    tl.debug_barrier()  # its own partial, stored by all its threads
-                    merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
-                                 stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC,
-                                 True, SENT)
-            else:  # the last of the n_active programs to finish merges them
-                tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-                tl.store(mid_lse_ptr + row, lse, mask=row_ok)
-                tl.debug_barrier()  # every thread's partial stored before the release below
-                counter = count_ptr + b * HKV + kvh
-                if tl.atomic_add(counter, 1, sem="acq_rel") == n_active - 1:
-                    tl.store(counter, 0)  # all have arrived: reset for the next launch
-                    merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
-                                 stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC)
+            tl.store(mid_lse_ptr + row, lse, mask=row_ok)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            counter = count_ptr + b * HKV + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == n_active - 1:
+                tl.store(counter, 0)  # all have arrived: reset for the next launch
+                merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
+                              stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC)
 
 
 def _operand_dtype(q_dtype: torch.dtype, fp8: bool) -> tuple[tl.dtype, str]:
@@ -331,12 +319,7 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     mid_o = mid_lse = counters = out  # unused when one split writes `out` directly
-    poll = tiles.merge == "poll" and small
-    if num_splits > 1 and poll:  # at most B * HKV programs spin: fewer than the SMs
-        n_o = T * HQ * num_splits * D
-        bits = polled_scratch(q.device, n_o + T * HQ * num_splits)
-        mid_o, mid_lse = bits[:n_o], bits[n_o:n_o + T * HQ * num_splits]
-    elif num_splits > 1:
+    if num_splits > 1:
         mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
         counters = arrival_counters(q.device, B * HKV)
@@ -361,7 +344,6 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
-        FP8=fp8, V_WORDS=words, PTX=not interpreting(), POLL=num_splits > 1 and poll,
-        num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
+        FP8=fp8, V_WORDS=words, PTX=not interpreting(), num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
         num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
     return out

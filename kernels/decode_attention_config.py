@@ -33,7 +33,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 
 
 FP8_LOADS = ("cast", "v_words", "kv_words", "kv_quarters")
-MERGES = ("poll", "count")
 
 
 @dataclass(frozen=True)
@@ -44,12 +43,7 @@ class DecodeTiles:
     fp8 tile), "v_words" / "kv_words" (V, or K and V, read as int32 words and converted by
     PTX in the loaded layout), "kv_quarters" (K and V as words, never joined: one dot per
     quarter of head_dim; head_dim >= 64, else kv_words), and an optional per-thread register
-    cap for ptxas (max_regs: more programs per SM at the price of a few spills). merge: how
-    the split programs' partials meet where fewer (sequence, KV head) pairs than SMs split
-    the keys: "poll" (the last split polls scratch for the others' partials: no arrival
-    atomic and its fence; the spinning programs are fewer than the SMs, so the others
-    always run) or "count" (an arrival counter, the last to arrive merges; larger batches
-    always count)."""
+    cap for ptxas (max_regs: more programs per SM at the price of a few spills)."""
 
     block_n: int
     num_warps: int = 4
@@ -57,7 +51,6 @@ class DecodeTiles:
     waves: int = 1
     fp8_loads: str = "cast"
     max_regs: int | None = None  # ptxas register cap per thread (more programs per SM)
-    merge: str = "poll"
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps", "waves"):
@@ -70,8 +63,6 @@ class DecodeTiles:
             raise ValueError(f"tiles.num_stages: {self.num_stages!r} must be an int >= 1")
         if self.fp8_loads not in FP8_LOADS:
             raise ValueError(f"tiles.fp8_loads: {self.fp8_loads!r} not in {FP8_LOADS}")
-        if self.merge not in MERGES:
-            raise ValueError(f"tiles.merge: {self.merge!r} not in {MERGES}")
         if self.max_regs is not None and not (isinstance(self.max_regs, int)
                                               and 64 <= self.max_regs <= 255):
             raise ValueError(f"tiles.max_regs: {self.max_regs!r} must be an int in [64, 255]")

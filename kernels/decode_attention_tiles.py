@@ -327,15 +327,13 @@ def _quarter_tile(q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, n0, k_base, v_base, 
 @jit
 def merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob, stride_oh, HQ,
                  num_splits, GROUP: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SC: tl.constexpr,
-                 POLL: tl.constexpr = False, SENT: tl.constexpr = -(1 << 31)):
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SC: tl.constexpr):
     """The last split program of (sequence b, KV head kvh) merges the n_active partial results
     of its R * GROUP rows, all rows at once: in one [BLOCK_R, BLOCK_S, D] tile when every
     split fits (SC == BLOCK_S), else SC splits per step with an online rescale, stopping at
     n_active. A short context then costs one round trip of loads where it cost one per group
     of rows (the Qwen3-30B-A3B shape at batch 1: 8 rows x 32 splits took 4; issue 21). Loads
-    skip L1 (.cg): other SMs wrote the partials. POLL: the partials are polled for in
-    int32 scratch (_merge_step), and the merger is the last split, not the last arriver."""
+    skip L1 (.cg): other SMs wrote the partials."""
     i = tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     i_ok = i < R * GROUP
@@ -346,15 +344,14 @@ def merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob, s
         m, total, acc = _merge_step(mid_o_ptr, mid_lse_ptr, row, i_ok, 0, n_active, d,
                                     tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
                                     tl.zeros([BLOCK_R], dtype=tl.float32),
-                                    tl.zeros([BLOCK_R, D], dtype=tl.float32), D, BLOCK_S,
-                                    POLL, SENT)
+                                    tl.zeros([BLOCK_R, D], dtype=tl.float32), D, BLOCK_S)
     else:
         m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         total = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
         for s0 in range(0, n_active, SC):
             m, total, acc = _merge_step(mid_o_ptr, mid_lse_ptr, row, i_ok, s0, n_active, d, m,
-                                        total, acc, D, SC, POLL, SENT)
+                                        total, acc, D, SC)
     res = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(out_ptr + qrow[:, None] * stride_ob + head[:, None] * stride_oh + d[None, :], res,
              mask=i_ok[:, None])
@@ -362,29 +359,15 @@ def merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob, s
 
 @jit
 def _merge_step(mid_o_ptr, mid_lse_ptr, row, i_ok, s0, n_active, d, m, total, acc,
-                D: tl.constexpr, SC: tl.constexpr, POLL: tl.constexpr = False,
-                SENT: tl.constexpr = -(1 << 31)):
+                D: tl.constexpr, SC: tl.constexpr):
     """Splits s0 .. s0 + SC - 1 (< n_active) into the running (max m, weight sum total,
-    weighted sum acc [BLOCK_R, D]) of the rows at row [BLOCK_R] of mid_*. POLL: mid_* are
-    int32 bits that hold SENT until written (store_partial_bits): read until none does,
-    then emptied again."""
+    weighted sum acc [BLOCK_R, D]) of the rows at row [BLOCK_R] of mid_*."""
     s = s0 + tl.arange(0, SC)
     m2 = i_ok[:, None] & (s < n_active)[None, :]
-    lse_at = mid_lse_ptr + row[:, None] + s[None, :]
-    o_at = mid_o_ptr + (row[:, None, None] + s[None, :, None]) * D + d[None, None, :]
-    if POLL:
-        lse_b = tl.load(lse_at, mask=m2, other=0, volatile=True)
-        o_b = tl.load(o_at, mask=m2[:, :, None], other=0, volatile=True)
-        while _unwritten(lse_b, o_b, SENT) > 0:  # a split's partial still on its way
-            lse_b = tl.load(lse_at, mask=m2, other=0, volatile=True)
-            o_b = tl.load(o_at, mask=m2[:, :, None], other=0, volatile=True)
-        tl.store(lse_at, tl.full(lse_b.shape, SENT, tl.int32), mask=m2)  # empty again
-        tl.store(o_at, tl.full(o_b.shape, SENT, tl.int32), mask=m2[:, :, None])
-        lse = tl.where(m2, lse_b.to(tl.float32, bitcast=True), float("-inf"))
-        o = o_b.to(tl.float32, bitcast=True)
-    else:
-        lse = tl.load(lse_at, mask=m2, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(o_at, mask=m2[:, :, None], other=0.0, cache_modifier=".cg")
+    lse = tl.load(mid_lse_ptr + row[:, None] + s[None, :], mask=m2, other=float("-inf"),
+                  cache_modifier=".cg")
+    o = tl.load(mid_o_ptr + (row[:, None, None] + s[None, :, None]) * D + d[None, None, :],
+                mask=m2[:, :, None], other=0.0, cache_modifier=".cg")
     m_new = tl.maximum(m, tl.max(lse, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys yet: weights 0
     alpha = tl.exp2(m - m_ref)
@@ -392,22 +375,3 @@ def _merge_step(mid_o_ptr, mid_lse_ptr, row, i_ok, s0, n_active, d, m, total, ac
     total = total * alpha + tl.sum(w, axis=1)
     acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=1)
     return m_new, total, acc
-
-
-@jit
-def _unwritten(lse_b, o_b, SENT: tl.constexpr):
-    """How many of the loaded bits still hold the sentinel."""
-    o_n = tl.sum(tl.sum(tl.sum((o_b == SENT).to(tl.int32), axis=2), axis=1), axis=0)
-    return o_n + tl.sum(tl.sum((lse_b == SENT).to(tl.int32), axis=1), axis=0)
-
-
-@jit
-def store_partial_bits(mid_o_ptr, mid_lse_ptr, row, o, lse, row_ok, d, D: tl.constexpr,
-                       SENT: tl.constexpr):
-    """A split's partial o [BLOCK_G, D] and lse [BLOCK_G] into int32 polled scratch at rows
-    `row`, as fp32 bits; -0.0 (the sentinel's bits) travels as +0.0."""
-    o_b = o.to(tl.float32).to(tl.int32, bitcast=True)
-    lse_b = lse.to(tl.float32).to(tl.int32, bitcast=True)
-    tl.store(mid_o_ptr + row[:, None] * D + d[None, :], tl.where(o_b == SENT, 0, o_b),
-             mask=row_ok[:, None])
-    tl.store(mid_lse_ptr + row, tl.where(lse_b == SENT, 0, lse_b), mask=row_ok)

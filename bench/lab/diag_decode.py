@@ -21,7 +21,6 @@ from collections import Counter
 
 import torch
 
-import pdserve.kernels.decode_attention as attn_mod
 import pdserve.kernels.fp8_gemv_tc  # noqa: F401  (tc_mod below)
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
 import pdserve.kernels.moe_gemv as moe_gemv
@@ -68,7 +67,6 @@ ORIGINAL_PICK = gemv_mod.pick_config
 ORIGINAL_PICK_MOE = moe_gemv.pick_gemv_config
 tc_mod = sys.modules["pdserve.kernels.fp8_gemv_tc"]
 ORIGINAL_TC_PLAN = tc_mod.tc_plan
-ORIGINAL_DECODE_TILES = attn_mod.decode_tiles
 
 
 def replay_probe(g: DecodeGraphs) -> dict:
@@ -145,13 +143,12 @@ TC = {"on": True}
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None, attn: dict | None = None):
+            tc_plans: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
     whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py), with TcPlan
-    fields to override per (N, K) (`tc_plans`), and DecodeTiles fields of the decode
-    attention (`attn`)."""
+    fields to override per (N, K) (`tc_plans`)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -166,14 +163,10 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
     def plan(N: int, K: int, sms: int):
         return dataclasses.replace(ORIGINAL_TC_PLAN(N, K, sms), **(tc_plans or {}).get((N, K), {}))
 
-    def attn_tiles(*args, **kwargs):
-        return dataclasses.replace(ORIGINAL_DECODE_TILES(*args, **kwargs), **(attn or {}))
-
     def setup() -> None:
         gemv_mod.pick_config = pick
         moe_gemv.pick_gemv_config = pick_moe
         tc_mod.tc_plan = plan
-        attn_mod.decode_tiles = attn_tiles
         TC["on"] = tc
     return name, setup, splits
 
@@ -186,9 +179,6 @@ QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
-            # the decode attention's split merge by an arrival counter (before: the last
-            # split polling for the partials)
-            variant("attn_count", attn={"merge": "count"}),
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)

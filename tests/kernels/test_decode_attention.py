@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton.language as tl
 
-from pdserve.kernels._triton import SENTINEL_BITS, jit
 from pdserve.kernels.decode_attention_config import choose_num_splits
-from pdserve.kernels.decode_attention_tiles import store_partial_bits
 from pdserve.kernels.ops import paged_decode_attention
 from pdserve.kernels.reference import paged_attention_ref
 
@@ -205,65 +202,3 @@ def test_heads_outer_views_give_the_same_result(R, splits, device, paged_cache):
     want = paged_decode_attention(q, cache.k, cache.v, *args, num_splits=splits, rows_per_seq=R)
     out = paged_decode_attention(q, k, v, *args, num_splits=splits, rows_per_seq=R)
     assert torch.equal(out, want)
-
-
-@pytest.mark.parametrize("merge", ["poll", "count"])
-@pytest.mark.parametrize("R,group,seq_lens,splits", [
-    (1, 3, [24, 25, 1], 3),            # odd GQA ratio; a one-tile context (no merge)
-    (3, 4, [65, 130, 3], 16),          # verify rows, most splits empty
-])
-def test_both_split_merges_match_the_reference_and_leave_the_scratch_empty(
-        merge, R, group, seq_lens, splits, device, paged_cache, close) -> None:
-    """Where few (sequence, KV head) pairs split the keys, the last split polls scratch for
-    the others' partials ("poll", kernels/decode_attention_config.py DecodeTiles.merge) or
-    the last to arrive merges ("count"); under the interpreter the programs run one after
-    another, the merger last. Twice in a row: the merger writes the sentinel back, so the
-    second launch reads only its own partials."""
-    from dataclasses import replace
-
-    from pdserve.kernels._triton import polled_scratch
-    from pdserve.kernels.decode_attention_config import decode_tiles
-
-    hkv, d = 2, 64
-    cache = paged_cache(seq_lens, 4, hkv, d, torch.float32)
-    tiles = replace(decode_tiles(torch.float32, torch.float32, d), merge=merge)
-    for seed in (1, 2):
-        B = len(seq_lens)
-        q = torch.randn(B * R, group * hkv, d, generator=torch.Generator().manual_seed(seed))
-        q = q.to(device)
-        out = paged_decode_attention(q, cache.k, cache.v, cache.block_tables, cache.seq_lens,
-                                     d ** -0.5, num_splits=splits, rows_per_seq=R,
-                                     tiles=tiles)
-        qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * R
-        close(out, paged_attention_ref(q, cache.k, cache.v, qsl, cache.seq_lens,
-                                       cache.block_tables, d ** -0.5), torch.float32)
-        scratch = polled_scratch(q.device, 0)
-        assert bool((scratch == SENTINEL_BITS).all())  # every slot empty between launches
-
-
-@jit
-def _store_partial(o_ptr, lse_ptr, mid_o, mid_lse, G: tl.constexpr, D: tl.constexpr,
-                   SENT: tl.constexpr):
-    g, d = tl.arange(0, G), tl.arange(0, D)
-    o = tl.load(o_ptr + g[:, None] * D + d[None, :])
-    store_partial_bits(mid_o, mid_lse, g, o, tl.load(lse_ptr + g), g < G, d, D, SENT)
-
-
-def test_polled_partials_send_negative_zero_as_positive_zero(device) -> None:
-    """A partial of exactly -0.0 has the sentinel's bits and would never be read: it is
-    stored as +0.0 (store_partial_bits; the merge would wait for it forever otherwise)."""
-    o = torch.tensor([[-0.0, 1.5], [0.0, -2.0]], device=device)
-    lse = torch.tensor([-0.0, -float("inf")], device=device)
-    mid_o = torch.full((2, 2), SENTINEL_BITS, dtype=torch.int32, device=device)
-    mid_lse = torch.full((2,), SENTINEL_BITS, dtype=torch.int32, device=device)
-    _store_partial[(1,)](o, lse, mid_o, mid_lse, G=2, D=2, SENT=SENTINEL_BITS)
-    assert not bool((mid_o == SENTINEL_BITS).any() or (mid_lse == SENTINEL_BITS).any())
-    assert mid_o.view(torch.float32).tolist() == [[0.0, 1.5], [0.0, -2.0]]
-    assert mid_lse.view(torch.float32).tolist() == [0.0, -float("inf")]
-
-
-def test_merge_names_are_checked() -> None:
-    from pdserve.kernels.decode_attention_config import DecodeTiles
-
-    with pytest.raises(ValueError, match="tiles.merge: 'atomic' not in"):
-        DecodeTiles(64, merge="atomic")
