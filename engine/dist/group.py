@@ -219,6 +219,13 @@ class TPGroup:
             raise GroupError(f"rank {self.rank}: {what} failed (a rank died or passed the "
                              f"{self.cfg.timeout_s} s deadline): {e}") from e
 
+    def reduces_in_triton(self, t: torch.Tensor, eager_peer: bool = False) -> bool:
+        """Whether all_reduce(t, eager_peer=eager_peer) here launches the push kernel: a
+        Triton kernel that lets its dependents in, so the next launch may be a PDL one
+        (behind NCCL's kernel a PDL launch broke graph captures, kernels/rmsnorm.py)."""
+        return self.peer is not None and self.peer.fits(t) and (
+            eager_peer or torch.cuda.is_current_stream_capturing())
+
     def all_reduce(self, t: torch.Tensor, pdl: bool = False,
                    eager_peer: bool = False) -> torch.Tensor:
         """Sum over ranks; returns the sum (t itself, summed in place, or a new tensor).
@@ -230,8 +237,7 @@ class TPGroup:
         messages; fits() looks at shape and dtype only). Else NCCL: the collective runs on
         the current stream (asyncOp False, torch >= 2.8): no side stream to join and no
         event pair per call."""
-        if self.peer is not None and self.peer.fits(t) and (
-                eager_peer or torch.cuda.is_current_stream_capturing()):
+        if self.reduces_in_triton(t, eager_peer):
             return self.peer.all_reduce(t, pdl=pdl)
         if self.size > 1:
             opts = dist.AllreduceOptions()

@@ -134,7 +134,8 @@ class DecoderLayer(nn.Module):
                  tp: TPContext | None = None) -> None:
         super().__init__()
         # the row-parallel sum after o_proj and after the MLP (identity without TP)
-        self.reduce = tp.group.all_reduce if tp is not None and tp.size > 1 else _identity
+        self.group = tp.group if tp is not None and tp.size > 1 else None
+        self.reduce = self.group.all_reduce if self.group is not None else _identity
         self.adds_residual = tp is None or tp.rank == 0  # GEMV epilogues: rank 0 adds it
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, kv_layer, backend)
@@ -182,9 +183,10 @@ class DecoderLayer(nn.Module):
         h = self.reduce(linear_gemv(o, attn.o_proj, add=h if add else None, prefetch=True),
                         pdl=True)
         if not isinstance(mlp, SwiGLUMLP):  # MoE: the norm rides in the router (batch 1),
-            # a PDL launch behind o_proj unless an all-reduce comes between (PDL behind a
-            # non-Triton kernel broke CUDA-graph captures, kernels/rmsnorm.py)
-            return self.reduce(mlp.forward_normed(h, ln2, pdl=self.reduce is _identity)), h
+            # a PDL launch behind o_proj, or behind its all-reduce when that is our push
+            # kernel (PDL behind NCCL's kernel broke CUDA-graph captures, kernels/rmsnorm.py)
+            pdl = self.group is None or self.group.reduces_in_triton(h)
+            return self.reduce(mlp.forward_normed(h, ln2, pdl=pdl)), h
         gate_up, _ = linear_gemv(h, mlp.gate_up_proj, "norm", None, ln2.weight, ln2.eps)
         return self.reduce(linear_gemv(gate_up, mlp.down_proj, "silu",
                                        add=h if add else None), pdl=True), None

@@ -8,12 +8,14 @@ import ray
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_channel
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.tp_group import remove_previous
 from pdserve.worker.tp_worker import launch_tp_worker
 
 from tests.cluster_secret import SECRET
 from tests.workers.cluster import Worker
 
 # every worker of these tests: float32 on CPU, blocks of 4 tokens (prompts span several)
+TEST_GENERATIONS = 4  # generations a test launches at most (stop removes their groups)
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_num_seqs=8)
 
 
@@ -84,6 +86,9 @@ def head_digests(w: Worker, block_ids: list[int], num_tokens: int) -> dict[int, 
 
 
 def stop(*workers: Worker) -> None:
+    """Stop each worker as the router does (router/worker_refs.py RayWorkerRef.shutdown): a
+    TP worker's placement groups go too, or their reserved CPUs stay taken on the test
+    process's small Ray instance (later files' groups then never placed)."""
     for w in workers:
         w.channel.close()
         try:
@@ -91,3 +96,5 @@ def stop(*workers: Worker) -> None:
         except Exception:  # noqa: BLE001 - already dead: the kill below is what counts
             pass
         ray.kill(w.actor, no_restart=True)
+        if w.cfg.engine.tensor_parallel_size > 1:
+            remove_previous(w.cfg.worker_id, TEST_GENERATIONS)
