@@ -91,7 +91,7 @@ class TPWorkerActor(WorkerActor):
         store = open_store(pcfg)
         # with graphs every rank joins the peer all-reduce (the followers decide from the
         # same cfg.engine: worker/tp_group.py serve_follower); each rank sees its peers'
-        # GPUs (tp_follower.RANK_RUNTIME_ENV)
+        # GPUs (worker/rank_gpu.py)
         pcfg = dataclasses.replace(pcfg, init_address=f"tcp://{host}:{store.port}"
                                    ).with_graphs(cfg.engine.use_cuda_graphs)
         # the followers' processes are up first: the join deadline (tp_timeout_s) is for
