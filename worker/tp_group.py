@@ -19,10 +19,12 @@ rank still alive, then starts a fresh group: new store, new incarnation, peers r
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -37,6 +39,17 @@ log = logging.getLogger(__name__)
 
 def group_name(worker_id: str, generation: int) -> str:
     return f"{worker_id}.tp.g{generation}"
+
+
+def on_rank_device(method: Callable) -> Callable:
+    """A RankActor call that runs the model, run with the rank's GPU current: Ray runs each
+    call on a thread of its pool, and CUDA keeps the current device per thread (Triton
+    launches on it; a rank sees every GPU of its node, worker/rank_gpu.py)."""
+    @functools.wraps(method)
+    def call(self: RankActor, *args: object, **kwargs: object) -> object:
+        bind_thread(self.device)
+        return method(self, *args, **kwargs)
+    return call
 
 
 class RankActor:
@@ -74,11 +87,11 @@ class RankActor:
         self.group = TPGroup(self._cfg(address), self.store)
         return self.group.rank
 
+    @on_rank_device
     def load(self, cfg: object, seed: int = 0) -> dict:
         """The rank's shard of a seeded random model `cfg` (ModelConfig), then rank 0 leads
         (keep-alives on a thread) and the others follow on a thread: the group's mechanics
         without an engine (tests/dist/test_tp_group_ray.py); load_engine serves."""
-        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         import torch
 
         from pdserve.engine.dist.lockstep import Follower, Leader, LeaderModel
@@ -101,11 +114,11 @@ class RankActor:
         return {"rank": self.rank, "num_heads": local.config.num_heads,
                 "num_kv_heads": local.config.num_kv_heads}
 
+    @on_rank_device
     def load_engine(self, args: object) -> dict:
         """Every rank loads the checkpoint of `args` (EngineArgs) and keeps its
         shard (engine/llm.py load_rank); rank 0 builds the engine (scheduler, sampler) with
         a Leader, the others follow on a thread until STOP or a GroupError."""
-        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         from pdserve.engine.dist.lockstep import Leader
         from pdserve.engine.llm import load_rank
         from pdserve.engine.llm_engine import LLMEngine
@@ -124,11 +137,11 @@ class RankActor:
         return {"rank": self.rank, "num_heads": parts.net.config.num_heads,
                 "num_kv_heads": parts.net.config.num_kv_heads}
 
+    @on_rank_device
     def serve_follower(self, cfg: object, address: str) -> int:
         """A serving TP worker's follower (worker/tp_worker.py starts it): load, join the
         group at `address` (rank 0's store), run the lockstep loop and the KV thread over
         this rank's own transport (worker/tp_follower.py). Returns once both run."""
-        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         from pdserve.kv_transfer.ucx_binding import bind_ucx
         from pdserve.worker.tp_follower import FollowerRank
 
@@ -153,10 +166,10 @@ class RankActor:
         """This rank's process (tests stop it to stall the group)."""
         return os.getpid()
 
+    @on_rank_device
     def generate_ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Rank 0 with load_engine: greedy completions of token-id prompts through the engine
         (tests; serving goes through the Worker's gRPC, docs/tensor_parallel.md)."""
-        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         from pdserve.engine.core.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -196,10 +209,10 @@ class RankActor:
         log.error("worker %s rank %d leaves its group: %s", self.worker_id, self.rank, e)
         os._exit(1)
 
+    @on_rank_device
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         """Rank 0 after load: greedy decoding of `prompts` in lockstep (tests; a serving
         worker decodes through its engine instead)."""
-        bind_thread(self.device)  # Ray runs each call on a thread of its pool
         from pdserve.engine.dist.steps import greedy_batch
 
         with self._lock:
