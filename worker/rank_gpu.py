@@ -40,11 +40,12 @@ def rank_device(device: str) -> str:
     if not device.startswith("cuda"):
         return device
     import ray
-    import torch
+
+    from pdserve.engine.exec.device_io import bind_thread
 
     ids = ray.get_gpu_ids()
     if len(ids) != 1:
         raise RuntimeError(f"a TP rank actor needs exactly one GPU from Ray, got {ids!r}")
-    index = cuda_index(ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
-    torch.cuda.set_device(index)
-    return f"cuda:{index}"
+    device = f"cuda:{cuda_index(ids[0], os.environ.get('CUDA_VISIBLE_DEVICES'))}"
+    bind_thread(device)
+    return device
