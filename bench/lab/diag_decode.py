@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 
+import pdserve.kernels.decode_attention as attn_mod
 import pdserve.kernels.fp8_gemv_tc  # noqa: F401  (tc_mod below)
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
 import pdserve.kernels.moe_gemv as moe_gemv
@@ -67,6 +68,22 @@ ORIGINAL_PICK = gemv_mod.pick_config
 ORIGINAL_PICK_MOE = moe_gemv.pick_gemv_config
 tc_mod = sys.modules["pdserve.kernels.fp8_gemv_tc"]
 ORIGINAL_TC_PLAN = tc_mod.tc_plan
+ORIGINAL_TILES = attn_mod.decode_tiles
+
+
+def kernel_footprints() -> list[dict]:
+    """Registers, spills, shared memory and warps of every compiled decode attention and
+    tensor-core GEMV specialisation: what decides how many CTAs of neighbouring PDL launches
+    share an SM."""
+    rows = []
+    for fn in (attn_mod._decode_kernel, tc_mod._fp8_gemv_tc_kernel):
+        for caches in fn.device_caches.values():
+            for kernel in caches[0].values():
+                kernel._init_handles()
+                rows.append({"kernel": fn.__name__, "n_regs": kernel.n_regs,
+                             "n_spills": kernel.n_spills, "shared": kernel.metadata.shared,
+                             "num_warps": kernel.metadata.num_warps})
+    return rows
 
 
 def replay_probe(g: DecodeGraphs) -> dict:
@@ -143,12 +160,13 @@ TC = {"on": True}
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None):
+            tc_plans: dict | None = None, attn: dict | None = None):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
     whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py), with TcPlan
-    fields to override per (N, K) (`tc_plans`)."""
+    fields to override per (N, K) (`tc_plans`), and DecodeTiles fields of the decode
+    attention (`attn`)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -163,7 +181,11 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
     def plan(N: int, K: int, sms: int):
         return dataclasses.replace(ORIGINAL_TC_PLAN(N, K, sms), **(tc_plans or {}).get((N, K), {}))
 
+    def attn_tiles(*args, **kwargs):
+        return dataclasses.replace(ORIGINAL_TILES(*args, **kwargs), **(attn or {}))
+
     def setup() -> None:
+        attn_mod.decode_tiles = attn_tiles
         gemv_mod.pick_config = pick
         moe_gemv.pick_gemv_config = pick_moe
         tc_mod.tc_plan = plan
@@ -183,6 +205,20 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
             variant("tc_o_nopre", tc_plans={O_PROJ: {"prefill": False}}),
+            # the attention and o_proj's CTAs sharing SMs (fewer registers each)
+            variant("attn_r96", attn={"max_regs": 96}),
+            variant("attn_r96_o64", attn={"max_regs": 96}, tc_plans={O_PROJ: {"maxnreg": 64}}),
+            variant("attn_r80_o64", attn={"max_regs": 80}, tc_plans={O_PROJ: {"maxnreg": 64}}),
+            variant("o64", tc_plans={O_PROJ: {"maxnreg": 64}}),
+            variant("split16", splits=16),
+            variant("split16_o64", splits=16, tc_plans={O_PROJ: {"maxnreg": 64}}),
+            # every tensor-core GEMV's CTA at half the registers (and a shorter ring), so that
+            # the next launch's CTAs fit beside it and fill their rings while it streams
+            *[variant(f"tc_r64_s{st}{'_split16' if sp else ''}", splits=sp,
+                      tc_plans={s: {"maxnreg": 64, **({"stages": st} if st else {})}
+                                for s in (QKV, O_PROJ, GATE_UP, DOWN)})
+              for st in (0, 8, 6) for sp in (None, 16)],
+            variant("tc_s6", tc_plans={s: {"stages": 6} for s in (QKV, O_PROJ, GATE_UP, DOWN)}),
             # one CTA per SM (grid 132) for a projection: the next kernel's CTAs (the
             # attention's after q/k/v) fit beside it and start before it ends
             variant("tc_qkv_g132", tc_plans={QKV: {"grid": 132, "split": 4, "stages": 12}}),
@@ -274,7 +310,7 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             variant("default_again")]  # the spread between two captures of one variant
 
 
-def capture(engine, setup, splits, vocab: int):
+def capture(engine, setup, splits, vocab: int, context: int):
     """The batch-1 decode graph captured under a variant: (step fn, graph)."""
     runner = engine.runner
     model = runner.model
@@ -285,7 +321,7 @@ def capture(engine, setup, splits, vocab: int):
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]
     g.capture([1])
-    fill_static(g, 1, 640, vocab)
+    fill_static(g, 1, context, vocab)
     graph, hidden, _ = g.graphs[1]
 
     def step() -> None:
@@ -295,10 +331,12 @@ def capture(engine, setup, splits, vocab: int):
     return step, g
 
 
-def round_robin(engine, variants: list, vocab: int, rounds: int, by_position: bool) -> dict:
+def round_robin(engine, variants: list, vocab: int, rounds: int, by_position: bool,
+                context: int = 640) -> dict:
     """Each variant's step time, the variants timed in turn `rounds` times (median of the
     rounds' medians), so that clock and thermal drift spread over all of them."""
-    captured = {name: capture(engine, setup, splits, vocab) for name, setup, splits in variants}
+    captured = {name: capture(engine, setup, splits, vocab, context)
+                for name, setup, splits in variants}
     times: dict[str, list[float]] = {name: [] for name in captured}
     with torch.inference_mode():
         for _ in range(rounds):
@@ -323,6 +361,7 @@ def main() -> None:
     ap.add_argument("--preset", default=Plan().preset)
     ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--context", type=int, default=640, help="tokens in the sequence's KV")
     ap.add_argument("--no-engine", action="store_true",
                     help="skip the engine-loop measurements after the variants")
     args = ap.parse_args()
@@ -339,7 +378,9 @@ def main() -> None:
                                        [v for v in VARIANTS if not only or v[0] in only])
     # the by-position table knows Qwen3-8B's five kernels per layer only
     results = round_robin(engine, variants, vocab, args.rounds,
-                          by_position=args.preset == Plan().preset)
+                          by_position=args.preset == Plan().preset, context=args.context)
+    results["footprints"] = kernel_footprints()
+    print(json.dumps(results["footprints"]), flush=True)
     if args.no_engine:
         return finish(results, args)
     best = min(variants, key=lambda v: results[v[0]]["step_ms"])
