@@ -8,6 +8,7 @@ the pulls cross VRAM and DRAM in both directions. Needs 2 CUDA devices."""
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from tests.workers.cluster import start_ray
@@ -16,7 +17,7 @@ from tests.workers.tp_cluster import start_tp_workers, stop
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-# per rank; 16-token blocks on both sides (the GPU kernels' smallest)
+# num_gpus per rank; 16-token blocks on both sides, as the GPU serving tests use
 GPU = dict(device="cuda", num_gpus=1, block_size=16)
 
 
@@ -34,10 +35,14 @@ def test_pd_with_a_tp2_worker_on_gpus_equals_colocated(tmp_path, gpu_role) -> No
                               block_size=16)
     workers = [host]
     try:
+        graphs = dict(use_triton=True, use_cuda_graphs=True) if gpu_role == "decode" else {}
         [gpu] = start_tp_workers([(gpu_role, f"gpu-{gpu_role}", 2)], model, lease_ttl_s=5.0,
-                                 tp_timeout_s=60.0, **GPU)
+                                 tp_timeout_s=60.0, **GPU, **graphs)
         workers.append(gpu)
         p, d = (gpu, host) if gpu_role == "prefill" else (host, gpu)
         _serve_pair_like(p, d, want, f"gpu-{gpu_role}")
+        if gpu_role == "decode":  # its ranks decoded from graphs, all-reduces peer to peer
+            assert ray.get(gpu.actor.graph_replays.remote(), timeout=30) > 0
+            assert ray.get(gpu.actor.peer_all_reduce.remote(), timeout=30)
     finally:
         stop(*workers)
