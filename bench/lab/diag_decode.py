@@ -211,6 +211,8 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             variant("attn_r80_o64", attn={"max_regs": 80}, tc_plans={O_PROJ: {"maxnreg": 64}}),
             variant("o64", tc_plans={O_PROJ: {"maxnreg": 64}}),
             variant("split16", splits=16),
+            variant("split64", splits=64),
+            variant("split8", splits=8),
             variant("split16_o64", splits=16, tc_plans={O_PROJ: {"maxnreg": 64}}),
             # every tensor-core GEMV's CTA at half the registers (and a shorter ring), so that
             # the next launch's CTAs fit beside it and fill their rings while it streams
