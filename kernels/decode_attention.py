@@ -69,7 +69,6 @@ from pdserve.kernels.decode_attention_tiles import (
     attend_keys_quarters,
     load_tile,
     merge_splits,
-    prefetch_tiles_l2,
 )
 from pdserve.kernels.kv_quant import KVScales, cache_is_fp8
 from pdserve.kernels.kv_write import DYN_FACTOR, check_q_and_cache
@@ -97,9 +96,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True,
-                   L2_AHEAD: tl.constexpr = 0, ROW_LINES: tl.constexpr = 1,
-                   LINE: tl.constexpr = 64):
+                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -142,10 +139,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
     if PREFETCH:  # small grids (split-K): their programs wait on few SMs, registers spare
         k_first, v_first = load_tile(k_base, v_base, bt_row, n_first, end, stride_kc_b,
                                       stride_kc_o, stride_vc_b, stride_vc_o, block_size, D)
-        if L2_AHEAD > 0:  # the split's next tiles into L2 (attend_keys asks for the rest)
-            prefetch_tiles_l2(k_base, v_base, bt_row, start + BLOCK_N, end, stride_kc_b,
-                              stride_kc_o, stride_vc_b, stride_vc_o, block_size, L2_AHEAD,
-                              BLOCK_N, ROW_LINES, LINE)
     else:  # placeholders; the loop loads every tile
         k_first = tl.zeros([BLOCK_N, D], dtype=kc_ptr.dtype.element_ty)
         v_first = tl.zeros([BLOCK_N, D], dtype=vc_ptr.dtype.element_ty)
@@ -189,7 +182,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                 q.to(DOT_DTYPE), k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row,
                 start, end, clear_end, visible, stride_kc_b, stride_kc_o, stride_vc_b,
                 stride_vc_o, stride_ks_b, stride_vs_b, scale_log2, block_size, R, BLOCK_G, D,
-                BLOCK_N, PREFETCH, PREC, DOT_DTYPE, FP8, V_WORDS, L2_AHEAD, ROW_LINES, LINE)
+                BLOCK_N, PREFETCH, PREC, DOT_DTYPE, FP8, V_WORDS)
         has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         if n_active <= 1:  # one split: its result is final
@@ -323,10 +316,6 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     if prefetch and words == 3:  # the prefetched first tile is a whole [BLOCK_N, D] tile
         words = _word_loads(replace(tiles, fp8_loads="kv_words"), fp8, op_dtype, k_cache,
                             v_cache)
-    # the L2 look-ahead: compiled (inline PTX), with the prefetched first tile, 16-bit caches
-    # (an fp8 cache's tiles come as words through their own addressing)
-    l2_ahead = tiles.l2_ahead if prefetch and not fp8 and not interpreting() else 0
-    row_bytes = D * k_cache.element_size()
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     mid_o = mid_lse = counters = out  # unused when one split writes `out` directly
@@ -355,8 +344,6 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
-        FP8=fp8, V_WORDS=words, PTX=not interpreting(), L2_AHEAD=l2_ahead,
-        ROW_LINES=max(1, row_bytes // 128), LINE=128 // k_cache.element_size(),
-        num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
+        FP8=fp8, V_WORDS=words, PTX=not interpreting(), num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
         num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
     return out

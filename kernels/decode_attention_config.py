@@ -51,7 +51,6 @@ class DecodeTiles:
     waves: int = 1
     fp8_loads: str = "cast"
     max_regs: int | None = None  # ptxas register cap per thread (more programs per SM)
-    l2_ahead: int = 0  # with the prefetched first tile: tiles L2 is asked for ahead of the loop
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps", "waves"):
@@ -64,8 +63,6 @@ class DecodeTiles:
             raise ValueError(f"tiles.num_stages: {self.num_stages!r} must be an int >= 1")
         if self.fp8_loads not in FP8_LOADS:
             raise ValueError(f"tiles.fp8_loads: {self.fp8_loads!r} not in {FP8_LOADS}")
-        if self.l2_ahead not in (0, 1, 2, 4, 8):
-            raise ValueError(f"tiles.l2_ahead: {self.l2_ahead!r} not in (0, 1, 2, 4, 8)")
         if self.max_regs is not None and not (isinstance(self.max_regs, int)
                                               and 64 <= self.max_regs <= 255):
             raise ValueError(f"tiles.max_regs: {self.max_regs!r} must be an int in [64, 255]")

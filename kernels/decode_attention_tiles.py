@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from pdserve.kernels._triton import _prefetch_l2, jit
+from pdserve.kernels._triton import jit
 
 FP16_MAX = tl.constexpr(65504.0)
 
@@ -138,33 +138,6 @@ def load_tile(k_base, v_base, bt_row, n, end, stride_kc_b, stride_kc_o, stride_v
 
 
 @jit
-def prefetch_rows_l2(k_base, v_base, blk, n, end, stride_kc_b, stride_kc_o, stride_vc_b,
-                     stride_vc_o, block_size, ROW_LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the cache lines of the keys and values at positions n [M] (< end), whose
-    blocks are blk [M] (the block table's entries): fire and forget, so no register is held
-    while they come. A key row is ROW_LINES 128-byte lines of LINE elements. Positions past
-    `end` ask for block 0's row 0 (always mapped)."""
-    ok = n < end
-    b = tl.where(ok, blk, 0).to(tl.int64)[:, None]
-    row = tl.where(ok, n % block_size, 0)[:, None]
-    col = (tl.arange(0, ROW_LINES) * LINE)[None, :]
-    _prefetch_l2((k_base + b * stride_kc_b + row * stride_kc_o + col).to(tl.int64, bitcast=True))
-    _prefetch_l2((v_base + b * stride_vc_b + row * stride_vc_o + col).to(tl.int64, bitcast=True))
-
-
-@jit
-def prefetch_tiles_l2(k_base, v_base, bt_row, n0, end, stride_kc_b, stride_kc_o, stride_vc_b,
-                      stride_vc_o, block_size, TILES: tl.constexpr, BLOCK_N: tl.constexpr,
-                      ROW_LINES: tl.constexpr, LINE: tl.constexpr):
-    """prefetch_rows_l2 for the TILES tiles from key n0 (their block ids loaded here)."""
-    if n0 < end:
-        n = n0 + tl.arange(0, TILES * BLOCK_N)
-        blk = tl.load(bt_row + n // block_size, mask=n < end, other=0)
-        prefetch_rows_l2(k_base, v_base, blk, n, end, stride_kc_b, stride_kc_o, stride_vc_b,
-                         stride_vc_o, block_size, ROW_LINES, LINE)
-
-
-@jit
 def load_scales(ks_base, vs_base, bt_row, n, end, stride_ks_b, stride_vs_b, block_size,
                 MASK: tl.constexpr = True):
     """An fp8 cache's per-key scales [BLOCK_N] (their blocks' scales for this KV head)."""
@@ -222,17 +195,14 @@ def attend_keys(q, k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, s
                 stride_ks_b, stride_vs_b, scale_log2, block_size, R: tl.constexpr, BLOCK_G: tl.constexpr,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, FIRST_LOADED: tl.constexpr,
                 PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8: tl.constexpr,
-                V_WORDS: tl.constexpr = 0, L2_AHEAD: tl.constexpr = 0,
-                ROW_LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
+                V_WORDS: tl.constexpr = 0):
     """Online softmax of the rows q [BLOCK_G, D] over keys [start, end) of one KV head:
     returns (acc [BLOCK_G, D] unnormalised, m [BLOCK_G] running max in log2 units, l [BLOCK_G]
     sum of weights). Row g sees keys < visible[g] (causal rows of a verify step); every row
     sees the keys < clear_end (<= end). With FIRST_LOADED the first tile's keys/values
     k_first/v_first [BLOCK_N, D] come in loaded; otherwise the (software-pipelined) loops
     load every tile: whole tiles below clear_end unmasked, then the rest (one or two tiles)
-    masked. L2_AHEAD > 0 (compiled only; with FIRST_LOADED, whose kernel asks for tiles
-    1..L2_AHEAD before its PDL wait): each unmasked tile first asks L2 for the tile L2_AHEAD
-    on, so that a long split's loads hit L2 instead of waiting on HBM one tile at a time."""
+    masked."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
@@ -251,16 +221,7 @@ def attend_keys(q, k_first, v_first, k_base, v_base, ks_base, vs_base, bt_row, s
     # software pipeliner's prologue around them (~1 us of a batch-1 layer on an H200)
     if loop_start < end:
         full_end = loop_start + tl.maximum(clear_end - loop_start, 0) // BLOCK_N * BLOCK_N
-        if L2_AHEAD > 0:  # the block ids of the tile to ask for, one iteration ahead: their
-            # load is not waited for in the iteration that issues it
-            pf_n = loop_start + L2_AHEAD * BLOCK_N + tl.arange(0, BLOCK_N)
-            pf_blk = tl.load(bt_row + pf_n // block_size, mask=pf_n < end, other=0)
         for n0 in range(loop_start, full_end, BLOCK_N):
-            if L2_AHEAD > 0:
-                prefetch_rows_l2(k_base, v_base, pf_blk, pf_n, end, stride_kc_b, stride_kc_o,
-                                 stride_vc_b, stride_vc_o, block_size, ROW_LINES, LINE)
-                pf_n += BLOCK_N
-                pf_blk = tl.load(bt_row + pf_n // block_size, mask=pf_n < end, other=0)
             acc, m_i, l_i = _loop_tile(q, acc, m_i, l_i, n0, k_base, v_base, ks_base, vs_base,
                                        bt_row, end, visible, stride_kc_b, stride_kc_o,
                                        stride_vc_b, stride_vc_o, stride_ks_b, stride_vs_b,

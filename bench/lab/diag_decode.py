@@ -219,7 +219,6 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             variant("attn_bn128", attn={"block_n": 128}),
             variant("attn_bn32", attn={"block_n": 32}),
             variant("attn_w4", attn={"num_warps": 4}),
-            *[variant(f"attn_l2a{a}", attn={"l2_ahead": a}) for a in (1, 2, 4, 8)],
             variant("split16_o64", splits=16, tc_plans={O_PROJ: {"maxnreg": 64}}),
             # every tensor-core GEMV's CTA at half the registers (and a shorter ring), so that
             # the next launch's CTAs fit beside it and fill their rings while it streams

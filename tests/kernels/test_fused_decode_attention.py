@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from pdserve.kernels.decode_attention import Prologue, fused_decode_attention
-from pdserve.kernels.decode_attention_config import DecodeTiles
 from pdserve.kernels.reference import paged_attention_ref, qk_norm_rope_cache_ref
 
 
@@ -78,21 +77,6 @@ def test_bf16_head_dim_128_repeated_launches(device, paged_cache, close):
                                      cache.seq_lens, 128 ** -0.5, num_splits=8)
         close(out, want, torch.bfloat16)
         close(cache.kv, kv_want, torch.bfloat16)
-
-
-@pytest.mark.parametrize("ahead", [1, 2, 4])
-def test_l2_lookahead_reads_the_same_keys(ahead, device, paged_cache, close):
-    """Long splits (up to 8 tiles) with L2 asked for tiles ahead (DecodeTiles.l2_ahead; a hint
-    the GPU compiles, the interpreter skips): the same result, past the ends of short and
-    empty sequences too."""
-    cache = paged_cache([1000, 0, 65, 700], 16, 2, 128, torch.bfloat16)
-    q, p = _case(cache, 1, 8, 128, torch.bfloat16, device, True)
-    want, kv_want = _reference(q, p, cache, 1)
-    tiles = DecodeTiles(64, 8, 2, waves=2, l2_ahead=ahead)
-    out = fused_decode_attention(q, p, cache.k, cache.v, cache.block_tables, cache.seq_lens,
-                                 128 ** -0.5, num_splits=2, tiles=tiles)
-    close(out, want, torch.bfloat16)
-    close(cache.kv, kv_want, torch.bfloat16)
 
 
 def test_prologue_arguments_name_the_field(device, paged_cache):
