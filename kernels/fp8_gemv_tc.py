@@ -57,24 +57,28 @@ GROUP_K = 128  # K columns per tile, per weight scale and per activation scale
 @dataclass(frozen=True)
 class TcPlan:
     """split: K splits per row block; group: tiles whose wgmmas are in flight at once;
-    stages: ring depth in tiles; grid: CTAs; prefill: the ring starts filling before the
-    PDL wait (while the kernel before runs); maxnreg: the consumer's registers."""
+    stages: ring depth in tiles; grid: CTAs; prefill: tiles loaded before the PDL wait
+    (while the kernel before runs; None: a whole ring); maxnreg: the consumer's registers."""
     split: int
     group: int
     stages: int
     grid: int
-    prefill: bool = True
+    prefill: int | None = None
     maxnreg: int = 128
 
 
 @functools.cache
-def tc_plan(N: int, K: int, sms: int, per_sm: int = 2) -> TcPlan:
+def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = False) -> TcPlan:
     """The K split that spreads N / 64 row blocks x K / 128 tiles most evenly over
     per_sm * sms CTAs (ties: 8 tiles per split, the probe's best), and the wgmmas in flight
     (4 where they divide the split's tiles). H200 at Qwen3-8B's shapes: q/k/v 8, o 4,
     gate_up 4, down 12 splits, each ~97% busy. Ring: 12 tiles for matrices of >= 32 MB, 8
     below (Qwen3-8B FP8 step 2.414 -> 2.398 ms with gate_up's and down's 12, q/k/v's too
-    2.416; bench/results/diag_tc_h200_2026-11-30.json)."""
+    2.416; bench/results/diag_tc_h200_2026-11-30.json). light_prefill (the launch before is
+    latency-bound, as the decode attention before o_proj): all but 2 tiles of the ring
+    before the PDL wait, since the attention's round trips queue behind the ring's loads
+    (Qwen3-8B FP8 step 2.389 -> 2.363 ms with o_proj's 6 of 8; 4: 2.378, 2: 2.398;
+    bench/results/diag_tc_o_prefill_h200_2026-11-30.json)."""
     stages = 12 if N * K >= (32 << 20) else 8
     grid, blocks, tiles = sms * per_sm, triton.cdiv(N, ROWS), K // GROUP_K
     best, split = None, 1
@@ -87,7 +91,7 @@ def tc_plan(N: int, K: int, sms: int, per_sm: int = 2) -> TcPlan:
             best, split = key, s
     kts = tiles // split
     group = 4 if kts % 4 == 0 else 2 if kts % 2 == 0 else 1
-    return TcPlan(split, group, stages, grid)
+    return TcPlan(split, group, stages, grid, prefill=stages - 2 if light_prefill else None)
 
 
 @gluon.jit
@@ -105,14 +109,18 @@ def _gdc_launch():
 @gluon.jit
 def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
             STAGES: gl.constexpr, PREFILL: gl.constexpr):
-    """One warp: the CTA's [64, 128] weight tiles into the ring, in consumption order."""
-    if not PREFILL:
+    """One warp: the CTA's [64, 128] weight tiles into the ring, in consumption order, the
+    first PREFILL of them before the PDL wait."""
+    if PREFILL == 0:
         _gdc_wait()
     pid = gl.program_id(0)
     GS = gl.num_programs(0) // SPLIT
     first = pid // SPLIT
     total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
     for t in range(total):
+        if PREFILL > 0 and PREFILL < STAGES:
+            if t == PREFILL:
+                _gdc_wait()
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), 64 * 128)
@@ -393,20 +401,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, prologue
 def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 prologue: str = "none", norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,
-                res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = ()
-                ) -> torch.Tensor:
+                res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = (),
+                light_prefill: bool = False) -> torch.Tensor:
     """out [1, N] (fp32, zero on entry) += the module doc's product for x [1, K] ([1, 2K]
     = gate | up for "silu"), weight e4m3 [N, K] with scales [N / 128, K / 128]; plus add
     [1, N] (the residual); res_out [1, K] (fp32) <- x ("norm" only); each of `zero` (<= 2
     fp32 buffers, never this launch's inputs) <- 0 once the launch before has finished.
-    Off Hopper or on CPU: kernels.reference.fp8_gemv_tc_ref. Returns out."""
+    light_prefill: the launch before is latency-bound (tc_plan). Off Hopper or on CPU:
+    kernels.reference.fp8_gemv_tc_ref. Returns out."""
     _check(x, weight, scales, prologue, norm_weight, out, add, res_out, zero)
     if not (weight.is_cuda and tc_available(weight.device.index or 0)):
         from pdserve.kernels.reference import fp8_gemv_tc_ref
         return fp8_gemv_tc_ref(x, weight, scales, prologue, norm_weight, eps, out=out,
                                add=add, res_out=res_out, zero=zero)
     N, K = weight.shape
-    plan = tc_plan(N, K, num_sms(weight.device.index or 0))
+    plan = tc_plan(N, K, num_sms(weight.device.index or 0), light_prefill=light_prefill)
     layout = gl.NVMMASharedLayout.get_default_for([ROWS, GROUP_K], gl.float8e4nv)
     desc = TensorDescriptor(weight, [N, K], [K, 1], [ROWS, GROUP_K], layout)
     z = list(zero) + [out] * (2 - len(zero))  # placeholders: n = 0 stores nothing
@@ -419,5 +428,6 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
-        PREFILL=plan.prefill, num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
+        PREFILL=plan.stages if plan.prefill is None else min(plan.prefill, plan.stages),
+        num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
     return out

@@ -178,8 +178,9 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
     def pick_moe(*args, **kwargs):
         return dataclasses.replace(ORIGINAL_PICK_MOE(*args, **kwargs), **(moe or {}))
 
-    def plan(N: int, K: int, sms: int):
-        return dataclasses.replace(ORIGINAL_TC_PLAN(N, K, sms), **(tc_plans or {}).get((N, K), {}))
+    def plan(N: int, K: int, sms: int, *args, **kwargs):
+        return dataclasses.replace(ORIGINAL_TC_PLAN(N, K, sms, *args, **kwargs),
+                                   **(tc_plans or {}).get((N, K), {}))
 
     def attn_tiles(*args, **kwargs):
         return dataclasses.replace(ORIGINAL_TILES(*args, **kwargs), **(attn or {}))
@@ -204,7 +205,14 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
-            variant("tc_o_nopre", tc_plans={O_PROJ: {"prefill": False}}),
+            variant("tc_o_nopre", tc_plans={O_PROJ: {"prefill": 0}}),
+            # part of a ring filled before the PDL wait: less traffic beside the launch before
+            *[variant(f"tc_{name}_pre{k}", tc_plans={shape: {"prefill": k}})
+              for name, shape in (("o", O_PROJ), ("gu", GATE_UP), ("qkv", QKV), ("dn", DOWN))
+              for k in (2, 4)],
+            *[variant(f"tc_o_pre{k}", tc_plans={O_PROJ: {"prefill": k}}) for k in (3, 5, 6)],
+            variant("tc_o4_qkv4", tc_plans={O_PROJ: {"prefill": 4}, QKV: {"prefill": 4}}),
+            variant("tc_o_full", tc_plans={O_PROJ: {"prefill": None}}),  # before light_prefill
             # the attention and o_proj's CTAs sharing SMs (fewer registers each)
             variant("attn_r96", attn={"max_regs": 96}),
             variant("attn_r96_o64", attn={"max_regs": 96}, tc_plans={O_PROJ: {"maxnreg": 64}}),

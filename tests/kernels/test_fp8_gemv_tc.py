@@ -26,6 +26,12 @@ def test_plan_spreads_the_tiles(N, K):
         assert blocks * tiles / (plan.grid * busiest) >= 0.95
 
 
+def test_light_prefill_leaves_two_tiles_of_the_ring_for_after_the_wait():
+    assert tc_plan(4096, 4096, 132).prefill is None  # a whole ring
+    light = tc_plan(4096, 4096, 132, light_prefill=True)
+    assert light.prefill == light.stages - 2 > 0
+
+
 def _inputs(N: int, K: int, prologue: str, device, seed: int = 0):
     gen = torch.Generator().manual_seed(seed + N + K)
     w8, scales = fp8_weight(N, K, (128, 128), device, seed)
@@ -98,11 +104,11 @@ def test_bad_arguments_name_the_field(bad, field, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not tc_available(0),
                     reason="needs a compute capability 9.0 GPU")
-@pytest.mark.parametrize("N,K,prologue", [(200, 384, "none"), (200, 384, "norm"),
-                                          (136, 256, "silu"), (6144, 4096, "norm"),
-                                          (4096, 4096, "none"), (24576, 4096, "norm"),
-                                          (4096, 12288, "silu")])
-def test_kernel_is_the_reference(N, K, prologue):
+@pytest.mark.parametrize("N,K,prologue,light", [
+    (200, 384, "none", False), (200, 384, "norm", False), (136, 256, "silu", False),
+    (6144, 4096, "norm", False), (4096, 4096, "none", False), (4096, 4096, "none", True),
+    (200, 384, "none", True), (24576, 4096, "norm", False), (4096, 12288, "silu", False)])
+def test_kernel_is_the_reference(N, K, prologue, light):
     dev = torch.device("cuda")
     w8, scales, x, nw, add = _inputs(N, K, prologue, dev)
     res = torch.zeros(1, K, device=dev) if prologue == "norm" else None
@@ -110,7 +116,8 @@ def test_kernel_is_the_reference(N, K, prologue):
                            add=add)
     out = torch.zeros(1, N, device=dev)
     zs = (torch.ones(5000, device=dev), torch.ones(77, device=dev))
-    fp8_gemv_tc(x, w8, scales, prologue, nw, 1e-6, out=out, add=add, res_out=res, zero=zs)
+    fp8_gemv_tc(x, w8, scales, prologue, nw, 1e-6, out=out, add=add, res_out=res, zero=zs,
+                light_prefill=light)
     torch.cuda.synchronize()
     # the same quantized activation: only summation order and the tensor cores' fp8
     # accumulation within a 128-column group differ
