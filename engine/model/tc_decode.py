@@ -75,6 +75,7 @@ def forward_tc(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     gemv(x, *w(attn.qkv_proj), "norm", ln1.weight, ln1.eps, out=b.qkv, res_out=b.res,
          zero=(b.o, b.gate_up))
     o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype)
+    # o_proj follows the latency-bound attention: part of its ring waits (tc_plan)
     gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down), light_prefill=True)
     gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up)
     gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o)
