@@ -238,6 +238,7 @@ class ChoiceRun:
             raise Retry("prefill", p.worker_id, f"{e.code().name}: {e.details()}") from e
         finally:
             watch.cancel()
+        self.pool.report_served(p)
         wall = time.monotonic() - t0
         st = res.stages  # the worker's own view; the rest of the RPC is queueing and network
         # worker-reported times are clipped to what the router saw, so stages sum to e2e
@@ -294,6 +295,7 @@ class ChoiceRun:
                     held.clear()
                 self._emit_output(msg)
                 if msg.finish_reason:
+                    self.pool.report_served(d)
                     return
         except asyncio.CancelledError:
             call.cancel()  # D aborts on stream close and releases P if it had not read yet

@@ -34,28 +34,40 @@ log = logging.getLogger(__name__)
 
 
 class Breaker:
-    """closed -> (failure) open -> (backoff elapsed) probe -> closed | open, longer backoff."""
+    """closed -> open on a hard failure, or on soft_threshold soft ones (timeouts, internal
+    errors) with no request served between them -> (backoff elapsed, a good health probe)
+    trial -> closed once a request is served there, or open again, with twice the backoff,
+    on any failure. A health probe alone never clears soft failures: a worker whose Health
+    answers "ok" but whose requests fail is taken out as one that does not answer."""
 
     def __init__(self, base_s: float = 0.5, max_s: float = 10.0, soft_threshold: int = 3) -> None:
         self.base_s, self.max_s, self.soft_threshold = base_s, max_s, soft_threshold
         self.open = False
+        self.trial = False  # closed by a probe, no request served since
         self.soft_failures = 0
         self.backoff_s = base_s
         self.retry_at = 0.0
 
     def failure(self, hard: bool) -> None:
-        """hard: the worker is unreachable; soft (timeouts, internal errors) opens after a run."""
         self.soft_failures = 0 if hard else self.soft_failures + 1
-        if hard or self.soft_failures >= self.soft_threshold:
-            if self.open:
+        if hard or self.trial or self.soft_failures >= self.soft_threshold:
+            if self.open or self.trial:
                 self.backoff_s = min(self.max_s, self.backoff_s * 2)
-            self.open = True
+            self.open, self.trial = True, False
             self.retry_at = time.monotonic() + self.backoff_s
 
+    def probe_ok(self) -> None:
+        """Its Health answered "ok": an open breaker lets requests try it again."""
+        if self.open:
+            self.open, self.trial, self.soft_failures = False, True, 0
+
+    def served(self) -> None:
+        """A request was served there: the run of failures is over."""
+        self.trial, self.soft_failures, self.backoff_s = False, 0, self.base_s
+
     def success(self) -> None:
-        self.open = False
-        self.soft_failures = 0
-        self.backoff_s = self.base_s
+        self.probe_ok()
+        self.served()
 
     def probe_due(self) -> bool:
         return self.open and time.monotonic() >= self.retry_at
@@ -296,7 +308,7 @@ class WorkerPool:
             w.stall.clear()
         if h.status == "ok":
             was_open = w.breaker.open
-            w.breaker.success()
+            w.breaker.probe_ok()
             if was_open:
                 self._notify()
         elif w.stall.stuck_s >= self.stall_timeout_s:
@@ -340,6 +352,10 @@ class WorkerPool:
         if self.on_health:
             self.on_health(w)
 
+    def report_served(self, w: WorkerState) -> None:
+        """A request's call on `w` ended well (its prefill, or its decode stream)."""
+        w.breaker.served()
+
     def report_failure(self, w: WorkerState, code: grpc.StatusCode) -> None:
         """A worker-side failure (never a client error) seen by a request or a poll."""
         if code in NOT_FAULTS:
@@ -358,8 +374,11 @@ class WorkerPool:
 
     async def _poll_one(self, w: WorkerState) -> None:
         if w.breaker.open:
-            if w.breaker.probe_due() and not await self._refresh(w, timeout_s=10.0):
-                w.breaker.failure(hard=True)  # still down: back off further
+            if w.breaker.probe_due():
+                due = w.breaker.retry_at
+                # still down, and the probe's own path did not count it: back off further
+                if not await self._refresh(w, timeout_s=10.0) and w.breaker.retry_at == due:
+                    w.breaker.failure(hard=True)
         else:
             await self.poll(w)
         if w.role == "decode" and not w.breaker.open:

@@ -168,6 +168,23 @@ def test_worker_client_error_is_400_and_not_held_against_the_worker(cluster):
     assert all(w.up for w in rt.core.pool.workers.values())
 
 
+def test_a_request_that_can_never_fit_the_decode_pool_is_400_before_any_worker(cluster,
+                                                                              frontend):
+    """ANCHORS #7: prompt + max_tokens inside the context but over the largest decode
+    worker's KV pool (256 blocks of 16 tokens from its Health) would never finish: the
+    router refuses it naming max_tokens, and no worker sees it."""
+    rt, ws, client = cluster
+    pool = 256 * 16
+    assert frontend.max_model_len > pool + 100  # the pool, not the context, is the limit
+    sent = {wid: len(w.prefills) for wid, w in ws.items()}
+    r = complete(client, max_tokens=pool)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and "KV cache pool" in err["message"]
+    assert {wid: len(w.prefills) for wid, w in ws.items()} == sent
+    assert complete(client, max_tokens=8).status_code == 200  # what fits is served
+
+
 @pytest.mark.parametrize("reason", ["decode_full", "in_use"])
 def test_a_full_decode_pool_is_retried_and_not_held_against_the_worker(cluster, frontend,
                                                                        reason):

@@ -87,6 +87,7 @@ def test_selective_disaggregation_threshold():
 def test_breaker_soft_failures_open_after_a_run_and_probe_recovers():
     b = Breaker(base_s=0.01, soft_threshold=3)
     b.failure(hard=False)
+    b.probe_ok()  # a good Health answer does not end a run of failed requests
     b.failure(hard=False)
     assert not b.open
     b.failure(hard=False)
@@ -95,8 +96,15 @@ def test_breaker_soft_failures_open_after_a_run_and_probe_recovers():
     assert b.probe_due()
     b.failure(hard=True)  # probe failed: longer backoff
     assert b.backoff_s == pytest.approx(0.02)
-    b.success()
-    assert not b.open and b.backoff_s == 0.01
+    b.probe_ok()  # a good probe: on trial
+    assert not b.open and b.trial
+    b.failure(hard=False)  # one soft failure on trial opens it, backoff doubled
+    assert b.open and b.backoff_s == pytest.approx(0.04)
+    b.probe_ok()
+    b.served()  # a request served there: closed, backoff back to its base
+    assert not b.open and not b.trial and b.backoff_s == 0.01 and b.soft_failures == 0
+    b.failure(hard=False)
+    assert not b.open
     assert grpc.StatusCode.UNAVAILABLE in HARD_CODES
 
 
