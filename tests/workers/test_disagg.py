@@ -256,6 +256,58 @@ def test_lost_release_cannot_hang_a_request() -> None:
             ray.kill(w.actor, no_restart=True)
 
 
+def test_a_lease_that_expires_during_the_read_is_never_decoded_from() -> None:
+    """ANCHORS #6: decode's read takes longer (2.5 s, injected) than prefill's lease (1 s).
+    Meanwhile the lease expires, prefill frees the blocks and another request writes over
+    them. Decode must not decode from what it read: "recompute" gives the tokens decode
+    alone gives, "fail" a clear UNAVAILABLE naming the transfer; prefill counts both
+    expiries."""
+    start_ray()
+    from pdserve.kv_transfer.faults import FaultConfig
+
+    p = start_worker("prefill", "expiry-p", model="tiny-llama", block_size=4, num_blocks=16,
+                     lease_ttl_s=1.0)
+    d = start_worker("decode", "expiry-d", model="tiny-llama", block_size=4, num_blocks=64,
+                     faults=FaultConfig(delay_s=2.5))
+    try:
+        assert introduce(p, d).accepted
+        prompt = list(range(5, 30))  # 7 of prefill's 16 blocks
+        greedy = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        want = tokens_of(decode_stream(d, "expiry-alone", prompt, greedy))
+        expired = metric_value(scrape(p), "pdserve:kv_lease_expired_total")
+        for policy in ("recompute", "fail"):
+            params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                       transfer_failure_policy=policy)
+            res = prefill(p, f"expiry-{policy}", prompt, params)
+            got: list = []
+            reader = threading.Thread(target=lambda: got.append(_outcome(
+                decode_stream(d, f"expiry-{policy}", prompt, params, res, timeout_s=30))))
+            reader.start()
+            time.sleep(1.5)  # past the lease: 15 blocks of other tokens over the freed ones
+            other = list(range(100, 160))
+            prefill(p, f"expiry-other-{policy}", other, greedy)
+            p.stub.Abort(pb.AbortRequest(request_id=f"expiry-other-{policy}"), timeout=10)
+            reader.join(40)
+            assert not reader.is_alive()
+            if policy == "recompute":
+                assert got == [want]
+            else:
+                assert got[0][0] == grpc.StatusCode.UNAVAILABLE and "kv_transfer" in got[0][1]
+        assert metric_value(scrape(p), "pdserve:kv_lease_expired_total") == expired + 2
+        wait_until(lambda: idle(p) and idle(d), 10, "nothing held on either side")
+    finally:
+        for w in (p, d):
+            ray.kill(w.actor, no_restart=True)
+
+
+def _outcome(stream) -> tuple:
+    """(tokens, finish reason) of a decode stream, or (its gRPC code, details)."""
+    try:
+        return tokens_of(stream)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
 def test_mismatched_decode_is_refused_at_handshake(pair) -> None:
     p, _ = pair
     other_block = start_worker("decode", "smol-d-bs32", block_size=32)
