@@ -63,7 +63,8 @@ def error_response(e: RouterError, retry_after_s: float | None = None) -> JSONRe
 
 class Guard:
     """Pure ASGI middleware: X-Request-Id (accept a sane one or assign), echoed on every
-    response; API key on every route but the open ones."""
+    response; API key on every route but the open ones; an exception whose 500 was sent
+    ends here, so the server does not cut the connection under it."""
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
@@ -79,8 +80,12 @@ class Guard:
         # a route may still take the body's request_id (vLLM's field) when no header came
         state["request_id"] = given if state["request_id_given"] else uuid.uuid4().hex
 
+        started = False
+
         async def send_with_id(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 rid = state["request_id"].encode()
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
             await send(message)
@@ -90,7 +95,14 @@ class Guard:
             if not hmac.compare_digest(got, self.expected):
                 err = Unauthorized("missing or invalid API key (Authorization: Bearer <key>)")
                 return await error_response(err)(scope, receive, send_with_id)
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            # the app's handler for any exception (create_app's _internal) logged it and sent
+            # the 500; Starlette raises it again for the server, and uvicorn then closes the
+            # connection, cutting off the 500 before the client has read it
+            if not started:
+                raise
 
 
 def create_app(core: RouterCore, api_key: str | None = None,

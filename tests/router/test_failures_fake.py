@@ -158,6 +158,27 @@ def test_a_bug_mid_stream_still_ends_with_an_error_chunk_then_done(cluster, monk
     assert err["type"] == "internal_error" and "KeyError" in err["message"]
 
 
+def test_a_bug_in_a_whole_response_is_a_500_with_an_error_body(cluster, monkeypatch):
+    """The non-streaming side of the test above: any exception building the answer is a 500
+    whose body is the usual error object (internal_error), not a cut connection, and the
+    next request is served."""
+    import pdserve.router.openai_bodies as bodies
+
+    real = bodies.completion_choice
+
+    def broken(*args, **kwargs):
+        raise KeyError("injected")
+
+    monkeypatch.setattr(bodies, "completion_choice", broken)
+    _, _, client = cluster
+    r = complete(client)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "internal_error" and "KeyError" in err["message"]
+    monkeypatch.setattr(bodies, "completion_choice", real)
+    assert complete(client).status_code == 200
+
+
 def test_worker_client_error_is_400_and_not_held_against_the_worker(cluster):
     rt, ws, client = cluster
     for w in ws.values():
@@ -165,7 +186,7 @@ def test_worker_client_error_is_400_and_not_held_against_the_worker(cluster):
     for _ in range(6):  # a quick run: 3 soft failures in a row would open a breaker
         r = complete(client)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    assert all(w.up for w in rt.core.pool.workers.values())
+    assert all(w.up and w.breaker.soft_failures == 0 for w in rt.core.pool.workers.values())
 
 
 def test_a_request_that_can_never_fit_the_decode_pool_is_400_before_any_worker(cluster,
