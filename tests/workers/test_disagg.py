@@ -300,6 +300,41 @@ def test_a_lease_that_expires_during_the_read_is_never_decoded_from() -> None:
             ray.kill(w.actor, no_restart=True)
 
 
+def test_a_read_past_the_transfer_timeout_ends_at_it() -> None:
+    """ANCHORS #1 at the worker: a read that would take 60 s (injected) ends at decode's
+    transfer_timeout_s (1 s), not at the request's deadline: "fail" is UNAVAILABLE naming the
+    transfer within a few seconds, "recompute" decodes what decode alone gives; nothing
+    stays held."""
+    start_ray()
+    from pdserve.kv_transfer.faults import FaultConfig
+
+    p = start_worker("prefill", "slow-p", model="tiny-llama", block_size=4, num_blocks=64,
+                     lease_ttl_s=10.0)  # outlives the 1 s read; frees the blocks after it
+    d = start_worker("decode", "slow-d", model="tiny-llama", block_size=4, num_blocks=64,
+                     transfer_timeout_s=1.0, faults=FaultConfig(delay_s=60.0))
+    try:
+        assert introduce(p, d).accepted
+        prompt = list(range(5, 30))
+        greedy = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        want = tokens_of(decode_stream(d, "slow-alone", prompt, greedy))
+        for policy in ("fail", "recompute"):
+            params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                       transfer_failure_policy=policy)
+            res = prefill(p, f"slow-{policy}", prompt, params)
+            start = time.monotonic()
+            got = _outcome(decode_stream(d, f"slow-{policy}", prompt, params, res,
+                                         timeout_s=120))
+            assert time.monotonic() - start < 15  # 1 s and the local prefill, not 60 or 120
+            if policy == "fail":
+                assert got[0] == grpc.StatusCode.UNAVAILABLE and "kv_transfer" in got[1]
+            else:
+                assert got == want
+        wait_until(lambda: idle(p) and idle(d), 30, "nothing held on either side")
+    finally:
+        for w in (p, d):
+            ray.kill(w.actor, no_restart=True)
+
+
 def _outcome(stream) -> tuple:
     """(tokens, finish reason) of a decode stream, or (its gRPC code, details)."""
     try:
