@@ -578,12 +578,18 @@ def test_oversized_bodies_get_413_by_header_and_by_stream(cluster):
 
 def test_api_key_guards_all_but_health_and_metrics(cluster):
     rt, _, _ = cluster
-    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
-                 "/detokenize"):
-        method = httpx.get if path == "/v1/models" else httpx.post
-        r = method(rt.url + path, headers={"Authorization": "Bearer wrong"})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        assert method(rt.url + path).status_code == 401
+    from pdserve.router.http_app import OPEN_PATHS, create_app
+
+    # every route the app has (a new one is guarded without this test knowing it)
+    routes = [(re.sub(r"\{[^}]+\}", "x", r.path), m) for r in create_app(rt.core, "k").app.routes
+              if getattr(r, "methods", None) for m in r.methods if m != "HEAD"]
+    assert ("/v1/responses", "POST") in routes and len(routes) >= 8
+    for path, method in routes:
+        if path in OPEN_PATHS:
+            continue
+        r = httpx.request(method, rt.url + path, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+        assert httpx.request(method, rt.url + path).status_code == 401, path
     assert httpx.get(rt.url + "/health").status_code == 200
     metrics = httpx.get(rt.url + "/metrics").text
     assert "pdserve:time_to_first_token_seconds" in metrics
