@@ -49,6 +49,8 @@ class Breaker:
         self.retry_at = 0.0
 
     def failure(self, hard: bool) -> None:
+        """hard: the worker does not answer; soft: a request failed (a timeout, an internal
+        error) on a worker that may otherwise serve."""
         self.soft_failures = 0 if hard else self.soft_failures + 1
         if hard or self.trial or self.soft_failures >= self.soft_threshold:
             if self.open or self.trial:
