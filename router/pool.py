@@ -67,10 +67,6 @@ class Breaker:
         """A request was served there: the run of failures is over."""
         self.trial, self.soft_failures, self.backoff_s = False, 0, self.base_s
 
-    def success(self) -> None:
-        self.probe_ok()
-        self.served()
-
     def probe_due(self) -> bool:
         return self.open and time.monotonic() >= self.retry_at
 

@@ -216,7 +216,7 @@ def test_a_full_decode_pool_is_retried_and_not_held_against_the_worker(cluster, 
     rt, ws, client = cluster
     before = metric(rt, "pdserve:router_retries_total", reason=reason)
     breaker = rt.core.pool.workers["fd0"].breaker
-    breaker.success()  # earlier tests' injected crashes may have left soft failures
+    breaker.served()  # earlier tests' injected crashes may have left soft failures
     if reason == "decode_full":
         ws["fd0"].full_decodes = 5
     else:

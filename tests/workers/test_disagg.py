@@ -2,8 +2,10 @@
 loopback, KV pulled over NIXL (UCX, host memory) between the two processes."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -221,15 +223,26 @@ def test_a_request_id_in_use_is_refused_and_its_owner_unharmed(pair) -> None:
     wait_until(lambda: idle(p) and idle(d), 10, "both workers idle")
 
 
-def test_lost_release_cannot_hang_a_request() -> None:
+@contextlib.contextmanager
+def _tiny_pair(name: str, prefill_kw: dict, decode_kw: dict) -> Iterator[tuple]:
+    """A tiny-llama prefill and decode worker (4-token blocks), introduced; killed on exit."""
     start_ray()
-    from pdserve.kv_transfer.faults import FaultConfig
-
-    p = start_worker("prefill", "lossy-p", model="tiny-llama", block_size=4, num_blocks=64,
-                     lease_ttl_s=1.0, faults=FaultConfig(drop_release_prob=1.0))
-    d = start_worker("decode", "lossy-d", model="tiny-llama", block_size=4, num_blocks=64)
+    p = start_worker("prefill", f"{name}-p", model="tiny-llama", block_size=4, **prefill_kw)
+    d = start_worker("decode", f"{name}-d", model="tiny-llama", block_size=4, **decode_kw)
     try:
         assert introduce(p, d).accepted
+        yield p, d
+    finally:
+        for w in (p, d):
+            ray.kill(w.actor, no_restart=True)
+
+
+def test_lost_release_cannot_hang_a_request() -> None:
+    from pdserve.kv_transfer.faults import FaultConfig
+
+    with _tiny_pair("lossy", dict(num_blocks=64, lease_ttl_s=1.0,
+                                  faults=FaultConfig(drop_release_prob=1.0)),
+                    dict(num_blocks=64)) as (p, d):
         prompt = list(range(5, 30))
         for policy in ("recompute", "fail"):
             params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
@@ -251,9 +264,6 @@ def test_lost_release_cannot_hang_a_request() -> None:
                    10, "the recompute fallback counted on the decode worker")
         assert metric_value(scrape(d), "pdserve:kv_recompute_fallbacks_total") == 1
         wait_until(lambda: idle(p) and idle(d), 10, "leases to expire on both")
-    finally:
-        for w in (p, d):
-            ray.kill(w.actor, no_restart=True)
 
 
 def test_a_lease_that_expires_during_the_read_is_never_decoded_from() -> None:
@@ -262,15 +272,10 @@ def test_a_lease_that_expires_during_the_read_is_never_decoded_from() -> None:
     them. Decode must not decode from what it read: "recompute" gives the tokens decode
     alone gives, "fail" a clear UNAVAILABLE naming the transfer; prefill counts both
     expiries."""
-    start_ray()
     from pdserve.kv_transfer.faults import FaultConfig
 
-    p = start_worker("prefill", "expiry-p", model="tiny-llama", block_size=4, num_blocks=16,
-                     lease_ttl_s=1.0)
-    d = start_worker("decode", "expiry-d", model="tiny-llama", block_size=4, num_blocks=64,
-                     faults=FaultConfig(delay_s=2.5))
-    try:
-        assert introduce(p, d).accepted
+    with _tiny_pair("expiry", dict(num_blocks=16, lease_ttl_s=1.0),
+                    dict(num_blocks=64, faults=FaultConfig(delay_s=2.5))) as (p, d):
         prompt = list(range(5, 30))  # 7 of prefill's 16 blocks
         greedy = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         want = tokens_of(decode_stream(d, "expiry-alone", prompt, greedy))
@@ -295,9 +300,6 @@ def test_a_lease_that_expires_during_the_read_is_never_decoded_from() -> None:
                 assert got[0][0] == grpc.StatusCode.UNAVAILABLE and "kv_transfer" in got[0][1]
         assert metric_value(scrape(p), "pdserve:kv_lease_expired_total") == expired + 2
         wait_until(lambda: idle(p) and idle(d), 10, "nothing held on either side")
-    finally:
-        for w in (p, d):
-            ray.kill(w.actor, no_restart=True)
 
 
 def test_a_read_past_the_transfer_timeout_ends_at_it() -> None:
@@ -305,15 +307,12 @@ def test_a_read_past_the_transfer_timeout_ends_at_it() -> None:
     transfer_timeout_s (1 s), not at the request's deadline: "fail" is UNAVAILABLE naming the
     transfer within a few seconds, "recompute" decodes what decode alone gives; nothing
     stays held."""
-    start_ray()
     from pdserve.kv_transfer.faults import FaultConfig
 
-    p = start_worker("prefill", "slow-p", model="tiny-llama", block_size=4, num_blocks=64,
-                     lease_ttl_s=10.0)  # outlives the 1 s read; frees the blocks after it
-    d = start_worker("decode", "slow-d", model="tiny-llama", block_size=4, num_blocks=64,
-                     transfer_timeout_s=1.0, faults=FaultConfig(delay_s=60.0))
-    try:
-        assert introduce(p, d).accepted
+    # the lease outlives the 1 s read, and frees the blocks after it
+    with _tiny_pair("slow", dict(num_blocks=64, lease_ttl_s=10.0),
+                    dict(num_blocks=64, transfer_timeout_s=1.0,
+                         faults=FaultConfig(delay_s=60.0))) as (p, d):
         prompt = list(range(5, 30))
         greedy = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         want = tokens_of(decode_stream(d, "slow-alone", prompt, greedy))
@@ -330,9 +329,6 @@ def test_a_read_past_the_transfer_timeout_ends_at_it() -> None:
             else:
                 assert got == want
         wait_until(lambda: idle(p) and idle(d), 30, "nothing held on either side")
-    finally:
-        for w in (p, d):
-            ray.kill(w.actor, no_restart=True)
 
 
 def _outcome(stream) -> tuple:
