@@ -58,18 +58,13 @@ GROUP_K = 128  # K columns per tile, per weight scale and per activation scale
 class TcPlan:
     """split: K splits per row block; group: tiles whose wgmmas are in flight at once;
     stages: ring depth in tiles; grid: CTAs; prefill: tiles loaded before the PDL wait
-    (while the kernel before runs; None: a whole ring); maxnreg: the consumer's registers;
-    warm: tiles of the next launch's first ring each CTA asks L2 for (its weight given as
-    `warm`), once the consumer has warm_lag tiles left (None: once the loader has issued its
-    last tile), so that the next launch starts on L2 hits and HBM does not idle between them."""
+    (while the kernel before runs; None: a whole ring); maxnreg: the consumer's registers."""
     split: int
     group: int
     stages: int
     grid: int
     prefill: int | None = None
     maxnreg: int = 128
-    warm: int = 0
-    warm_lag: int | None = None
 
 
 @functools.cache
@@ -112,13 +107,10 @@ def _gdc_launch():
 
 
 @gluon.jit
-def _loader(w_desc, ring, ready, empty, N, wn_ptr, NN, KN: gl.constexpr, KTS: gl.constexpr,
-            SPLIT: gl.constexpr, STAGES: gl.constexpr, PREFILL: gl.constexpr,
-            N_SPLIT: gl.constexpr, N_KTS: gl.constexpr, WARM: gl.constexpr,
-            WARM_LAG: gl.constexpr):
+def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
+            STAGES: gl.constexpr, PREFILL: gl.constexpr):
     """One warp: the CTA's [64, 128] weight tiles into the ring, in consumption order, the
-    first PREFILL of them before the PDL wait; then (WARM > 0) L2 gets the next launch's
-    first WARM tiles of this CTA's index (_warm_l2)."""
+    first PREFILL of them before the PDL wait."""
     if PREFILL == 0:
         _gdc_wait()
     pid = gl.program_id(0)
@@ -135,31 +127,6 @@ def _loader(w_desc, ring, ready, empty, N, wn_ptr, NN, KN: gl.constexpr, KTS: gl
         tma.async_copy_global_to_shared(
             w_desc, [(first + (t // KTS) * GS) * 64, ((pid % SPLIT) * KTS + t % KTS) * 128],
             ready.index(s), ring.index(s))
-    if WARM > 0:
-        if WARM_LAG < STAGES:  # wait until the consumer has released tile total - LAG - 1
-            u = gl.maximum(total - WARM_LAG - 1, 0)
-            mbarrier.wait(empty.index(u % STAGES), (u // STAGES) & 1)
-        _warm_l2(wn_ptr, NN, KN, N_SPLIT, N_KTS, WARM)
-
-
-@gluon.jit
-def _warm_l2(wn_ptr, NN, KN: gl.constexpr, N_SPLIT: gl.constexpr, N_KTS: gl.constexpr,
-             WARM: gl.constexpr):
-    """The next launch's CTA of this index loads its tiles t = 0..WARM-1 first (its _loader
-    order, same grid): ask L2 for their 64 rows of 128 bytes each, evict-last, so that they
-    outlive this launch's remaining stream."""
-    PL: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
-    pid = gl.program_id(0)
-    GS = gl.num_programs(0) // N_SPLIT
-    first = pid // N_SPLIT
-    r = gl.arange(0, 64, layout=PL)
-    for t in gl.static_range(WARM):
-        row = (first + (t // N_KTS) * GS) * 64 + r
-        col = ((pid % N_SPLIT) * N_KTS + t % N_KTS) * 128
-        ptrs = wn_ptr + row.to(gl.int64) * KN + col
-        ptrs = gl.where(row < NN, ptrs, wn_ptr)  # past the last row: line 0 again
-        gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0", "=r,l", [ptrs],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -363,12 +330,10 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
 
 @gluon.jit
 def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr, z1_ptr, z1_n,
-                        z2_ptr, z2_n, N, stride_s, eps, wn_ptr, NN, K: gl.constexpr,
-                        KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                        GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
-                        RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr,
-                        PREFILL: gl.constexpr, KN: gl.constexpr, N_SPLIT: gl.constexpr,
-                        N_KTS: gl.constexpr, WARM: gl.constexpr, WARM_LAG: gl.constexpr):
+                        z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
+                        SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                        PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
+                        ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -383,8 +348,7 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
         (_consumer, (ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr,
                      out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K, KTS,
                      SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z)),
-        (_loader, (w_desc, ring, ready, empty, N, wn_ptr, NN, KN, KTS, SPLIT, STAGES, PREFILL,
-                   N_SPLIT, N_KTS, WARM, WARM_LAG)),
+        (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL)),
     ], [1], [40])
 
 
@@ -438,17 +402,14 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 prologue: str = "none", norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,
                 res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = (),
-                light_prefill: bool = False, warm: torch.Tensor | None = None) -> torch.Tensor:
+                light_prefill: bool = False) -> torch.Tensor:
     """out [1, N] (fp32, zero on entry) += the module doc's product for x [1, K] ([1, 2K]
     = gate | up for "silu"), weight e4m3 [N, K] with scales [N / 128, K / 128]; plus add
     [1, N] (the residual); res_out [1, K] (fp32) <- x ("norm" only); each of `zero` (<= 2
     fp32 buffers, never this launch's inputs) <- 0 once the launch before has finished.
-    light_prefill: the launch before is latency-bound (tc_plan). warm: the next launch's
-    weight (e4m3 [N', K']), whose first tiles this one asks L2 for (TcPlan.warm). Off Hopper or on CPU:
+    light_prefill: the launch before is latency-bound (tc_plan). Off Hopper or on CPU:
     kernels.reference.fp8_gemv_tc_ref. Returns out."""
     _check(x, weight, scales, prologue, norm_weight, out, add, res_out, zero)
-    if warm is not None and not tc_fits(warm, (128, 128)):
-        raise ValueError(f"warm: {tuple(warm.shape)} {warm.dtype} must be a weight tc_fits takes")
     if not (weight.is_cuda and tc_available(weight.device.index or 0)):
         from pdserve.kernels.reference import fp8_gemv_tc_ref
         return fp8_gemv_tc_ref(x, weight, scales, prologue, norm_weight, eps, out=out,
@@ -460,18 +421,13 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     z = list(zero) + [out] * (2 - len(zero))  # placeholders: n = 0 stores nothing
     zn = [t.numel() if i < len(zero) else 0 for i, t in enumerate(z)]
     zch = max(128, triton.next_power_of_2(triton.cdiv(max(zn), plan.grid))) if zero else 128
-    wn, nplan = (warm, tc_plan(*warm.shape, num_sms(weight.device.index or 0))) \
-        if warm is not None and plan.warm > 0 else (weight, plan)
-    n_warm = plan.warm if wn is warm and nplan.grid == plan.grid else 0
     _fp8_gemv_tc_kernel[(plan.grid,)](
         desc, x, norm_weight if norm_weight is not None else x,
         res_out if res_out is not None else out, scales, out,
         add if add is not None else out, z[0], zn[0], z[1], zn[1], N, scales.stride(0),
-        float(eps), wn, wn.shape[0], K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
+        float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
         PREFILL=plan.stages if plan.prefill is None else min(plan.prefill, plan.stages),
-        KN=wn.shape[1], N_SPLIT=nplan.split, N_KTS=wn.shape[1] // GROUP_K // nplan.split,
-        WARM=n_warm, WARM_LAG=plan.stages if plan.warm_lag is None else plan.warm_lag,
         num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
     return out

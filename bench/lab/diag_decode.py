@@ -206,17 +206,6 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
             variant("tc_o_nopre", tc_plans={O_PROJ: {"prefill": 0}}),
-            # each launch asks L2 for the next launch's first `warm` tiles a CTA as its own
-            # stream ends (warm_lag: once the consumer has that many tiles left)
-            *[variant(f"w_{name}{k}", tc_plans={shape: {"warm": k}})
-              for name, shape in (("qkv", QKV), ("o", O_PROJ), ("gu", GATE_UP), ("dn", DOWN))
-              for k in (4, 8)],
-            variant("w_gu4_lag4", tc_plans={GATE_UP: {"warm": 4, "warm_lag": 4}}),
-            variant("w_dn4_lag4", tc_plans={DOWN: {"warm": 4, "warm_lag": 4}}),
-            *[variant(f"w_all{k}", tc_plans={s: {"warm": k} for s in (QKV, O_PROJ, GATE_UP, DOWN)})
-              for k in (2, 4, 8)],
-            variant("w_mix", tc_plans={O_PROJ: {"warm": 8}, GATE_UP: {"warm": 4},
-                                       DOWN: {"warm": 4}}),
             # part of a ring filled before the PDL wait: less traffic beside the launch before
             *[variant(f"tc_{name}_pre{k}", tc_plans={shape: {"prefill": k}})
               for name, shape in (("o", O_PROJ), ("gu", GATE_UP), ("qkv", QKV), ("dn", DOWN))
@@ -344,8 +333,7 @@ def capture(engine, setup, splits, vocab: int, context: int):
     setup()
     model.backend.num_splits = splits
     model.use_tc_gemv(TC["on"])
-    tc = model.layers[0].tc  # this graph's buffers: a later capture's use_tc_gemv makes new ones
-    buffers = tc.buffers if tc is not None else None
+    buffers = model.layers[0].tc  # this graph's: a later capture's use_tc_gemv makes new ones
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]
     g.capture([1])

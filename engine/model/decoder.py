@@ -54,7 +54,7 @@ from pdserve.engine.model.layers import (
 )
 from pdserve.engine.model.linear_ops import linear_gemv
 from pdserve.engine.model.moe import make_mlp
-from pdserve.engine.model.tc_decode import TcBuffers, TcLayer, forward_tc, tc_layer_fits
+from pdserve.engine.model.tc_decode import TcBuffers, forward_tc, tc_layer_fits
 
 
 class Attention(nn.Module):
@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, kv_layer)  # dense SwiGLU or MoE (moe.py)
         self.fused = False  # decode-sized batches: 4 prologue-fused GEMV kernels (kernels.gemv)
-        self.tc: TcLayer | None = None  # batch 1 on the tensor cores (Model.use_tc_gemv)
+        self.tc: TcBuffers | None = None  # batch 1 on the tensor cores (Model.use_tc_gemv)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata,
@@ -235,10 +235,8 @@ class Model(nn.Module):
         on = enabled and self.tp is None and all(tc_layer_fits(la) for la in self.layers)
         buffers = TcBuffers.for_layer(self.layers[0], self.embed_tokens.weight.device) \
             if on else None
-        for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(self.layers) \
-                else None
-            layer.tc = TcLayer(buffers, nxt) if on else None
+        for layer in self.layers:
+            layer.tc = buffers
         return on
 
     def tie_weights(self) -> None:

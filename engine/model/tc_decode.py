@@ -49,15 +49,6 @@ class TcBuffers:
                          zeros(attn.o_proj.out_features))
 
 
-@dataclass(frozen=True)
-class TcLayer:
-    """What one layer's batch-1 forward takes besides the layer: the buffers every layer
-    shares, and the next layer's q/k/v weight (down asks L2 for its first tiles; None after
-    the last layer)."""
-    buffers: TcBuffers
-    next_qkv: torch.Tensor | None
-
-
 def tc_layer_fits(layer: nn.Module) -> bool:
     """A dense SwiGLU layer whose four projections are 128 x 128 block-FP8 weights the kernel
     takes, no q/k/v bias, and the attention prologue fused into the decode kernel."""
@@ -71,24 +62,21 @@ def tc_layer_fits(layer: nn.Module) -> bool:
 
 
 def forward_tc(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               meta, kv_cache: torch.Tensor, tc: TcLayer) -> torch.Tensor:
+               meta, kv_cache: torch.Tensor, b: TcBuffers) -> torch.Tensor:
     """The layer for one token: x [1, hidden] (the residual stream, fp32 or the embedding's
     dtype) -> the next residual stream, b.down (fp32; read it before the next layer's
     o_proj zeroes it)."""
     attn, mlp = layer.self_attn, layer.mlp
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    gemv, b = fused_kernels().fp8_gemv_tc, tc.buffers
+    gemv = fused_kernels().fp8_gemv_tc
 
     def w(m: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor]:
         return m.weight, m.weight_scale
-    # each launch asks L2 for the next one's first tiles as its own stream ends (TcPlan.warm)
     gemv(x, *w(attn.qkv_proj), "norm", ln1.weight, ln1.eps, out=b.qkv, res_out=b.res,
-         zero=(b.o, b.gate_up), warm=attn.o_proj.weight)
+         zero=(b.o, b.gate_up))
     o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype)
     # o_proj follows the latency-bound attention: part of its ring waits (tc_plan)
-    gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down), light_prefill=True,
-         warm=mlp.gate_up_proj.weight)
-    gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up,
-         warm=mlp.down_proj.weight)
-    gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o, warm=tc.next_qkv)
+    gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down), light_prefill=True)
+    gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up)
+    gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o)
     return b.down
