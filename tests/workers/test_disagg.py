@@ -62,6 +62,7 @@ def _tokenize(texts: list[str]) -> list[list[int]]:
 def test_disaggregated_equals_colocated_and_kv_is_bitwise_equal(pair) -> None:
     p, d = pair
     greedy = pb.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    before = _transfer_samples(d)
     for i, prompt in enumerate(_tokenize(PROMPTS)):
         colocated, _ = tokens_of(decode_stream(d, f"col-{i}", prompt, greedy))
         res = prefill(p, f"dis-{i}", prompt, greedy)
@@ -74,7 +75,26 @@ def test_disaggregated_equals_colocated_and_kv_is_bitwise_equal(pair) -> None:
         remote, local, n = pulls[f"dis-{i}"]
         assert remote == list(res.kv.block_ids)
         assert ray.get(d.actor.kv_digests.remote(local, n)) == remote_digests
+    # vLLM's nixl_* names, scraped from the decode worker that read over NIXL: one
+    # observation per read, the same bytes as kv_transfer_bytes
+    got = {k: v - before[k] for k, v in _transfer_samples(d).items()}
+    assert got["pdserve:nixl_xfer_time_seconds_count"] == len(PROMPTS)
+    assert got["pdserve:nixl_num_descriptors_count"] == len(PROMPTS)
+    assert got["pdserve:nixl_num_descriptors_sum"] >= len(PROMPTS)
+    assert got["pdserve:nixl_bytes_transferred_sum"] == got["pdserve:kv_transfer_bytes_total"] > 0
     wait_until(lambda: idle(p) and idle(d), 10, "both workers idle")
+
+
+TRANSFER_SAMPLES = ("pdserve:nixl_xfer_time_seconds_count", "pdserve:nixl_num_descriptors_count",
+                    "pdserve:nixl_num_descriptors_sum", "pdserve:nixl_bytes_transferred_sum",
+                    "pdserve:kv_transfer_bytes_total", "pdserve:nixl_num_failed_transfers_total",
+                    "pdserve:kv_transfer_failures_total", "pdserve:nixl_num_kv_expired_reqs_total",
+                    "pdserve:kv_lease_expired_total")
+
+
+def _transfer_samples(w) -> dict[str, float]:
+    text = scrape(w)
+    return {name: metric_value(text, name) for name in TRANSFER_SAMPLES}
 
 
 def test_prompt_logprobs_come_from_whichever_worker_prefills(pair) -> None:
@@ -279,7 +299,7 @@ def test_a_lease_that_expires_during_the_read_is_never_decoded_from() -> None:
         prompt = list(range(5, 30))  # 7 of prefill's 16 blocks
         greedy = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         want = tokens_of(decode_stream(d, "expiry-alone", prompt, greedy))
-        expired = metric_value(scrape(p), "pdserve:kv_lease_expired_total")
+        before = _transfer_samples(p)
         for policy in ("recompute", "fail"):
             params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                        transfer_failure_policy=policy)
@@ -298,7 +318,9 @@ def test_a_lease_that_expires_during_the_read_is_never_decoded_from() -> None:
                 assert got == [want]
             else:
                 assert got[0][0] == grpc.StatusCode.UNAVAILABLE and "kv_transfer" in got[0][1]
-        assert metric_value(scrape(p), "pdserve:kv_lease_expired_total") == expired + 2
+        after = _transfer_samples(p)
+        for name in ("pdserve:kv_lease_expired_total", "pdserve:nixl_num_kv_expired_reqs_total"):
+            assert after[name] == before[name] + 2, name
         wait_until(lambda: idle(p) and idle(d), 10, "nothing held on either side")
 
 
@@ -316,6 +338,7 @@ def test_a_read_past_the_transfer_timeout_ends_at_it() -> None:
         prompt = list(range(5, 30))
         greedy = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         want = tokens_of(decode_stream(d, "slow-alone", prompt, greedy))
+        before = _transfer_samples(d)
         for policy in ("fail", "recompute"):
             params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                        transfer_failure_policy=policy)
@@ -328,6 +351,10 @@ def test_a_read_past_the_transfer_timeout_ends_at_it() -> None:
                 assert got[0] == grpc.StatusCode.UNAVAILABLE and "kv_transfer" in got[1]
             else:
                 assert got == want
+        after = _transfer_samples(d)  # both reads failed, under both names
+        for name in ("pdserve:kv_transfer_failures_total",
+                     "pdserve:nixl_num_failed_transfers_total"):
+            assert after[name] == before[name] + 2, name
         wait_until(lambda: idle(p) and idle(d), 30, "nothing held on either side")
 
 

@@ -1,0 +1,124 @@
+"""ANCHORS #10 on real workers: time across the split adds up, and lands where it was spent.
+
+A real router in front of a real prefill and decode worker in this process (tiny Qwen3
+engines, gRPC on loopback, the in-process KV transport). Decode's KV read is made to take
+DELAY_S (kv_transfer/faults.py), as a slow link would. The completion's trace must put that
+second in kv_transfer, not in decode's queue or its decode, while the stages still add up to
+the end-to-end time; the router's and the workers' counters name each finish's reason.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import generate_latest
+
+from pdserve.engine.llm import build_engine
+from pdserve.kv_transfer.faults import FaultConfig
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.proto.rpc import make_channel
+from pdserve.router.core import RouterConfig
+from pdserve.router.worker_refs import StaticWorkerRef
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.server import Worker
+
+from tests.cluster_secret import SECRET
+from tests.router.harness import RouterThread, wait_until
+from tests.router.test_failures_fake import metric
+
+DELAY_S = 1.0
+PROMPT = [7, 3, 99, 5, 40, 11, 8, 21, 64, 3]
+STAGES = ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")
+
+
+@pytest.fixture(scope="module")
+def stack(frontend) -> Iterator[tuple[RouterThread, dict[str, Worker]]]:
+    faults = {"sa-p": FaultConfig(), "sa-d": FaultConfig(delay_s=DELAY_S)}
+    workers = {wid: Worker(WorkerConfig(role=role, worker_id=wid, cluster_secret=SECRET,
+                                        metrics_port=-1, kv_transport="inproc",
+                                        faults=faults[wid]),
+                           engine=build_engine("tiny-qwen3", device="cpu", block_size=4,
+                                               num_blocks=128)).start()
+               for wid, role in (("sa-p", "prefill"), ("sa-d", "decode"))}
+    workers["sa-p"].rt.engine.keep_hidden = True  # as build_worker_engine does for prefill
+    refs = [StaticWorkerRef(wid, w.cfg.role, w.address, incarnation=w.rt.incarnation)
+            for wid, w in workers.items()]
+    rt = RouterThread(refs, frontend, RouterConfig(block_size=4, router_id="router-stages"))
+    try:
+        yield rt, workers
+    finally:
+        rt.stop()
+        for w in workers.values():
+            w.stop()
+
+
+def generate(rt: RouterThread, rid: str, **params) -> list[pb.GenerateResponse]:
+    with make_channel(rt.grpc_address) as ch:
+        req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT), request_id=rid,
+                                 params=pb.SamplingParams(temperature=0.0, **params))
+        return list(pbg.PdserveStub(ch).Generate(req, timeout=60))
+
+
+def worker_counter(w: Worker, name: str, **labels: str) -> float:
+    """A worker's metric, summed over the label sets that carry `labels`."""
+    text = generate_latest(w.rt.registry).decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line
+                                                      for k, v in labels.items()))
+
+
+def test_a_slow_kv_read_lands_in_kv_transfer_and_the_stages_add_up(stack) -> None:
+    rt, ws = stack
+    sums0 = {s: metric(rt, f"pdserve:stage_{s}_seconds_sum") for s in STAGES}
+    e2e0 = metric(rt, "pdserve:e2e_request_latency_seconds_sum")
+    reads0 = worker_counter(ws["sa-d"], "pdserve:nixl_xfer_time_seconds_count")
+    msgs = generate(rt, "slow-read", max_tokens=5, ignore_eos=True)
+    assert [m.HasField("trace") for m in msgs] == [False] * (len(msgs) - 1) + [True]
+    t = msgs[-1].trace
+    assert (t.prefill_worker, t.decode_worker, t.retries) == ("sa-p", "sa-d", 0)
+    stages = {s: getattr(t, s) for s in STAGES}
+    assert all(v >= 0 for v in stages.values()), stages
+    # added up, not double-counted: were the read also in decode_queue (its first message
+    # sent after the read) the sum would pass e2e, since decode is what is left of it
+    assert sum(stages.values()) == pytest.approx(t.e2e, rel=1e-6)
+    assert t.kv_transfer >= DELAY_S, stages
+    assert t.decode_queue + t.decode < t.e2e - DELAY_S, stages
+    # the router's histograms say the same
+    sums = {s: metric(rt, f"pdserve:stage_{s}_seconds_sum") - sums0[s] for s in STAGES}
+    assert sum(sums.values()) == pytest.approx(
+        metric(rt, "pdserve:e2e_request_latency_seconds_sum") - e2e0, rel=1e-6)
+    assert sums["kv_transfer"] == pytest.approx(t.kv_transfer, rel=1e-6)
+    # and decode's own transfer histogram saw the one read, the delay included
+    assert worker_counter(ws["sa-d"], "pdserve:nixl_xfer_time_seconds_count") == reads0 + 1
+    assert worker_counter(ws["sa-d"], "pdserve:nixl_xfer_time_seconds_sum") >= DELAY_S
+
+
+def test_each_finish_is_counted_under_its_reason(stack) -> None:
+    """request_success{finished_reason}: vLLM's label, at the router and at the decode
+    worker that ended the request. max_tokens ends one request, a stop token the other."""
+    rt, ws = stack
+
+    def counts() -> tuple[float, ...]:
+        """(router, decode worker) x (stop, length)."""
+        return tuple(c for reason in ("stop", "length") for c in (
+            metric(rt, "pdserve:request_success_total", finished_reason=reason),
+            worker_counter(ws["sa-d"], "pdserve:request_success_total",
+                           finished_reason=reason)))
+    before = counts()
+    greedy = [i for m in generate(rt, "by-length", max_tokens=6, ignore_eos=True)
+              for i in m.token_ids]
+    assert len(greedy) == 6
+    # a token decode makes that the greedy path has not made before: as a stop token, the
+    # same path ends there (the tiny model's weights are seeded, so this one is fixed)
+    at = next(i for i in range(1, 6) if greedy[i] not in greedy[:i])
+    stopped = generate(rt, "by-stop", max_tokens=6, ignore_eos=True,
+                       stop_token_ids=[greedy[at]])
+    assert stopped[-1].finish_reason == "stop"
+    assert [i for m in stopped for i in m.token_ids] == greedy[:at + 1]
+
+    def deltas() -> tuple[float, ...]:
+        return tuple(a - b for a, b in zip(counts(), before))
+    wait_until(lambda: deltas() == (1, 1, 1, 1), 10,
+               lambda: f"each finish counted once by reason; (router, decode) x (stop, length) "
+                       f"deltas {deltas()}")
