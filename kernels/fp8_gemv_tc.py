@@ -110,15 +110,14 @@ def _gdc_launch():
 def _loader(w_desc, ring, ready, empty, N, KTS: gl.constexpr, SPLIT: gl.constexpr,
             STAGES: gl.constexpr, PREFILL: gl.constexpr):
     """One warp: the CTA's [64, 128] weight tiles into the ring, in consumption order, the
-    first PREFILL of them before the PDL wait."""
-    if PREFILL == 0:
-        _gdc_wait()
+    first PREFILL of them before the PDL wait (PREFILL >= STAGES: the loader never waits;
+    the ring's empty slots hold it back, and weights are no output of the launch before)."""
     pid = gl.program_id(0)
     GS = gl.num_programs(0) // SPLIT
     first = pid // SPLIT
     total = ((gl.cdiv(N, 64) - first + GS - 1) // GS) * KTS
     for t in range(total):
-        if PREFILL > 0 and PREFILL < STAGES:
+        if PREFILL < STAGES:
             if t == PREFILL:
                 _gdc_wait()
         s = t % STAGES
