@@ -1,7 +1,9 @@
-"""Test helpers: run a router stack on a background event loop; start `pdserve serve`."""
+"""Test helpers: run a router stack on a background event loop (alone, or in front of real
+in-process workers: inproc_stack); start `pdserve serve`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import re
@@ -11,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import httpx
 
@@ -54,6 +56,41 @@ class RouterThread:
         self.call(stop_stack(self.stack, drain_timeout_s=5, shutdown_workers=False))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+@contextlib.contextmanager
+def inproc_stack(frontend, roles: dict[str, str], cfg, num_blocks: int,
+                 faults: dict | None = None) -> Iterator[tuple[RouterThread, dict]]:
+    """A real router (cfg: RouterConfig) in front of real workers in this process: tiny Qwen3
+    engines on CPU with 4-token blocks, gRPC on loopback, the in-process KV transport.
+    roles: worker id -> role; faults: worker id -> FaultConfig. Yields (router, {id: Worker});
+    stops them all on exit."""
+    from pdserve.engine.llm import build_engine
+    from pdserve.router.worker_refs import StaticWorkerRef
+    from pdserve.worker.config import WorkerConfig
+    from pdserve.worker.server import Worker
+
+    from tests.cluster_secret import SECRET
+
+    extra = {wid: {"faults": f} for wid, f in (faults or {}).items()}
+    workers = {wid: Worker(WorkerConfig(role=role, worker_id=wid, cluster_secret=SECRET,
+                                        metrics_port=-1, kv_transport="inproc",
+                                        **extra.get(wid, {})),
+                           engine=build_engine("tiny-qwen3", device="cpu", block_size=4,
+                                               num_blocks=num_blocks)).start()
+               for wid, role in roles.items()}
+    for w in workers.values():
+        if w.cfg.role == "prefill":  # as build_worker_engine does for prefill
+            w.rt.engine.keep_hidden = True
+    refs = [StaticWorkerRef(wid, w.cfg.role, w.address, incarnation=w.rt.incarnation)
+            for wid, w in workers.items()]
+    rt = RouterThread(refs, frontend, cfg)
+    try:
+        yield rt, workers
+    finally:
+        rt.stop()
+        for w in workers.values():
+            w.stop()
 
 
 def free_port() -> int:

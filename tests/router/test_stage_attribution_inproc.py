@@ -13,18 +13,14 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import generate_latest
 
-from pdserve.engine.llm import build_engine
 from pdserve.kv_transfer.faults import FaultConfig
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_channel
 from pdserve.router.core import RouterConfig
-from pdserve.router.worker_refs import StaticWorkerRef
-from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
 
-from tests.cluster_secret import SECRET
-from tests.router.harness import RouterThread, wait_until
+from tests.router.harness import RouterThread, inproc_stack, wait_until
 from tests.router.test_failures_fake import metric
 
 DELAY_S = 1.0
@@ -34,23 +30,10 @@ STAGES = ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_que
 
 @pytest.fixture(scope="module")
 def stack(frontend) -> Iterator[tuple[RouterThread, dict[str, Worker]]]:
-    faults = {"sa-p": FaultConfig(), "sa-d": FaultConfig(delay_s=DELAY_S)}
-    workers = {wid: Worker(WorkerConfig(role=role, worker_id=wid, cluster_secret=SECRET,
-                                        metrics_port=-1, kv_transport="inproc",
-                                        faults=faults[wid]),
-                           engine=build_engine("tiny-qwen3", device="cpu", block_size=4,
-                                               num_blocks=128)).start()
-               for wid, role in (("sa-p", "prefill"), ("sa-d", "decode"))}
-    workers["sa-p"].rt.engine.keep_hidden = True  # as build_worker_engine does for prefill
-    refs = [StaticWorkerRef(wid, w.cfg.role, w.address, incarnation=w.rt.incarnation)
-            for wid, w in workers.items()]
-    rt = RouterThread(refs, frontend, RouterConfig(block_size=4, router_id="router-stages"))
-    try:
-        yield rt, workers
-    finally:
-        rt.stop()
-        for w in workers.values():
-            w.stop()
+    with inproc_stack(frontend, {"sa-p": "prefill", "sa-d": "decode"},
+                      RouterConfig(block_size=4, router_id="router-stages"), num_blocks=128,
+                      faults={"sa-d": FaultConfig(delay_s=DELAY_S)}) as stack:
+        yield stack
 
 
 def generate(rt: RouterThread, rid: str, **params) -> list[pb.GenerateResponse]:

@@ -11,17 +11,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.engine.llm import build_engine
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_channel
 from pdserve.router.core import RouterConfig
-from pdserve.router.worker_refs import StaticWorkerRef
-from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
 
-from tests.cluster_secret import SECRET
-from tests.router.harness import RouterThread, wait_until
+from tests.router.harness import RouterThread, inproc_stack, wait_until
 from tests.router.test_failures_fake import metric
 
 PROMPT = [7, 3, 99, 5, 40, 11, 8, 21, 64, 3]
@@ -42,25 +38,13 @@ def tokens(rt: RouterThread, max_tokens: int = 12) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stack(frontend) -> Iterator[tuple[RouterThread, dict[str, Worker]]]:
-    workers = {wid: Worker(WorkerConfig(role=role, worker_id=wid, cluster_secret=SECRET,
-                                        metrics_port=-1, kv_transport="inproc"),
-                           engine=build_engine("tiny-qwen3", device="cpu", block_size=4,
-                                               num_blocks=256)).start()
-               for wid, role in (("st-p", "prefill"), ("st-d0", "decode"), ("st-d1", "decode"))}
-    workers["st-p"].rt.engine.keep_hidden = True  # as build_worker_engine does for prefill
-    for w in workers.values():  # "busy" after 0.5 s (2 s in production): a faster test
-        w.rt.health_timeout_s = 0.5
-    refs = [StaticWorkerRef(wid, w.cfg.role, w.address, incarnation=w.rt.incarnation)
-            for wid, w in workers.items()]
     # 3 s: far above a tiny model's step on a loaded CI machine, so only the stall counts
     cfg = RouterConfig(block_size=4, stall_timeout_s=3.0, router_id="router-stall")
-    rt = RouterThread(refs, frontend, cfg)
-    try:
+    roles = {"st-p": "prefill", "st-d0": "decode", "st-d1": "decode"}
+    with inproc_stack(frontend, roles, cfg, num_blocks=256) as (rt, workers):
+        for w in workers.values():  # "busy" after 0.5 s (2 s in production): a faster test
+            w.rt.health_timeout_s = 0.5
         yield rt, workers
-    finally:
-        rt.stop()
-        for w in workers.values():
-            w.stop()
 
 
 def stall(w: Worker) -> threading.Event:
