@@ -236,8 +236,16 @@ def worker_rpcs_refused(address: str, metadata: tuple = ()) -> dict[str, str]:
     return codes
 
 
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples named exactly `name` in Prometheus text whose label sets carry
+    `labels`."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
+        if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
 def metric_sum(address: str, name: str) -> float:
     """Sum of pdserve:<name> over its label sets on a /metrics endpoint at host:port."""
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in
-               re.finditer(rf"^pdserve:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+    return sample_sum(httpx.get(f"http://{address}/metrics", timeout=10).text, f"pdserve:{name}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from prometheus_client import generate_latest
 
@@ -20,8 +21,7 @@ from pdserve.proto.rpc import make_channel
 from pdserve.router.core import RouterConfig
 from pdserve.worker.server import Worker
 
-from tests.router.harness import RouterThread, inproc_stack, wait_until
-from tests.router.test_failures_fake import metric
+from tests.router.harness import RouterThread, inproc_stack, sample_sum, wait_until
 
 DELAY_S = 1.0
 PROMPT = [7, 3, 99, 5, 40, 11, 8, 21, 64, 3]
@@ -43,19 +43,24 @@ def generate(rt: RouterThread, rid: str, **params) -> list[pb.GenerateResponse]:
         return list(pbg.PdserveStub(ch).Generate(req, timeout=60))
 
 
-def worker_counter(w: Worker, name: str, **labels: str) -> float:
-    """A worker's metric, summed over the label sets that carry `labels`."""
-    text = generate_latest(w.rt.registry).decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line
-                                                      for k, v in labels.items()))
+def router_text(rt: RouterThread) -> str:
+    return httpx.get(rt.url + "/metrics", timeout=10).text
+
+
+def worker_text(w: Worker) -> str:
+    return generate_latest(w.rt.registry).decode()
+
+
+def stage_sums(text: str) -> dict[str, float]:
+    """The router's stage histograms' sums, and e2e's."""
+    return {s: sample_sum(text, f"pdserve:stage_{s}_seconds_sum") for s in STAGES} | {
+        "e2e": sample_sum(text, "pdserve:e2e_request_latency_seconds_sum")}
 
 
 def test_a_slow_kv_read_lands_in_kv_transfer_and_the_stages_add_up(stack) -> None:
     rt, ws = stack
-    sums0 = {s: metric(rt, f"pdserve:stage_{s}_seconds_sum") for s in STAGES}
-    e2e0 = metric(rt, "pdserve:e2e_request_latency_seconds_sum")
-    reads0 = worker_counter(ws["sa-d"], "pdserve:nixl_xfer_time_seconds_count")
+    sums0 = stage_sums(router_text(rt))
+    reads0 = sample_sum(worker_text(ws["sa-d"]), "pdserve:nixl_xfer_time_seconds_count")
     msgs = generate(rt, "slow-read", max_tokens=5, ignore_eos=True)
     assert [m.HasField("trace") for m in msgs] == [False] * (len(msgs) - 1) + [True]
     t = msgs[-1].trace
@@ -68,13 +73,13 @@ def test_a_slow_kv_read_lands_in_kv_transfer_and_the_stages_add_up(stack) -> Non
     assert t.kv_transfer >= DELAY_S, stages
     assert t.decode_queue + t.decode < t.e2e - DELAY_S, stages
     # the router's histograms say the same
-    sums = {s: metric(rt, f"pdserve:stage_{s}_seconds_sum") - sums0[s] for s in STAGES}
-    assert sum(sums.values()) == pytest.approx(
-        metric(rt, "pdserve:e2e_request_latency_seconds_sum") - e2e0, rel=1e-6)
+    sums = {k: v - sums0[k] for k, v in stage_sums(router_text(rt)).items()}
+    assert sum(sums[s] for s in STAGES) == pytest.approx(sums["e2e"], rel=1e-6)
     assert sums["kv_transfer"] == pytest.approx(t.kv_transfer, rel=1e-6)
     # and decode's own transfer histogram saw the one read, the delay included
-    assert worker_counter(ws["sa-d"], "pdserve:nixl_xfer_time_seconds_count") == reads0 + 1
-    assert worker_counter(ws["sa-d"], "pdserve:nixl_xfer_time_seconds_sum") >= DELAY_S
+    text = worker_text(ws["sa-d"])
+    assert sample_sum(text, "pdserve:nixl_xfer_time_seconds_count") == reads0 + 1
+    assert sample_sum(text, "pdserve:nixl_xfer_time_seconds_sum") >= DELAY_S
 
 
 def test_each_finish_is_counted_under_its_reason(stack) -> None:
@@ -84,10 +89,9 @@ def test_each_finish_is_counted_under_its_reason(stack) -> None:
 
     def counts() -> tuple[float, ...]:
         """(router, decode worker) x (stop, length)."""
-        return tuple(c for reason in ("stop", "length") for c in (
-            metric(rt, "pdserve:request_success_total", finished_reason=reason),
-            worker_counter(ws["sa-d"], "pdserve:request_success_total",
-                           finished_reason=reason)))
+        texts = router_text(rt), worker_text(ws["sa-d"])
+        return tuple(sample_sum(text, "pdserve:request_success_total", finished_reason=reason)
+                     for reason in ("stop", "length") for text in texts)
     before = counts()
     greedy = [i for m in generate(rt, "by-length", max_tokens=6, ignore_eos=True)
               for i in m.token_ids]

@@ -11,6 +11,7 @@ import grpc
 import pytest
 import ray
 
+from pdserve.kv_transfer.faults import FaultConfig
 from pdserve.proto import pdserve_pb2 as pb
 
 from tests.workers.cluster import (
@@ -257,16 +258,22 @@ def _tiny_pair(name: str, prefill_kw: dict, decode_kw: dict) -> Iterator[tuple]:
             ray.kill(w.actor, no_restart=True)
 
 
-def test_lost_release_cannot_hang_a_request() -> None:
-    from pdserve.kv_transfer.faults import FaultConfig
+TINY_PROMPT = list(range(5, 30))  # 25 tokens: 7 blocks of 4
 
+
+def _six(policy: str | None = None) -> pb.SamplingParams:
+    """6 greedy tokens past EOS, with a transfer_failure_policy if given."""
+    extra = {"transfer_failure_policy": policy} if policy else {}
+    return pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, **extra)
+
+
+def test_lost_release_cannot_hang_a_request() -> None:
     with _tiny_pair("lossy", dict(num_blocks=64, lease_ttl_s=1.0,
                                   faults=FaultConfig(drop_release_prob=1.0)),
                     dict(num_blocks=64)) as (p, d):
-        prompt = list(range(5, 30))
+        prompt = TINY_PROMPT
         for policy in ("recompute", "fail"):
-            params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                       transfer_failure_policy=policy)
+            params = _six(policy)
             res = prefill(p, f"lost-{policy}", prompt, params)
             start = time.monotonic()
             if policy == "recompute":  # completes by prefilling locally
@@ -292,17 +299,13 @@ def test_a_lease_that_expires_during_the_read_is_never_decoded_from() -> None:
     them. Decode must not decode from what it read: "recompute" gives the tokens decode
     alone gives, "fail" a clear UNAVAILABLE naming the transfer; prefill counts both
     expiries."""
-    from pdserve.kv_transfer.faults import FaultConfig
-
     with _tiny_pair("expiry", dict(num_blocks=16, lease_ttl_s=1.0),
                     dict(num_blocks=64, faults=FaultConfig(delay_s=2.5))) as (p, d):
-        prompt = list(range(5, 30))  # 7 of prefill's 16 blocks
-        greedy = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        prompt, greedy = TINY_PROMPT, _six()  # 7 of prefill's 16 blocks
         want = tokens_of(decode_stream(d, "expiry-alone", prompt, greedy))
         before = _transfer_samples(p)
         for policy in ("recompute", "fail"):
-            params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                       transfer_failure_policy=policy)
+            params = _six(policy)
             res = prefill(p, f"expiry-{policy}", prompt, params)
             got: list = []
             reader = threading.Thread(target=lambda: got.append(_outcome(
@@ -329,19 +332,15 @@ def test_a_read_past_the_transfer_timeout_ends_at_it() -> None:
     transfer_timeout_s (1 s), not at the request's deadline: "fail" is UNAVAILABLE naming the
     transfer within a few seconds, "recompute" decodes what decode alone gives; nothing
     stays held."""
-    from pdserve.kv_transfer.faults import FaultConfig
-
     # the lease outlives the 1 s read, and frees the blocks after it
     with _tiny_pair("slow", dict(num_blocks=64, lease_ttl_s=10.0),
                     dict(num_blocks=64, transfer_timeout_s=1.0,
                          faults=FaultConfig(delay_s=60.0))) as (p, d):
-        prompt = list(range(5, 30))
-        greedy = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        prompt, greedy = TINY_PROMPT, _six()
         want = tokens_of(decode_stream(d, "slow-alone", prompt, greedy))
         before = _transfer_samples(d)
         for policy in ("fail", "recompute"):
-            params = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                       transfer_failure_policy=policy)
+            params = _six(policy)
             res = prefill(p, f"slow-{policy}", prompt, params)
             start = time.monotonic()
             got = _outcome(decode_stream(d, f"slow-{policy}", prompt, params, res,
@@ -406,8 +405,6 @@ def test_killed_prefill_gives_typed_error_within_deadline() -> None:
 
 def test_killed_decode_leaves_pins_to_the_lease() -> None:
     start_ray()
-    from pdserve.kv_transfer.faults import FaultConfig
-
     p = start_worker("prefill", "survivor-p", model="tiny-llama", block_size=4, num_blocks=64,
                      lease_ttl_s=1.5)
     d = start_worker("decode", "victim-d", model="tiny-llama", block_size=4, num_blocks=64,
@@ -433,15 +430,13 @@ def test_cancel_during_the_pull_frees_both_sides_once_the_read_returns() -> None
     could already belong to another request); then both sides free at once, long before P's
     lease would have expired."""
     start_ray()
-    from pdserve.kv_transfer.faults import FaultConfig
-
     p = start_worker("prefill", "pull-cancel-p", model="tiny-llama", block_size=4,
                      num_blocks=64, lease_ttl_s=120.0)
     d = start_worker("decode", "pull-cancel-d", model="tiny-llama", block_size=4,
                      num_blocks=64, faults=FaultConfig(delay_s=5.0))
     try:
         assert introduce(p, d).accepted
-        prompt = list(range(5, 30))
+        prompt = TINY_PROMPT
         params = pb.SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
         res = prefill(p, "pull-cancel", prompt, params)
         stream = decode_stream(d, "pull-cancel", prompt, params, res)
