@@ -70,36 +70,6 @@ def pdl_launch(t: torch.Tensor) -> dict:
     return {"USE_PDL": on, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
-MAX_CLUSTER = 16  # CTAs per cluster on Hopper (above 8: non-portable, Triton's launcher opts in)
-_DEFAULT_SMEM = 48 << 10  # dynamic shared memory a launch may take without a function attribute
-
-
-def clusters_available(t: torch.Tensor) -> bool:
-    """Thread-block clusters: compiled (not the interpreter) on a Hopper+ device."""
-    return not INTERPRET and t.is_cuda and _pdl_capable(t.device.index or 0)
-
-
-def cluster_launch(fn: triton.runtime.JITFunction, grid: tuple[int, int, int], cluster: int,
-                   smem: int, *args, **kwargs) -> None:
-    """Launch fn with thread-block clusters of `cluster` CTAs along grid axis 0, each CTA its
-    own program (program_id(0) runs over grid[0] * cluster), and at least `smem` bytes of
-    dynamic shared memory. Triton's num_ctas would make one program span the cluster's CTAs,
-    so the compiled kernel (one per specialisation; callers give clustered launches a
-    specialisation of their own) keeps num_ctas 1 and its launch metadata asks for the
-    cluster: Triton's launcher passes the cluster dimension from it to cuLaunchKernelEx."""
-    if not 2 <= cluster <= MAX_CLUSTER or cluster & (cluster - 1):
-        raise ValueError(f"cluster: {cluster} must be a power of 2 in [2, {MAX_CLUSTER}]")
-    kernel = fn.warmup(*args, grid=grid, **kwargs)
-    meta = kernel.metadata
-    want = (meta.num_warps, cluster, max(meta.shared, smem))
-    if want[2] > _DEFAULT_SMEM:
-        raise ValueError(f"smem: {want[2]} bytes exceed the {_DEFAULT_SMEM} a launch takes")
-    if meta.num_ctas != 1:
-        raise ValueError(f"{fn.__name__}: compiled with num_ctas {meta.num_ctas}")
-    kernel.packed_metadata = want
-    fn[grid](*args, **kwargs)
-
-
 @jit
 def pdl_enter(USE_PDL: tl.constexpr):
     """Wait for the previous kernel's memory, then let the next kernel get scheduled."""

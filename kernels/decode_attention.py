@@ -41,8 +41,6 @@ import triton.language as tl
 from pdserve.kernels._triton import (
     arrival_counters,
     check_tensor,
-    cluster_launch,
-    clusters_available,
     dot_dtype,
     dot_precision,
     interpreting,
@@ -59,7 +57,6 @@ from pdserve.kernels.attn_prologue import (
     write_new_kv,
     write_new_kv_fp8,
 )
-from pdserve.kernels.cluster_merge import cluster_merge
 from pdserve.kernels.decode_attention_config import (
     MAX_SPLITS,
     DecodeTiles,
@@ -78,7 +75,6 @@ from pdserve.kernels.kv_write import DYN_FACTOR, check_q_and_cache
 
 LOG2E = 1.4426950408889634
 MAX_GROUP_ROWS = 64  # rows_per_seq * (Hq / Hkv) query rows per program at most
-CLUSTER_SMEM = 40 << 10  # bytes of partials a cluster's CTA may hold (D 128: 64 rows)
 MERGE_TILE = 16384  # fp32 elements of one [rows, splits, D] tile when merging partials
 
 
@@ -100,16 +96,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True,
-                   PROBE: tl.constexpr = 0, CLUSTER: tl.constexpr = 1):
-    if CLUSTER > 1:  # clusters run along grid axis 0: a KV head's splits, CLUSTER at a time
-        split = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
-    else:
-        b = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
+                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
     # Before the PDL wait, only what no kernel of the last two writes (lengths, block table,
     # RoPE rows: host copies or the forward's first ops; with the prologue, the split's first
     # tile of cached keys, whose new rows this kernel puts in itself): the wait is for the
@@ -153,7 +143,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         k_first = tl.zeros([BLOCK_N, D], dtype=kc_ptr.dtype.element_ty)
         v_first = tl.zeros([BLOCK_N, D], dtype=vc_ptr.dtype.element_ty)
     pdl_enter(USE_PDL)
-    if split < tl.maximum(n_active, 1) and PROBE != 1:
+    if split < tl.maximum(n_active, 1):
         heads = kvh * GROUP + g % GROUP  # the query heads that share this KV head
         q_rows = q_ptr + qrow[:, None] * stride_qb + heads[:, None] * stride_qh
         if PROLOGUE:  # q/k/v straight from the qkv projection: norm + RoPE + cache write here
@@ -198,35 +188,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
         if n_active <= 1:  # one split: its result is final
             tl.store(out_ptr + qrow[:, None] * stride_ob + heads[:, None] * stride_oh
                      + d[None, :], o, mask=row_ok[:, None])
-        else:  # partial results, merged in a cluster and/or by the last to arrive
+        else:  # partial result; the last of the n_active programs to finish merges them
+            row = (qrow * HQ + heads) * num_splits + split  # mid_*: [B * R, Hq, splits(, D)]
+            tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-            n_merge = n_active  # partials that meet through global memory
-            slot = split
-            lead = split
-            if CLUSTER > 1:  # first within the cluster, over DSMEM (kernels/cluster_merge.py)
-                cl = split // CLUSTER
-                lead = cl * CLUSTER + tl.minimum(n_active - cl * CLUSTER, CLUSTER) - 1
-                o, lse = cluster_merge(o, lse, row_ok, split % CLUSTER, lead % CLUSTER, BLOCK_G,
-                                       D, CLUSTER)
-                n_merge = tl.cdiv(n_active, CLUSTER)
-                slot = cl
-            if split != lead:
-                pass  # merged by its cluster's leader
-            elif n_merge == 1:  # one cluster held every split: final
-                tl.store(out_ptr + qrow[:, None] * stride_ob + heads[:, None] * stride_oh
-                         + d[None, :], o, mask=row_ok[:, None])
-            else:
-                row = (qrow * HQ + heads) * num_splits + slot  # mid_*: [B*R, Hq, splits(, D)]
-                tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-                if PROBE != 2:
-                    tl.store(mid_lse_ptr + row, lse, mask=row_ok)
-                    tl.debug_barrier()  # every thread's partial stored before the release
-                    counter = count_ptr + b * HKV + kvh
-                    if tl.atomic_add(counter, 1, sem="acq_rel") == n_merge - 1:
-                        tl.store(counter, 0)  # all have arrived: reset for the next launch
-                        merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_merge,
-                                     stride_ob, stride_oh, HQ, num_splits, GROUP, R, D,
-                                     BLOCK_R, BLOCK_S, SC)
+            tl.store(mid_lse_ptr + row, lse, mask=row_ok)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            counter = count_ptr + b * HKV + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == n_active - 1:
+                tl.store(counter, 0)  # all have arrived: reset for the next launch
+                merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, n_active, stride_ob,
+                              stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC)
 
 
 def _operand_dtype(q_dtype: torch.dtype, fp8: bool) -> tuple[tl.dtype, str]:
@@ -356,7 +328,7 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     pos = p.positions if p is not None and p.positions is not None else slots
     qn = q if p is None or p.q_norm is None else p.q_norm
     kn = q if p is None or p.k_norm is None else p.k_norm
-    args = (
+    _decode_kernel[(B, HKV, num_splits)](
         q, k, v, pos, cos, sin, qn, kn, slots, k_cache, v_cache, block_tables, seq_lens, out, mid_o,
         mid_lse, counters, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -364,9 +336,7 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         sc.k.stride(1), sc.v.stride(0), sc.v.stride(1), float(sc.static_k), float(sc.static_v), DYN_FACTOR,
         block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale) * LOG2E, 1e-6 if p is None else float(p.eps),
-        bs, HQ, HKV, num_splits)
-    kwargs = dict(
-        GROUP=group, R=R, BLOCK_G=max(16, next_pow2(R * group)),
+        bs, HQ, HKV, num_splits, GROUP=group, R=R, BLOCK_G=max(16, next_pow2(R * group)),
         RP=next_pow2(R), D=D,
         BLOCK_N=block_n, BLOCK_R=next_pow2(R * group), BLOCK_S=block_s,
         SC=max(1, min(block_s, MERGE_TILE // (next_pow2(R * group) * D))),
@@ -374,14 +344,6 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
-        FP8=fp8, V_WORDS=words, PTX=not interpreting(), PROBE=tiles.probe,
-        num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
+        FP8=fp8, V_WORDS=words, PTX=not interpreting(), num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
         num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
-    cluster = min(tiles.cluster, num_splits) if clusters_available(q) else 1
-    rows = max(16, next_pow2(R * group))  # BLOCK_G: a partial is [rows, D] + [rows] fp32
-    if cluster > 1 and rows * (D + 1) * 4 <= CLUSTER_SMEM:
-        cluster_launch(_decode_kernel, (num_splits // cluster, HKV, B), cluster,
-                       rows * (D + 1) * 4, *args, CLUSTER=cluster, **kwargs)
-    else:
-        _decode_kernel[(B, HKV, num_splits)](*args, **kwargs)
     return out

@@ -51,8 +51,6 @@ class DecodeTiles:
     waves: int = 1
     fp8_loads: str = "cast"
     max_regs: int | None = None  # ptxas register cap per thread (more programs per SM)
-    cluster: int = 1  # split programs per thread-block cluster (kernels/cluster_merge.py)
-    probe: int = 0  # LAB: 1 returns after the PDL wait, 2 skips the split merge (wrong output)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps", "waves"):

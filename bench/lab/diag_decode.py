@@ -202,11 +202,6 @@ QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
-            # LAB bounds: no attention at all, no split merge (wrong outputs, timing only)
-            variant("attn_skip", attn={"probe": 1}),
-            variant("attn_nomerge", attn={"probe": 2}),
-            # the split merge within thread-block clusters of 2-16 split programs
-            *[variant(f"attn_cluster{c}", attn={"cluster": c}) for c in (1, 2, 4, 8, 16)],
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)

@@ -145,33 +145,3 @@ def test_heads_outer_views_write_and_read_the_same(R, splits, device, paged_cach
                                  rows_per_seq=R)
     assert torch.equal(out, want)
     assert torch.equal(ho, cache.kv.permute(0, 4, 1, 2, 3, 5))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cluster", [2, 4, 16])
-@pytest.mark.parametrize("R,dtype,seq_lens", [
-    (1, torch.bfloat16, [640]),                # batch 1: 10 active splits of 32
-    (1, torch.float32, [1, 65, 2000, 1100]),   # one split; 2; all 32 (several clusters)
-    (2, torch.bfloat16, [130, 1500, 7]),       # verify rows straddling split boundaries
-])
-def test_cluster_merge_matches_the_reference(cluster, R, dtype, seq_lens, device, paged_cache,
-                                             close):
-    """Split programs launched as thread-block clusters merge their partials over distributed
-    shared memory (kernels/cluster_merge.py), and clusters' leaders through global memory
-    when the keys span several clusters: same result as the reference, at contexts whose
-    active splits fill less than one cluster, exactly one, and several."""
-    from dataclasses import replace
-
-    from pdserve.kernels.decode_attention_config import decode_tiles
-    hkv, group, d = 2, 4, 128
-    cache = paged_cache(seq_lens, 16, hkv, d, dtype)
-    q, p = _case(cache, R, group * hkv, d, dtype, device, qk_norm=True, seed=cluster)
-    want, kv_want = _reference(q, p, cache, R)
-    tiles = replace(decode_tiles(dtype, dtype, d, prefetch=True), cluster=cluster)
-    for _ in range(2):  # the second launch reuses the counters and the compiled kernel
-        cache.kv.copy_(kv_want)  # the new rows are rewritten with the same values
-        out = fused_decode_attention(q, p, cache.k, cache.v, cache.block_tables,
-                                     cache.seq_lens, d ** -0.5, num_splits=32, rows_per_seq=R,
-                                     tiles=tiles)
-        close(out, want, dtype)
-        close(cache.kv, kv_want, dtype)
