@@ -201,6 +201,24 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                               stride_oh, HQ, num_splits, GROUP, R, D, BLOCK_R, BLOCK_S, SC)
 
 
+def _default_tiles(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, batch: int,
+                   num_kv_heads: int, device: torch.device, fused: bool) -> DecodeTiles:
+    """decode_tiles for a launch: the fused prologue prefetches a split's first tile in the
+    split-K regime (fewer (sequence, KV head) pairs than SMs)."""
+    small = batch * num_kv_heads < (num_sms(device.index or 0) if device.type == "cuda" else 32)
+    return decode_tiles(dtype, cache_dtype, head_dim, prefetch=fused and small)
+
+
+def decode_num_splits(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, batch: int,
+                      num_kv_heads: int, context: int, device: torch.device,
+                      fused: bool = True) -> int:
+    """The split count a decode launch of `batch` sequences over a block table of `context`
+    tokens takes when none is given (what a CUDA graph captures): dtype is the dot products'
+    type, cache_dtype the cache's, fused the prologue's kernel (fused_decode_attention)."""
+    tiles = _default_tiles(dtype, cache_dtype, head_dim, batch, num_kv_heads, device, fused)
+    return choose_num_splits(batch, num_kv_heads, context, tiles.block_n, device, tiles.waves)
+
+
 def _operand_dtype(q_dtype: torch.dtype, fp8: bool) -> tuple[tl.dtype, str]:
     """tl.dot operand type and precision: an fp8 cache's tiles go to fp16 (one conversion
     instruction per pair on Hopper; decode_attention_tiles.py) unless q is fp32."""
@@ -304,8 +322,7 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     out = torch.empty((T, HQ, D), dtype=dtype, device=q.device)
     if B == 0:
         return out
-    small = B * HKV < (num_sms(q.device.index or 0) if q.is_cuda else 32)  # split-K regime
-    tiles = tiles or decode_tiles(dtype, k_cache.dtype, D, prefetch=p is not None and small)
+    tiles = tiles or _default_tiles(dtype, k_cache.dtype, D, B, HKV, q.device, p is not None)
     block_n = tiles.block_n
     op_dtype, prec = _operand_dtype(dtype, fp8)
     words = _word_loads(tiles, fp8, op_dtype, k_cache, v_cache)

@@ -142,7 +142,8 @@ def gpu_step_ms(engine, graphs: DecodeGraphs, batch: int, context: int) -> tuple
     one, the same forward run eagerly) + LM head + argmax."""
     model = engine.runner.model
     fill_static(graphs, batch, context, model.config.vocab_size)
-    captured = graphs.graphs.get(batch)
+    blocks = -(-context // graphs.block_size)
+    captured = graphs.entry(batch, blocks) if batch in graphs.graphs else None
 
     def step() -> None:
         if captured is not None:
@@ -278,8 +279,9 @@ def bench_kernel_counts(engine, graphs: DecodeGraphs, plan: Plan) -> dict:
                          "RoPE tables and final norm included) over num_layers",
                "target_per_layer": 8}
         if 1 in graphs.graphs:
-            out["graph_replay"] = count_kernels(graphs.graphs[1][0].replay, dev)
-            out["batch1_step_time_breakdown"] = kernel_times(graphs.graphs[1][0].replay, dev)
+            graph = graphs.entry(1, -(-ctx // graphs.block_size))[0]
+            out["graph_replay"] = count_kernels(graph.replay, dev)
+            out["batch1_step_time_breakdown"] = kernel_times(graph.replay, dev)
     out["batch1_matmul_bandwidth"] = gemv_bandwidth(model, dev)
     return out
 

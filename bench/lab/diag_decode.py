@@ -156,11 +156,13 @@ def engine_timeline(engine, vocab: int) -> dict:
 # whether the variant being captured takes the tensor-core FP8 GEMV where the model fits it
 # (Model.use_tc_gemv; set by a variant's setup, read by capture)
 TC = {"on": True}
+# whether the variant's graphs include the short-context one (DecodeGraphs.short_context)
+SHORT = {"on": True}
 
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None, attn: dict | None = None):
+            tc_plans: dict | None = None, attn: dict | None = None, short: bool = True):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
@@ -191,6 +193,7 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
         moe_gemv.pick_gemv_config = pick_moe
         tc_mod.tc_plan = plan
         TC["on"] = tc
+        SHORT["on"] = short
     return name, setup, splits
 
 
@@ -202,6 +205,8 @@ QKV_MOE, O_MOE = (5120, 2048), (2048, 4096)  # Qwen3-30B-A3B's
 GATE_UP, DOWN, LM_HEAD = (24576, 4096), (4096, 12288), (151936, 4096)  # Qwen3-8B's
 SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
+            # the whole table's graph at every context (DecodeGraphs.short_context 0)
+            variant("no_short", short=False),
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
@@ -336,9 +341,10 @@ def capture(engine, setup, splits, vocab: int, context: int):
     buffers = model.layers[0].tc  # this graph's: a later capture's use_tc_gemv makes new ones
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]
+    g.short_context = g.short_context if SHORT["on"] else 0
     g.capture([1])
     fill_static(g, 1, context, vocab)
-    graph, hidden, _ = g.graphs[1]
+    graph, hidden, _ = g.entry(1, -(-context // g.block_size))  # what a step replays
 
     def step() -> None:
         assert buffers is None or buffers.qkv.is_cuda  # held for the graph's lifetime

@@ -12,6 +12,11 @@ launch. What a replay needs:
   decode kernel writes a zero row and reads no keys), so padding touches no cache block.
   The block table has a fixed width, max_model_len / block_size, so the decode kernel picks
   the same split count at capture and at every replay.
+- A second graph per bucket for short contexts, where the decode kernel would split a table
+  of SHORT_CONTEXT tokens fewer ways (batch 1: 16 splits of a KV head instead of 32): it
+  replays over the static table's first columns when every sequence's blocks fit them. The
+  long table's split count suits long contexts, but at a short one most of its split
+  programs find no keys and the merge's tile is twice the size it needs.
 - No host reads of device data inside the captured region: the Triton path (Model with
   use_fused_ops + engine.model.triton_attention.TritonAttentionBackend) uses only tensor shapes and host ints;
   the torch attention path loops over host lengths, so graphs require use_triton.
@@ -25,11 +30,19 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.core.config import ConfigError, EngineConfig
+from pdserve.engine.exec.kv_cache import layer_views
 from pdserve.engine.exec.static_inputs import StaticInputs
 from pdserve.engine.model.attention import AttentionMetadata, HostBatch
 from pdserve.engine.model.decoder import Model
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# tokens of a short-context graph's table. Qwen3-8B FP8 at batch 1 on an H200, 640-token
+# context: its graph (16 splits of a KV head) against the whole table's (32) took the step
+# 2.372 -> 2.353 ms (bench/results/diag_short_graph_h200_2026-11-30.json). At 2K tokens 32
+# splits beat 16 (2.493 vs 2.522 ms, diag_splits_h200_2026-11-30_*): up to 1024 tokens 16
+# splits of 64-key tiles still give every tile a program of its own
+SHORT_CONTEXT = 1024
+Entry = tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]  # (graph, hidden, prenorm)
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -65,7 +78,9 @@ class DecodeGraphs:
         # padding rows: slot -1, seq_len 0 (the decode kernel reads no keys for them)
         self._set_inputs(StaticInputs(n, 1, self.width, 0, self.device))
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, Entry] = {}  # bucket -> its graph over the whole table
+        self.short: dict[int, tuple[int, Entry]] = {}  # bucket -> (short width, its graph)
+        self.short_context = SHORT_CONTEXT  # 0: no short-context graphs
         self.pool = None  # one memory pool shared by all graphs (captured largest first)
         self.replays = 0  # steps served by a graph (tests and benchmarks read it)
 
@@ -75,21 +90,39 @@ class DecodeGraphs:
         self.slot_mapping, self.seq_lens = inputs.slot_mapping, inputs.seq_lens
         self.block_tables = inputs.block_tables
 
-    def meta(self, bucket: int) -> AttentionMetadata:
-        """Metadata over the first `bucket` rows of the static buffers. The host lists are
-        only for the torch path, which never runs under a graph."""
+    def meta(self, bucket: int, width: int | None = None) -> AttentionMetadata:
+        """Metadata over the first `bucket` rows (and `width` table columns, default all) of
+        the static buffers. The host lists are only for the torch path, which never runs
+        under a graph."""
+        width = width or self.width
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket],
+            slot_mapping=self.slot_mapping[:bucket * self.q],
             query_start_loc=self.query_start_loc[:bucket + 1],
-            seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket],
-            max_query_len=1, max_seq_len=self.width * self.block_size,
-            query_lens_cpu=[1] * bucket, seq_lens_cpu=[0] * bucket, block_size=self.block_size)
+            seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket, :width],
+            max_query_len=self.q, max_seq_len=width * self.block_size,
+            query_lens_cpu=[self.q] * bucket, seq_lens_cpu=[self.inputs.seq_pad] * bucket,
+            block_size=self.block_size)
 
-    def forward_eager(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_eager(self, bucket: int, width: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The function each graph captures, run eagerly on the static buffers (warm-up, and
         profiling: it launches the same kernels with the same split counts as a replay)."""
-        return self.model(self.input_ids[:bucket], self.positions[:bucket], self.meta(bucket),
+        n = bucket * self.q
+        return self.model(self.input_ids[:n], self.positions[:n], self.meta(bucket, width),
                           self.kv_cache, return_prenorm=True)
+
+    def _short_width(self, bucket: int) -> int | None:
+        """The table width of the bucket's short-context graph: SHORT_CONTEXT tokens, where
+        the decode kernel splits that table fewer ways than the whole one; else None."""
+        short = -(-self.short_context // self.block_size)
+        splits = getattr(self.model.backend, "decode_splits", None)
+        if not 0 < short < self.width or splits is None:
+            return None
+        k = layer_views(self.kv_cache, 0).k
+        dtype = self.model.embed_tokens.weight.dtype
+        fewer = (splits(bucket, k, dtype, short * self.block_size)
+                 < splits(bucket, k, dtype, self.width * self.block_size))
+        return short if fewer else None
 
     @torch.inference_mode()
     def capture(self, buckets: list[int] | None = None) -> None:
@@ -99,18 +132,30 @@ class DecodeGraphs:
         for bucket in sorted(buckets or self.buckets, reverse=True):
             if bucket in self.graphs:
                 continue
-            for _ in range(2):  # compile Triton kernels, pick cuBLAS algorithms, fill caches
-                self.forward_eager(bucket)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: CUDA calls on other threads (a TP group's keep-alive marks and
-            # GPU watchdog, KV transfers) cannot invalidate a capture, as in "global" mode
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                hidden, prenorm = self.forward_eager(bucket)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bucket] = (graph, hidden, prenorm)
+            self.graphs[bucket] = self._capture_one(bucket, self.width)
+            short = self._short_width(bucket)
+            if short is not None:
+                self.short[bucket] = (short, self._capture_one(bucket, short))
         torch.cuda.synchronize(self.device)
+
+    def entry(self, bucket: int, widest: int) -> Entry:
+        """The captured graph that replays `bucket` rows whose block tables hold at most
+        `widest` blocks: the short-context one where they fit it."""
+        short = self.short.get(bucket)
+        return short[1] if short is not None and widest <= short[0] else self.graphs[bucket]
+
+    def _capture_one(self, bucket: int, width: int) -> Entry:
+        for _ in range(2):  # compile Triton kernels, pick cuBLAS algorithms, fill caches
+            self.forward_eager(bucket, width)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls on other threads (a TP group's keep-alive marks and
+        # GPU watchdog, KV transfers) cannot invalidate a capture, as in "global" mode
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            hidden, prenorm = self.forward_eager(bucket, width)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, hidden, prenorm
 
     def fits(self, batch: HostBatch) -> int | None:
         """The bucket that replays this step, or None when it must run eagerly."""
@@ -143,7 +188,7 @@ class DecodeGraphs:
             else:  # [B, c]: the last c columns of each sequence's q rows
                 rows = self.input_ids[:T].view(-1, self.q)
                 rows[:, self.q - input_ids.shape[1]:].copy_(input_ids)
-        graph, hidden, prenorm = self.graphs[bucket]
+        graph, hidden, prenorm = self.entry(bucket, max(len(t) for t in batch.block_tables))
         graph.replay()
         self.replays += 1
         T = len(batch.input_ids)

@@ -18,6 +18,7 @@ from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
 from pdserve.kernels.decode_attention import (
     MAX_GROUP_ROWS,
     Prologue,
+    decode_num_splits,
     fused_decode_attention,
     paged_decode_attention,
 )
@@ -105,6 +106,16 @@ class TritonAttentionBackend:
                  v_cache: torch.Tensor, meta: AttentionMetadata,
                  kv_scales: KVScales | None = None) -> None:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+
+    def decode_splits(self, batch: int, k_cache: torch.Tensor, dtype: torch.dtype,
+                      context: int) -> int:
+        """The split count of a decode step of `batch` sequences over a block table of
+        `context` tokens (engine/exec/cuda_graphs.py asks it to pick the graphs to capture);
+        k_cache: a layer's view [NB, BS, Hkv, D]; dtype: the attention's type."""
+        if self.num_splits is not None:
+            return self.num_splits
+        return decode_num_splits(dtype, k_cache.dtype, k_cache.shape[-1], batch,
+                                 k_cache.shape[2], context, k_cache.device)
 
     def takes_sdpa(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
         """True when attend() hands this step to SDPA (one fresh long prompt)."""

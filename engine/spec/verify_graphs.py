@@ -19,7 +19,6 @@ import torch
 from pdserve.engine.core.config import EngineConfig, SpecConfig
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs, decode_buckets
 from pdserve.engine.exec.static_inputs import StaticInputs
-from pdserve.engine.model.attention import AttentionMetadata
 from pdserve.engine.model.decoder import Model
 
 log = logging.getLogger(__name__)
@@ -37,20 +36,6 @@ class VerifyGraphs(DecodeGraphs):
         # padding sequences: seq_len q over block 0 (see the module docstring)
         self._set_inputs(StaticInputs(n, q, self.width, q, dev))
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev) * q
-
-    def meta(self, bucket: int) -> AttentionMetadata:
-        q = self.q
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket * q],
-            query_start_loc=self.query_start_loc[:bucket + 1],
-            seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket],
-            max_query_len=q, max_seq_len=self.width * self.block_size,
-            query_lens_cpu=[q] * bucket, seq_lens_cpu=[q] * bucket, block_size=self.block_size)
-
-    def forward_eager(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = bucket * self.q
-        return self.model(self.input_ids[:n], self.positions[:n], self.meta(bucket),
-                          self.kv_cache, return_prenorm=True)
 
 
 def maybe_verify_graphs(config: EngineConfig, model: Model, kv_cache: torch.Tensor,

@@ -154,21 +154,23 @@ class _EagerReplay:
     """Stands in for a captured CUDA graph on CPU: replay() runs the captured function eagerly
     on the static buffers and writes the graph's output buffers, as a replay would."""
 
-    def __init__(self, graphs: DecodeGraphs, bucket: int) -> None:
-        self.graphs, self.bucket = graphs, bucket
-        self.hidden, self.prenorm = (t.clone() for t in graphs.forward_eager(bucket))
+    def __init__(self, graphs: DecodeGraphs, bucket: int, width: int | None = None) -> None:
+        self.graphs, self.bucket, self.width, self.replays = graphs, bucket, width, 0
+        self.hidden, self.prenorm = (t.clone() for t in graphs.forward_eager(bucket, width))
 
     def replay(self) -> None:
-        hidden, prenorm = self.graphs.forward_eager(self.bucket)
+        hidden, prenorm = self.graphs.forward_eager(self.bucket, self.width)
         self.hidden.copy_(hidden)
         self.prenorm.copy_(prenorm)
+        self.replays += 1
 
 
 def test_decode_graph_staging_matches_eager() -> None:
     """DecodeGraphs' input staging (static buffers, padding rows with slot -1 and seq_len 0,
-    a fixed block-table width, slicing the outputs) leaves greedy decoding unchanged. Replays
-    run eagerly here, so CPU CI checks everything but the capture itself (the GPU test
-    below captures for real)."""
+    a fixed block-table width, slicing the outputs) leaves greedy decoding unchanged, and so
+    does its short-context graphs' narrower table (here 5 blocks): steps whose tables fit it
+    replay those, the others the whole-table ones. Replays run eagerly here, so CPU CI
+    checks everything but the capture itself (the GPU tests capture for real)."""
     kw = dict(device=DEVICE.type, dtype="float32", block_size=BLOCK, num_blocks=64,
               max_num_seqs=4, max_num_batched_tokens=12, max_model_len=128)
     vocab = get_preset("tiny-qwen3").vocab_size
@@ -180,13 +182,17 @@ def test_decode_graph_staging_matches_eager() -> None:
     fast = LLM("tiny-qwen3", use_triton=True, **kw)
     runner = fast.engine.runner
     graphs = DecodeGraphs(fast.engine.config, runner.model, runner.kv_cache)
+    replays = []
     with torch.inference_mode():
         for bucket in graphs.buckets:
-            replay = _EagerReplay(graphs, bucket)
-            graphs.graphs[bucket] = (replay, replay.hidden, replay.prenorm)
+            whole, short = _EagerReplay(graphs, bucket), _EagerReplay(graphs, bucket, 5)
+            graphs.graphs[bucket] = (whole, whole.hidden, whole.prenorm)
+            graphs.short[bucket] = (5, (short, short.hidden, short.prenorm))
+            replays += [whole, short]
     runner.cuda_graphs = graphs
     got = _greedy(fast, prompts, max_tokens)
-    assert graphs.replays > 0
+    assert sum(r.replays for r in replays[0::2]) > 0  # whole tables
+    assert sum(r.replays for r in replays[1::2]) > 0  # tables of at most 5 blocks
     assert got == want
 
 
@@ -219,3 +225,30 @@ def test_smollm2_greedy_triton_graphs_equal_torch() -> None:
     got = _greedy(fast, prompts, 24)
     assert fast.engine.runner.cuda_graphs.replays > 0  # decode steps did replay graphs
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculative", [None, "mtp"])
+def test_short_context_graphs_replay_and_equal_eager(speculative: str | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 240-token prompt decoded past a short-context graph's 256 tokens (SHORT_CONTEXT,
+    lowered to fit the tiny model's 1024 positions): its first steps replay the short graph
+    (a 16-block table, which the decode kernel splits 8 ways where it splits the whole
+    64-block one 32 ways), its last ones the whole table's, and the greedy tokens equal the
+    eager engine's; with MTP the verify graphs do the same."""
+    from pdserve.engine.exec import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "SHORT_CONTEXT", 256)
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=2, max_num_batched_tokens=512,
+              max_model_len=1024, num_blocks=128, block_size=16)
+    prompts = [_tokens(240, 7, get_preset("tiny-qwen3").vocab_size)]
+    want = _greedy(LLM("tiny-qwen3", **kw), prompts, 48)
+    spec = {"speculative": speculative, "num_speculative_tokens": 1} if speculative else {}
+    fast = LLM("tiny-qwen3", use_triton=True, use_cuda_graphs=True, **spec, **kw)
+    runner = fast.engine.runner
+    widths: list[int] = []
+    for graphs in [runner.cuda_graphs, *runner.verify_graphs.values()]:
+        assert graphs.short[1][0] == 16  # SHORT_CONTEXT / block_size
+        entry = graphs.entry
+        graphs.entry = lambda b, w, entry=entry: widths.append(w) or entry(b, w)
+    assert _greedy(fast, prompts, 48) == want
+    assert min(widths) <= 16 < max(widths)
