@@ -137,13 +137,20 @@ def fill_static(graphs: DecodeGraphs, batch: int, context: int, vocab: int) -> N
     graphs.seq_lens[batch:].fill_(0)
 
 
+def graph_for(graphs: DecodeGraphs, batch: int, context: int):
+    """The captured (graph, hidden, prenorm) that a step of `batch` sequences at `context`
+    tokens replays (the short-context one where it fits), or None when none is captured."""
+    if batch not in graphs.graphs:
+        return None
+    return graphs.entry(batch, -(-context // graphs.block_size))
+
+
 def gpu_step_ms(engine, graphs: DecodeGraphs, batch: int, context: int) -> tuple[float, str]:
     """Device time of one decode step at `batch` x `context`: the captured graph (or, without
     one, the same forward run eagerly) + LM head + argmax."""
     model = engine.runner.model
     fill_static(graphs, batch, context, model.config.vocab_size)
-    blocks = -(-context // graphs.block_size)
-    captured = graphs.entry(batch, blocks) if batch in graphs.graphs else None
+    captured = graph_for(graphs, batch, context)
 
     def step() -> None:
         if captured is not None:
@@ -278,10 +285,10 @@ def bench_kernel_counts(engine, graphs: DecodeGraphs, plan: Plan) -> dict:
                          "DecoderLayer call, forward_* the whole model forward (embedding, "
                          "RoPE tables and final norm included) over num_layers",
                "target_per_layer": 8}
-        if 1 in graphs.graphs:
-            graph = graphs.entry(1, -(-ctx // graphs.block_size))[0]
-            out["graph_replay"] = count_kernels(graph.replay, dev)
-            out["batch1_step_time_breakdown"] = kernel_times(graph.replay, dev)
+        captured = graph_for(graphs, 1, ctx)
+        if captured is not None:
+            out["graph_replay"] = count_kernels(captured[0].replay, dev)
+            out["batch1_step_time_breakdown"] = kernel_times(captured[0].replay, dev)
     out["batch1_matmul_bandwidth"] = gemv_bandwidth(model, dev)
     return out
 

@@ -29,6 +29,7 @@ from bench.lab.bench_engine import (
     device_rates,
     drive,
     gpu_step_ms,
+    graph_for,
     kv_bytes_per_token,
     weight_bytes_per_token,
 )
@@ -55,8 +56,8 @@ def one_case(engine, graphs, batch: int, context: int, tokens: int, bw: float, w
     step_ms = 1e3 * statistics.median(s["s"] for s in full)
     ctx = context + tokens // 2
     gpu_ms, how = gpu_step_ms(engine, graphs, batch, ctx)
-    kt = kernel_times(graphs.entry(batch, -(-ctx // graphs.block_size))[0].replay,
-                      graphs.device) if batch in graphs.graphs else {}
+    captured = graph_for(graphs, batch, ctx)
+    kt = kernel_times(captured[0].replay, graphs.device) if captured is not None else {}
     bound_ms = (wbytes + batch * ctx * kvb) / bw / 1e6
     row = {"batch": batch, "context": context, "engine_step_ms": step_ms,
            "graph_step_ms": gpu_ms, "graph_mode": how, "bound_ms": bound_ms,

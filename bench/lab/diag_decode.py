@@ -28,7 +28,7 @@ import pdserve.kernels.moe_gemv as moe_gemv
 from pdserve.engine.exec.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm import build_engine
 
-from bench.lab.bench_engine import Plan, drive, fill_static
+from bench.lab.bench_engine import Plan, drive, fill_static, graph_for
 from bench.lab.engine_probes import random_prompts, time_ms
 
 LAYER = ["qkv", "attn", "o", "gate_up", "down"]
@@ -341,10 +341,11 @@ def capture(engine, setup, splits, vocab: int, context: int):
     buffers = model.layers[0].tc  # this graph's: a later capture's use_tc_gemv makes new ones
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]
-    g.short_context = g.short_context if SHORT["on"] else 0
+    if not SHORT["on"]:
+        g.short_context = 0
     g.capture([1])
     fill_static(g, 1, context, vocab)
-    graph, hidden, _ = g.entry(1, -(-context // g.block_size))  # what a step replays
+    graph, hidden, _ = graph_for(g, 1, context)  # what a step replays
 
     def step() -> None:
         assert buffers is None or buffers.qkv.is_cuda  # held for the graph's lifetime

@@ -159,8 +159,7 @@ class DecodeGraphs:
 
     def fits(self, batch: HostBatch) -> int | None:
         """The bucket that replays this step, or None when it must run eagerly."""
-        widest = max(len(t) for t in batch.block_tables)
-        if any(q != self.q for q in batch.query_lens) or widest > self.width:
+        if any(q != self.q for q in batch.query_lens) or batch.widest > self.width:
             return None
         return bucket_for(len(batch.seq_lens), self.buckets)
 
@@ -188,7 +187,7 @@ class DecodeGraphs:
             else:  # [B, c]: the last c columns of each sequence's q rows
                 rows = self.input_ids[:T].view(-1, self.q)
                 rows[:, self.q - input_ids.shape[1]:].copy_(input_ids)
-        graph, hidden, prenorm = self.entry(bucket, max(len(t) for t in batch.block_tables))
+        graph, hidden, prenorm = self.entry(bucket, batch.widest)
         graph.replay()
         self.replays += 1
         T = len(batch.input_ids)

@@ -65,11 +65,16 @@ class HostBatch:
     block_tables: list[list[int]]  # [B][blocks needed], unpadded
     block_size: int
 
+    @functools.cached_property
+    def widest(self) -> int:
+        """Blocks in the longest block table: the width a padded table needs (a step asks it
+        up to three times: to_device, or the CUDA graphs' fit and their replay)."""
+        return max(len(t) for t in self.block_tables)
+
     def to_device(self, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [T] int64, positions [T] int64, metadata) on `device`."""
-        width = max(len(t) for t in self.block_tables)
-        padded = [t + [0] * (width - len(t)) for t in self.block_tables]
+        padded = [t + [0] * (self.widest - len(t)) for t in self.block_tables]
         qsl = [0]
         for q in self.query_lens:
             qsl.append(qsl[-1] + q)
