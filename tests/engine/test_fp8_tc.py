@@ -33,6 +33,9 @@ W8A8_BOUND = 8 ** 0.5 * 2 ** -4
 # down 128 x 256
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
+# Qwen3's head_dim 128 (tests/engine/test_fp8_tc_gpu.py)
+SHAPE_D128 = dict(hidden_size=256, intermediate_size=256, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=128)
 
 
 @pytest.fixture(autouse=True)
@@ -45,8 +48,8 @@ def _kernels_runnable() -> None:
                     "tests/engine/test_fp8_tc_gpu.py covers the GPU")
 
 
-def tiny_tc(seed: int = 0) -> transformers.PreTrainedModel:
-    return tiny("qwen3", seed, **SHAPE)
+def tiny_tc(seed: int = 0, shape: dict = SHAPE) -> transformers.PreTrainedModel:
+    return tiny("qwen3", seed, **shape)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +68,11 @@ def _fused(folder: Path, tc: bool):
 
 def test_decode_steps_stay_within_w8a8_of_the_gemv_path(folder: Path) -> None:
     gemv, tc = _fused(folder, False), _fused(folder, True)
-    toks, table = prompt(7, 3), [4, 1, 9]
+    # 40 tokens: the prefill takes the FP8 GEMM (more rows than the GEMV's), and the decode
+    # attention splits the keys (2 tiles of 32)
+    toks, table = prompt(40, 3), [4, 1, 9, 17, 30, 2, 11, 5, 40, 22, 8, 13]
     for a, b in zip(gemv.step([(toks, 0, table)]), tc.step([(toks, 0, table)])):
-        torch.testing.assert_close(b, a)  # 7 rows: both take the w8a16 GEMV
+        torch.testing.assert_close(b, a)  # 40 rows: both take the w8a16 GEMV
     errs = []
     for i in range(5):  # one row: q/k/v, o, gate_up, down on the tensor-core path
         nxt = [([(11 * i + 5) % VOCAB], len(toks) + i, table)]

@@ -88,3 +88,23 @@ def test_scaled_mm_agrees_with_triton(device):
         a = fp8_gemm(x, w8, s, (128, 128), backend="scaled_mm")
         b = fp8_gemm(x, w8, s, (128, 128), backend="triton")
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(512, 128), (512, 256), (1024, 640), (1024, 10944),
+                                 (512, 1024)])
+def test_auto_backend_is_the_reference_at_any_k_block_count(N, K, device):
+    """torch._scaled_mm's recipe was wrong where K's 128-column blocks are not a multiple of
+    4 (GLM-4.5-Air's down_proj, K 10944: relative error 0.37): the automatic choice takes
+    the Triton kernel there, and the product is the reference's."""
+    from pdserve.kernels.fp8_gemm import scaled_mm_fits
+
+    if device.type != "cuda":
+        pytest.skip("torch._scaled_mm runs on CUDA only")
+    w8, s = fp8_weight(N, K, (128, 128), device)
+    x = torch.randn(40, K, device=device, dtype=torch.bfloat16)
+    assert scaled_mm_fits(x, w8, (128, 128)) == (
+        -(-K // 128) % 4 == 0 and torch.cuda.get_device_capability(device) == (9, 0))
+    want = x.float() @ fp8_dequant_ref(w8, s.float(), (128, 128)).t()
+    got = fp8_gemm(x, w8, s, (128, 128)).float()
+    assert float((got - want).norm() / want.norm()) < 0.05  # e4m3 activations: ~0.026
