@@ -21,7 +21,6 @@ from collections import Counter
 
 import torch
 
-import pdserve.engine.model.tc_decode as tc_decode
 import pdserve.kernels.decode_attention as attn_mod
 import pdserve.kernels.fp8_gemv_tc  # noqa: F401  (tc_mod below)
 import pdserve.kernels.gemv  # noqa: F401  (kernels/__init__ exports the function under this name)
@@ -163,15 +162,13 @@ SHORT = {"on": True}
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None, attn: dict | None = None, short: bool = True,
-            merge: bool = True):
+            tc_plans: dict | None = None, attn: dict | None = None, short: bool = True):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
     whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py), with TcPlan
-    fields to override per (N, K) (`tc_plans`), DecodeTiles fields of the decode
-    attention (`attn`), and whether o_proj merges the attention's splits (`merge`,
-    tc_decode.MERGE_IN_O_PROJ; off: the attention's last split merges them)."""
+    fields to override per (N, K) (`tc_plans`), and DecodeTiles fields of the decode
+    attention (`attn`)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -197,7 +194,6 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
         tc_mod.tc_plan = plan
         TC["on"] = tc
         SHORT["on"] = short
-        tc_decode.MERGE_IN_O_PROJ = merge
     return name, setup, splits
 
 
@@ -211,8 +207,6 @@ SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
             # the whole table's graph at every context (DecodeGraphs.short_context 0)
             variant("no_short", short=False),
-            # the attention merges its own splits (last to arrive), o_proj loads the result
-            variant("no_merge", merge=False),
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)

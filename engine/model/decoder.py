@@ -34,7 +34,6 @@ stacked (moe.py); engine/model/weights.py maps checkpoints onto them.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +55,6 @@ from pdserve.engine.model.layers import (
 from pdserve.engine.model.linear_ops import linear_gemv
 from pdserve.engine.model.moe import make_mlp
 from pdserve.engine.model.tc_decode import TcBuffers, forward_tc, tc_layer_fits
-
-if TYPE_CHECKING:  # the torch path never imports the kernels
-    from pdserve.kernels.decode_attention import SplitPartials
 
 
 class Attention(nn.Module):
@@ -94,12 +90,10 @@ class Attention(nn.Module):
 
     def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: AttentionMetadata, kv_cache: torch.Tensor,
-                   compute_dtype: torch.dtype | None = None,
-                   partials: bool = False) -> torch.Tensor | SplitPartials:
+                   compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj); writes
         this step's K/V into the cache. compute_dtype: the attention's (and output's) type
-        for an fp32 qkv (kernels/fp8_gemv_tc.py; fused path only). partials: the fused
-        decode kernel's splits unmerged where it runs (attend_with_prologue)."""
+        for an fp32 qkv (kernels/fp8_gemv_tc.py; fused path only)."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -117,8 +111,8 @@ class Attention(nn.Module):
                 self.q_norm.eps if self.q_norm is not None else 1e-6, meta.rope_positions)
             o = fused_attention().attend_with_prologue(self.backend, q, prologue, k_cache,
                                                        v_cache, meta, self.scale, kv_scales,
-                                                       compute_dtype, partials)
-            return o if partials and not torch.is_tensor(o) else o.reshape(T, self.q_size)
+                                                       compute_dtype)
+            return o.reshape(T, self.q_size)
         if meta is not None and meta.rope_positions is not None:  # tables (Model.rope): rows
             cos, sin = cos[meta.rope_positions], sin[meta.rope_positions]
         if self.q_norm is not None:

@@ -9,7 +9,6 @@ before it has (PDL orders a launch after its predecessor only):
     q/k/v    reads x (down's buffer, or the embedding), copies it to `res`; zeroes o, gate_up
     attn     reads qkv
     o_proj   reads the attention's output, adds res;                      zeroes qkv, down
-             (its splits unmerged, merged as o_proj loads them, where D % 128 == 0)
     gate_up  reads o (norm)
     down     reads gate_up (silu), adds o
 
@@ -27,8 +26,6 @@ from torch import nn
 
 from pdserve.engine.model.fp8 import Fp8Linear
 from pdserve.engine.model.layers import SwiGLUMLP, fused_kernels
-
-MERGE_IN_O_PROJ = True  # LAB: the A/B switch of bench/lab/diag_decode.py's merge variant
 
 
 @dataclass(frozen=True)
@@ -77,14 +74,9 @@ def forward_tc(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
         return m.weight, m.weight_scale
     gemv(x, *w(attn.qkv_proj), "norm", ln1.weight, ln1.eps, out=b.qkv, res_out=b.res,
          zero=(b.o, b.gate_up))
-    # the attention's splits merged by o_proj as it loads them: no arrival atomic, no merge
-    # round trip in the latency-bound attention (docs/design.md, "Session 35")
-    merge = MERGE_IN_O_PROJ and attn.head_dim % 128 == 0
-    o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype,
-                        partials=merge)
+    o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype)
     # o_proj follows the latency-bound attention: part of its ring waits (tc_plan)
-    gemv(o, *w(attn.o_proj), "none" if torch.is_tensor(o) else "merge", out=b.o, add=b.res,
-         zero=(b.qkv, b.down), light_prefill=True)
+    gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down), light_prefill=True)
     gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up)
     gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o)
     return b.down
