@@ -1,7 +1,7 @@
-"""kernels/push_all_reduce.py under the interpreter: one process plays every rank, each
-buffer a CPU tensor (every rank maps every buffer at the same address here). The push and
-sum phases run apart (a rank's sum polls until every peer has pushed: in one process the
-peers push first). The real two-GPU run: tests/dist/test_peer_all_reduce_gpu.py."""
+"""kernels/push_all_reduce.py with one process playing every rank (under the interpreter, or
+compiled on one GPU): every rank maps every buffer at the same address here. The push and
+sum phases run apart (a rank's sum polls until every peer has pushed: in one process, on one
+stream, the peers push first). The real two-GPU run: tests/dist/test_peer_all_reduce_gpu.py."""
 from __future__ import annotations
 
 import subprocess
@@ -24,8 +24,10 @@ from pdserve.kernels.push_all_reduce import (
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
 
-def _ranks(world: int, slot: int, dtype: torch.dtype) -> tuple[list[PushBuffers], list]:
-    raw = [PushBuffers.empty(torch.empty(PushBuffers.elements(slot, world), dtype=BITS[dtype]))
+def _ranks(world: int, slot: int, dtype: torch.dtype,
+           device: torch.device = torch.device("cpu")) -> tuple[list[PushBuffers], list]:
+    raw = [PushBuffers.empty(torch.empty(PushBuffers.elements(slot, world), dtype=BITS[dtype],
+                                         device=device))
            for _ in range(world)]
     return [PushBuffers(dtype, raw, slot, r) for r in range(world)], raw
 
@@ -41,15 +43,15 @@ def _call(ranks: list[PushBuffers], xs: list[torch.Tensor]) -> list[torch.Tensor
 
 @pytest.mark.parametrize("world,dtype", [(2, torch.bfloat16), (3, torch.float32),
                                          (1, torch.bfloat16)])
-def test_sums_match_the_reference_across_calls_of_odd_sizes(world: int, dtype) -> None:
+def test_sums_match_the_reference_across_calls_of_odd_sizes(world: int, dtype, device) -> None:
     """Sizes that end mid-chunk, one chunk, many chunks (more than GROUP: a program loops),
     in turn: every rank gets the reference sum, bit for bit the same; after each call every
     receive buffer is empty again (all sentinel) and the parity counters moved."""
     slot = (GROUP + 3) * BLOCK
-    ranks, raw = _ranks(world, slot, dtype)
+    ranks, raw = _ranks(world, slot, dtype, device)
     g = torch.Generator().manual_seed(0)
     for numel in (1, 37, BLOCK, 3 * BLOCK + 5, (GROUP + 2) * BLOCK + 1, 4097):
-        xs = [torch.randn(numel, generator=g).to(dtype) for _ in range(world)]
+        xs = [torch.randn(numel, generator=g).to(device, dtype) for _ in range(world)]
         xs[0][0] = -0.0  # travels as +0.0: the sum is unchanged
         outs = _call(ranks, xs)
         want = push_all_reduce_reference(xs)
@@ -65,19 +67,20 @@ def test_sums_match_the_reference_across_calls_of_odd_sizes(world: int, dtype) -
     assert used[0] == 6 and used[GROUP - 1] == 1  # program 0 ran every call; the last one once
 
 
-def test_consecutive_calls_alternate_buffer_halves() -> None:
+def test_consecutive_calls_alternate_buffer_halves(device) -> None:
     """A peer's push for the next call lands in the other parity: pushed before this rank
     summed, it neither corrupts this sum nor is lost for the next."""
-    ranks, _ = _ranks(2, 2 * BLOCK, torch.float32)
-    a = [torch.full((5,), float(r + 1)) for r in range(2)]
-    b = [torch.full((5,), 10.0 * (r + 1)) for r in range(2)]
+    ranks, _ = _ranks(2, 2 * BLOCK, torch.float32, device)
+    a = [torch.full((5,), float(r + 1), device=device) for r in range(2)]
+    b = [torch.full((5,), 10.0 * (r + 1), device=device) for r in range(2)]
     push_all_reduce(a[0], ranks[0], phases=(True, False))
     push_all_reduce(a[1], ranks[1])  # rank 1 done with call 1 (its sum: rank 0 pushed)...
     push_all_reduce(b[1], ranks[1], phases=(True, False))  # ...and pushed call 2 early
-    assert torch.equal(push_all_reduce(a[0], ranks[0], phases=(False, True)), torch.full((5,), 3.0))
+    three, thirty = (torch.full((5,), v, device=device) for v in (3.0, 30.0))
+    assert torch.equal(push_all_reduce(a[0], ranks[0], phases=(False, True)), three)
     push_all_reduce(b[0], ranks[0], phases=(True, False))
-    assert torch.equal(push_all_reduce(b[0], ranks[0], phases=(False, True)), torch.full((5,), 30.0))
-    assert torch.equal(push_all_reduce(b[1], ranks[1], phases=(False, True)), torch.full((5,), 30.0))
+    assert torch.equal(push_all_reduce(b[0], ranks[0], phases=(False, True)), thirty)
+    assert torch.equal(push_all_reduce(b[1], ranks[1], phases=(False, True)), thirty)
 
 
 def test_bad_arguments_are_refused_naming_the_field() -> None:
