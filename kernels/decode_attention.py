@@ -33,7 +33,7 @@ launch shape (DecodeTiles) is chosen here by the cache's dtype.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -78,6 +78,31 @@ MAX_GROUP_ROWS = 64  # rows_per_seq * (Hq / Hkv) query rows per program at most
 MERGE_TILE = 16384  # fp32 elements of one [rows, splits, D] tile when merging partials
 
 
+@dataclass(frozen=True)
+class SplitPartials:
+    """A decode attention's split results left unmerged (fused_decode_attention with
+    partials=True) for a reader that merges them as it loads them (kernels/fp8_gemv_tc.py's
+    "merge" prologue): o [T, Hq, S, D] fp32, each split's output over its own keys; lse
+    [T, Hq, S] fp32, the base-2 log of its softmax sum (-inf: no keys). Only the first
+    active_splits(seq_lens[b], block_n, S) splits of a sequence hold anything."""
+    o: torch.Tensor
+    lse: torch.Tensor
+    seq_lens: torch.Tensor
+    block_n: int
+
+    @property
+    def num_splits(self) -> int:
+        return self.o.shape[2]
+
+
+def active_splits(seq_len: int, block_n: int, num_splits: int) -> int:
+    """The splits of a sequence of seq_len keys that hold keys: whole block_n tiles spread
+    over num_splits programs (the kernel's own arithmetic; 0 for seq_len 0)."""
+    tiles = -(-seq_len // block_n)
+    per_split = max(-(-tiles // num_splits), 1)
+    return -(-tiles // per_split)
+
+
 # eager steps' block tables are as wide as their longest sequence: the width is not
 # specialized, or each (== 1, % 16) compiled in a served step (engine/exec/warmup.py)
 @jit(do_not_specialize=["stride_bt"])
@@ -96,7 +121,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                    PREFETCH: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True):
+                   V_WORDS: tl.constexpr = 0, PTX: tl.constexpr = True,
+                   PARTIALS: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -185,13 +211,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_pt
                 BLOCK_N, PREFETCH, PREC, DOT_DTYPE, FP8, V_WORDS)
         has_keys = l_i > 0.0  # false only for a padded seq_len-0 entry (or a row's future)
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        if n_active <= 1:  # one split: its result is final
+        row = (qrow * HQ + heads) * num_splits + split  # mid_*: [B * R, Hq, splits(, D)]
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        if PARTIALS:  # every split's partial is left for the reader (SplitPartials)
+            tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+            tl.store(mid_lse_ptr + row, lse, mask=row_ok)
+        elif n_active <= 1:  # one split: its result is final
             tl.store(out_ptr + qrow[:, None] * stride_ob + heads[:, None] * stride_oh
                      + d[None, :], o, mask=row_ok[:, None])
         else:  # partial result; the last of the n_active programs to finish merges them
-            row = (qrow * HQ + heads) * num_splits + split  # mid_*: [B * R, Hq, splits(, D)]
             tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
             tl.store(mid_lse_ptr + row, lse, mask=row_ok)
             tl.debug_barrier()  # every thread's partial stored before the release below
             counter = count_ptr + b * HKV + kvh
@@ -291,29 +320,34 @@ def fused_decode_attention(q: torch.Tensor, prologue: Prologue, k_cache: torch.T
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            rows_per_seq: int = 1, kv_scales: KVScales | None = None,
                            tiles: DecodeTiles | None = None,
-                           compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                           compute_dtype: torch.dtype | None = None,
+                           partials: bool = False) -> torch.Tensor | SplitPartials:
     """paged_decode_attention with the attention prologue folded in: q [B * R, Hq, D] is the
     raw projection (before QK-norm and RoPE), and the same kernel normalises and rotates q
     and the new k and writes k/v into the cache (as fused_qk_norm_rope_kv would) before
     reading it. One kernel per layer where there were three (prologue, split, reduce). An fp8
     cache's new rows are quantized here too (attn_prologue.write_new_kv_fp8).
     compute_dtype: the dot products' and the output's type where it is not q's (fp32 q/k/v
-    from kernels/fp8_gemv_tc.py attend as the bf16 model would)."""
+    from kernels/fp8_gemv_tc.py attend as the bf16 model would). partials: return the
+    splits' results unmerged (SplitPartials), for a reader that merges them: no arrival
+    atomic and no merge in the kernel."""
     if compute_dtype not in (None, q.dtype) and q.dtype != torch.float32:
         raise TypeError(f"compute_dtype: {compute_dtype} needs fp32 q, got {q.dtype}")
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, scale, rows_per_seq,
                        compute_dtype)
     check_prologue(q, prologue, k_cache.shape[2])
     return _launch(q, prologue, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                   None, rows_per_seq, kv_scales, tiles, compute_dtype or q.dtype)
+                   None, rows_per_seq, kv_scales, tiles, compute_dtype or q.dtype, partials)
 
 
 def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
             num_splits: int | None, max_seq_len: int | None, R: int,
             kv_scales: KVScales | None, tiles: DecodeTiles | None,
-            dtype: torch.dtype | None = None) -> torch.Tensor:
-    """dtype: the dot products' and output's type (q's unless given)."""
+            dtype: torch.dtype | None = None, partials: bool = False
+            ) -> torch.Tensor | SplitPartials:
+    """dtype: the dot products' and output's type (q's unless given); partials: see
+    fused_decode_attention."""
     dtype = dtype or q.dtype
     fp8 = cache_is_fp8(k_cache, kv_scales)
     sc = kv_scales if fp8 else KVScales(q, q)  # placeholders: never read without FP8
@@ -336,7 +370,10 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     mid_o = mid_lse = counters = out  # unused when one split writes `out` directly
-    if num_splits > 1:
+    if partials:
+        mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
+    elif num_splits > 1:
         mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
         counters = arrival_counters(q.device, B * HKV)
@@ -361,6 +398,7 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
         Q_NORM=p is not None and p.q_norm is not None,
         K_NORM=p is not None and p.k_norm is not None,
         HAS_POS=p is not None and p.positions is not None, PREC=prec, DOT_DTYPE=op_dtype,
-        FP8=fp8, V_WORDS=words, PTX=not interpreting(), num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
+        FP8=fp8, V_WORDS=words, PTX=not interpreting(), PARTIALS=partials,
+        num_warps=tiles.num_warps, maxnreg=tiles.max_regs,
         num_stages=1 if interpreting() else tiles.num_stages, **pdl_launch(q))
-    return out
+    return SplitPartials(mid_o, mid_lse, seq_lens, block_n) if partials else out

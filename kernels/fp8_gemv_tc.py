@@ -20,9 +20,11 @@ splits of a row add into `out` (fp32) with RED atomics, so `out` must be zero: t
 passes the buffers this launch zeroes (`zero`, after its PDL wait) and keeps the rule that
 a buffer is zeroed only once every reader has finished (engine/model/decoder.py, TcBuffers).
 
-Lifecycle of one CTA: loader warp streams tiles | consumer: PDL wait -> zero its slice of
-the `zero` buffers -> prologue (norm: the whole x for the sum of squares; silu(gate) * up;
-none), quantize its K range into shared memory -> per row block (its weight scales and
+Lifecycle of one CTA: loader warp streams tiles | consumer: ("merge": its sequence's active
+attention splits, from the length) PDL wait -> zero its slice of the `zero` buffers ->
+prologue (norm: the whole x for the sum of squares; silu(gate) * up; merge: the decode
+attention's unmerged splits of its heads; none), quantize its K range into shared memory
+-> per row block (its weight scales and
 residual loaded one row block ahead): per tile wgmma, scale, add; (rstd, residual on split
 0) RED into out.
 
@@ -48,8 +50,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pdserve.kernels._triton import check_tensor, interpreting, num_sms
+from pdserve.kernels.decode_attention import SplitPartials
 
-PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
+PROLOGUES = {"none": 0, "norm": 1, "silu": 2, "merge": 3}
 ROWS = 64  # wgmma's M: weight rows per tile
 GROUP_K = 128  # K columns per tile, per weight scale and per activation scale
 
@@ -68,9 +71,13 @@ class TcPlan:
 
 
 @functools.cache
-def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = False) -> TcPlan:
+def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = False,
+            prefer_tiles: int = 8) -> TcPlan:
     """The K split that spreads N / 64 row blocks x K / 128 tiles most evenly over
-    per_sm * sms CTAs (ties: 8 tiles per split, the probe's best), and the wgmmas in flight
+    per_sm * sms CTAs (ties: prefer_tiles tiles per split, 8 the probe's best; the "merge"
+    prologue asks for 4, half the heads' splits to merge in each CTA: Qwen3-8B's o_proj in
+    8 splits, FP8 step 2.394 -> 2.350 ms, 2.395 with 4; bench/results/
+    diag_merge_in_o_proj_h200_2026-12-01_s8.json), and the wgmmas in flight
     (4 where they divide the split's tiles). H200 at Qwen3-8B's shapes: q/k/v 8, o 4,
     gate_up 4, down 12 splits, each ~97% busy. Ring: 12 tiles for matrices of >= 32 MB, 8
     below (Qwen3-8B FP8 step 2.414 -> 2.398 ms with gate_up's and down's 12, q/k/v's too
@@ -86,7 +93,7 @@ def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = Fal
         if tiles % s or grid % s:
             continue
         eff = blocks * tiles / (grid * triton.cdiv(blocks, grid // s) * (tiles // s))
-        key = (round(eff, 2), -abs(tiles // s - 8), -s)
+        key = (round(eff, 2), -abs(tiles // s - prefer_tiles), -s)
         if best is None or key > best:
             best, split = key, s
     kts = tiles // split
@@ -177,6 +184,63 @@ def _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K: gl.constexpr, KTS: gl.con
                              ).slice(k8 * 8, KP * 8).store(q)
         sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
                              ).slice(k8 * 8, KP * 8).store(scale)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _n_active(len_ptr, SPLITS: gl.constexpr, KEYS: gl.constexpr):
+    """kernels/decode_attention.active_splits of sequence 0: its lengths are host copies, no
+    launch's output, so this load may come before the PDL wait."""
+    seq_len = gl.load(len_ptr)
+    tiles = (seq_len + KEYS - 1) // KEYS
+    per = gl.maximum((tiles + SPLITS - 1) // SPLITS, 1)
+    return (tiles + per - 1) // per
+
+
+@gluon.jit
+def _stage_merged(o_ptr, lse_ptr, n_act, xq_smem, sx_smem, k0, KTS: gl.constexpr,
+                  SPLITS: gl.constexpr, HD: gl.constexpr):
+    """The "merge" prologue: the CTA's KTS activation groups (columns k0 * 128 ..) merged
+    from the decode attention's unmerged splits (kernels/decode_attention.SplitPartials at
+    batch 1: o [Hq, SPLITS, HD] fp32, lse [Hq, SPLITS]; the first n_act hold keys), then
+    quantized as _stage_act does. Tiles [GP groups, 8 splits, 128]: a warp per group, 8
+    splits at a time in each thread's registers, so the merge sums in-thread (over lanes it
+    took 412 shuffles a thread), and row 0 of each group is the one real row of wgmma's B.
+    HD % 128 == 0: a group is (part of) one head."""
+    GP: gl.constexpr = 4 if KTS % 4 == 0 else (2 if KTS % 2 == 0 else 1)
+    L3: gl.constexpr = gl.BlockedLayout([1, 8, 4], [1, 1, 32], [GP, 1, 4 // GP], [2, 1, 0])
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    g3 = gl.arange(0, GP, layout=gl.SliceLayout(1, L2))[:, None, None]
+    j3 = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))[None, :, None]
+    c3 = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    for k4 in gl.static_range(0, KTS, GP):
+        col0 = (k0 + k4 + g3) * 128  # [GP, 1, 1] the group's first column
+        row0 = (col0 // HD) * SPLITS  # its head's first split row of o / lse
+        d3 = col0 % HD + c3  # [GP, 1, 128]
+        m = gl.full([GP, 1, 1], float("-inf"), gl.float32, L3)
+        total = gl.zeros([GP, 1, 1], gl.float32, L3)
+        acc = gl.zeros([GP, 1, 128], gl.float32, L3)
+        for c in gl.static_range(0, SPLITS, 8):  # online softmax over chunks of 8 splits
+            live = (c + j3 < n_act) & (c + j3 < SPLITS)  # [1, 8, 1]
+            lse = gl.load(lse_ptr + row0 + c + j3, mask=live, other=float("-inf"))
+            o = gl.load(o_ptr + (row0 + c + j3) * HD + d3, mask=live, other=0.0)
+            m_new = gl.maximum(m, gl.max(lse, axis=1, keep_dims=True))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            w = gl.exp2(lse - m_safe)  # [GP, 8, 1]; 0 for splits without keys
+            total = total * alpha + gl.sum(w, axis=1, keep_dims=True)
+            acc = acc * alpha + gl.sum(w * o.to(gl.float32), axis=1, keep_dims=True)
+            m = m_new
+        a = acc / gl.where(total > 0.0, total, 1.0)  # [GP, 1, 128]
+        scale = gl.maximum(gl.max(gl.abs(a), axis=2, keep_dims=True), 1e-10) / 448.0
+        q = gl.minimum(gl.maximum(a / scale, -448.0), 448.0)
+        q = gl.where(j3 == 0, q, 0.0).to(gl.float8e4nv)  # [GP, 8, 128]: row 0 real
+        xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
+                             ).slice(k4 * 8, GP * 8).store(gl.reshape(q, [GP * 8, 128]))
+        sx = gl.reshape(gl.where(j3 == 0, scale, 0.0), [GP * 8])
+        sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
+                             ).slice(k4 * 8, GP * 8).store(sx)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -276,9 +340,10 @@ def _row_block(ring, ready, empty, xq_smem, sx_smem, u, wsc, KTS: gl.constexpr,
 
 @gluon.jit
 def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
-             add_ptr, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
+             add_ptr, lse_ptr, n_act, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
              SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-             PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr):
+             PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
+             SPLITS: gl.constexpr, HD: gl.constexpr):
     """The CTA's share of the weight: prologue, then per row block its tiles and a RED into
     out. The next row block's weight scales and residual are loaded while this one's tiles
     stream: loaded where used, each was a round trip behind the weight stream's traffic
@@ -299,7 +364,10 @@ def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr
     rstd = 1.0
     if PROLOGUE == 1:
         rstd = _norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
-    _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
+    if PROLOGUE == 3:
+        _stage_merged(x_ptr, lse_ptr, n_act, xq_smem, sx_smem, k0, KTS, SPLITS, HD)
+    else:
+        _stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
     for i in range(blocks):
         rb = first + i * GS
         wsc_next = _row_scales(s_ptr, stride_s, rb + GS, k0, N, KTS)
@@ -313,26 +381,33 @@ def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr
 
 @gluon.jit
 def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
-              add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr,
-              KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+              add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, lse_ptr, len_ptr, N, stride_s, eps,
+              K: gl.constexpr, KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
               GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
-              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr):
+              RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr,
+              SPLITS: gl.constexpr, HD: gl.constexpr, KEYS: gl.constexpr):
     """One warpgroup: the module doc's lifecycle after the PDL wait."""
     _gdc_launch()  # the next launch may fill its ring while this one streams
+    n_act = 0
+    if PROLOGUE == 3:
+        n_act = _n_active(len_ptr, SPLITS, KEYS)
     _gdc_wait()
     if HAS_Z:
         _zero(z1_ptr, z1_n, ZCH)
         _zero(z2_ptr, z2_n, ZCH)
     _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
-             add_ptr, N, stride_s, eps, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT)
+             add_ptr, lse_ptr, n_act, N, stride_s, eps, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE,
+             HAS_ADD, RES_OUT, SPLITS, HD)
 
 
 @gluon.jit
 def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr, z1_ptr, z1_n,
-                        z2_ptr, z2_n, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
-                        SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                        PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
-                        ZCH: gl.constexpr, HAS_Z: gl.constexpr, PREFILL: gl.constexpr):
+                        z2_ptr, z2_n, lse_ptr, len_ptr, N, stride_s, eps, K: gl.constexpr,
+                        KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                        GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
+                        RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr,
+                        PREFILL: gl.constexpr, SPLITS: gl.constexpr = 1, HD: gl.constexpr = 128,
+                        KEYS: gl.constexpr = 64):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -345,8 +420,9 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr,
-                     out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, N, stride_s, eps, K, KTS,
-                     SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT, ZCH, HAS_Z)),
+                     out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, lse_ptr, len_ptr, N,
+                     stride_s, eps, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT,
+                     ZCH, HAS_Z, SPLITS, HD, KEYS)),
         (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL)),
     ], [1], [40])
 
@@ -365,9 +441,27 @@ def tc_fits(weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
             and weight.shape[1] % GROUP_K == 0 and tuple(block or ()) == (128, 128))
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, prologue: str,
-           norm_weight: torch.Tensor | None, out: torch.Tensor, add: torch.Tensor | None,
-           res_out: torch.Tensor | None, zero: tuple[torch.Tensor, ...]) -> None:
+def _check_partials(x: SplitPartials, K: int, device: torch.device) -> None:
+    """The "merge" prologue's input: one sequence's unmerged attention splits covering K."""
+    if not isinstance(x, SplitPartials):
+        raise TypeError(f"x: the 'merge' prologue takes SplitPartials, got {type(x).__name__}")
+    _, hq, splits, hd = x.o.shape
+    check_tensor("x.o", x.o, shape=(1, None, None, None), dtypes=(torch.float32,),
+                 device=device)
+    if not x.o.is_contiguous() or hq * hd != K or hd % GROUP_K or splits & (splits - 1):
+        raise ValueError(f"x.o: {tuple(x.o.shape)} must be contiguous [1, Hq, S, D] with "
+                         f"Hq * D == {K}, D % {GROUP_K} == 0 and S a power of 2")
+    check_tensor("x.lse", x.lse, shape=(1, hq, splits), dtypes=(torch.float32,),
+                 device=device)
+    if not x.lse.is_contiguous():
+        raise ValueError("x.lse: must be contiguous")
+    check_tensor("x.seq_lens", x.seq_lens, shape=(1,), dtypes=(torch.int32,), device=device)
+
+
+def _check(x: torch.Tensor | SplitPartials, weight: torch.Tensor, scales: torch.Tensor,
+           prologue: str, norm_weight: torch.Tensor | None, out: torch.Tensor,
+           add: torch.Tensor | None, res_out: torch.Tensor | None,
+           zero: tuple[torch.Tensor, ...]) -> None:
     N, K = weight.shape
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue: {prologue!r} not in {sorted(PROLOGUES)}")
@@ -375,7 +469,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, prologue
         raise ValueError(f"weight: {tuple(weight.shape)} {weight.dtype} must be contiguous "
                          f"float8_e4m3fn [N, K] with K % {GROUP_K} == 0")
     k_in = 2 * K if prologue == "silu" else K
-    check_tensor("x", x, shape=(1, k_in), device=weight.device, last_contiguous=True)
+    if prologue == "merge":
+        _check_partials(x, K, weight.device)
+    else:
+        check_tensor("x", x, shape=(1, k_in), device=weight.device, last_contiguous=True)
     check_tensor("scales", scales, shape=(triton.cdiv(N, 128), K // 128),
                  dtypes=(torch.float32,), device=weight.device)
     check_tensor("out", out, shape=(1, N), dtypes=(torch.float32,), device=weight.device,
@@ -397,14 +494,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, prologue
         raise ValueError(f"zero: at most 2 buffers, got {len(zero)}")
 
 
-def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+def fp8_gemv_tc(x: torch.Tensor | SplitPartials, weight: torch.Tensor, scales: torch.Tensor,
                 prologue: str = "none", norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,
                 res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = (),
                 light_prefill: bool = False) -> torch.Tensor:
     """out [1, N] (fp32, zero on entry) += the module doc's product for x [1, K] ([1, 2K]
     = gate | up for "silu"), weight e4m3 [N, K] with scales [N / 128, K / 128]; plus add
-    [1, N] (the residual); res_out [1, K] (fp32) <- x ("norm" only); each of `zero` (<= 2
+    [1, N] (the residual); for "merge", x is the decode attention's unmerged splits
+    (SplitPartials of one sequence, Hq * D = K), merged here; res_out [1, K] (fp32) <- x
+    ("norm" only); each of `zero` (<= 2
     fp32 buffers, never this launch's inputs) <- 0 once the launch before has finished.
     light_prefill: the launch before is latency-bound (tc_plan). Off Hopper or on CPU:
     kernels.reference.fp8_gemv_tc_ref. Returns out."""
@@ -414,19 +513,26 @@ def fp8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         return fp8_gemv_tc_ref(x, weight, scales, prologue, norm_weight, eps, out=out,
                                add=add, res_out=res_out, zero=zero)
     N, K = weight.shape
-    plan = tc_plan(N, K, num_sms(weight.device.index or 0), light_prefill=light_prefill)
+    plan = tc_plan(N, K, num_sms(weight.device.index or 0), light_prefill=light_prefill,
+                   prefer_tiles=4 if prologue == "merge" else 8)
     layout = gl.NVMMASharedLayout.get_default_for([ROWS, GROUP_K], gl.float8e4nv)
     desc = TensorDescriptor(weight, [N, K], [K, 1], [ROWS, GROUP_K], layout)
     z = list(zero) + [out] * (2 - len(zero))  # placeholders: n = 0 stores nothing
     zn = [t.numel() if i < len(zero) else 0 for i, t in enumerate(z)]
     zch = max(128, triton.next_power_of_2(triton.cdiv(max(zn), plan.grid))) if zero else 128
+    merge = {}
+    if isinstance(x, SplitPartials):  # x's tensors as the kernel's x, lse and lengths
+        merge = dict(SPLITS=x.num_splits, HD=x.o.shape[3], KEYS=x.block_n)
+        x, lse, lens = x.o, x.lse, x.seq_lens
+    else:
+        lse = lens = out  # placeholders: read by "merge" only
     _fp8_gemv_tc_kernel[(plan.grid,)](
         desc, x, norm_weight if norm_weight is not None else x,
         res_out if res_out is not None else out, scales, out,
-        add if add is not None else out, z[0], zn[0], z[1], zn[1], N, scales.stride(0),
-        float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
+        add if add is not None else out, z[0], zn[0], z[1], zn[1], lse, lens, N,
+        scales.stride(0), float(eps), K=K, KTS=K // GROUP_K // plan.split, SPLIT=plan.split,
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
         PREFILL=plan.stages if plan.prefill is None else min(plan.prefill, plan.stages),
-        num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg)
+        num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg, **merge)
     return out

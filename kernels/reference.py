@@ -6,6 +6,8 @@ a layer's cache view [num_blocks, block_size, Hkv, D].
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -221,27 +223,48 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out.to(x.dtype)
 
 
+def merge_partials_ref(o: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor,
+                       block_n: int) -> torch.Tensor:
+    """The decode attention's unmerged splits (kernels/decode_attention.SplitPartials: o
+    [B, Hq, S, D], lse [B, Hq, S] base 2) -> [B, Hq, D] fp32, each sequence's first
+    active_splits(seq_lens[b], block_n, S) splits weighted by their softmax sums."""
+    from pdserve.kernels.decode_attention import active_splits
+    out = torch.zeros(o.shape[0], o.shape[1], o.shape[3], dtype=torch.float32, device=o.device)
+    for b, n in enumerate(seq_lens.tolist()):
+        k = active_splits(n, block_n, o.shape[2])
+        if k == 0:
+            continue
+        w = torch.softmax(lse[b, :, :k].float() * math.log(2.0), dim=-1)  # [Hq, k]
+        w = torch.nan_to_num(w)  # a head with no keys at all: zero weights
+        out[b] = (w[..., None] * o[b, :, :k].float()).sum(1)
+    return out
+
+
 def fp8_gemv_tc_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                     prologue: str = "none", norm_weight: torch.Tensor | None = None,
                     eps: float = 1e-6, *, out: torch.Tensor, add: torch.Tensor | None = None,
                     res_out: torch.Tensor | None = None, zero: tuple[torch.Tensor, ...] = ()
                     ) -> torch.Tensor:
     """kernels/fp8_gemv_tc.py's function: the prologue's activation a [K] ("norm": x times
-    the norm weight, its rstd applied to the outputs; "silu": silu(gate) * up) quantized per
-    128 columns, times the dequantized weight, added into out (fp32) with `add`; res_out <- x
-    for "norm"; each `zero` buffer <- 0. Returns out."""
+    the norm weight, its rstd applied to the outputs; "silu": silu(gate) * up; "merge": x's
+    attention splits merged, merge_partials_ref) quantized per 128 columns, times the
+    dequantized weight, added into out (fp32) with `add`; res_out <- x for "norm"; each
+    `zero` buffer <- 0. Returns out."""
     K = weight.shape[1]
-    xf = x.float().reshape(-1)
-    rstd = torch.ones((), dtype=torch.float32, device=x.device)
-    if prologue == "norm":
+    rstd = torch.ones((), dtype=torch.float32, device=weight.device)
+    if prologue == "merge":  # x: SplitPartials (kernels/decode_attention.py)
+        a = merge_partials_ref(x.o, x.lse, x.seq_lens, x.block_n).reshape(-1)
+    elif prologue == "norm":
+        xf = x.float().reshape(-1)
         rstd = torch.rsqrt(xf.square().mean() + eps)
         a = xf * norm_weight.float()
         if res_out is not None:
             res_out.copy_(xf.view_as(res_out))
     elif prologue == "silu":
+        xf = x.float().reshape(-1)
         a = F.silu(xf[:K]) * xf[K:]
     else:
-        a = xf
+        a = x.float().reshape(-1)
     a8, sa = quant_act_ref(a[None], 128)
     y = fp8_dequant_ref(a8, sa, (1, 128)) @ fp8_dequant_ref(weight, scales, (128, 128)).t()
     y = y * rstd + (add.float() if add is not None else 0.0)

@@ -155,20 +155,22 @@ def engine_timeline(engine, vocab: int) -> dict:
 
 # whether the variant being captured takes the tensor-core FP8 GEMV where the model fits it
 # (Model.use_tc_gemv; set by a variant's setup, read by capture)
-TC = {"on": True}
+TC = {"on": True, "merge": True}
 # whether the variant's graphs include the short-context one (DecodeGraphs.short_context)
 SHORT = {"on": True}
 
 
 def variant(name: str, tiles: dict | None = None, splits: int | None = None,
             every: dict | None = None, moe: dict | None = None, tc: bool = True,
-            tc_plans: dict | None = None, attn: dict | None = None, short: bool = True):
+            tc_plans: dict | None = None, attn: dict | None = None, short: bool = True,
+            merge: bool = True):
     """A configuration to measure: GemvConfig fields to override per (N, K) of a projection
     (batch 1), or for every batch-1 projection (`every`), GemvMoeConfig fields of the expert
     GEMVs (`moe`), the decode attention's split count (None: the kernel's own choice), and
     whether block-FP8 models take the tensor-core GEMV (kernels/fp8_gemv_tc.py), with TcPlan
-    fields to override per (N, K) (`tc_plans`), and DecodeTiles fields of the decode
-    attention (`attn`)."""
+    fields to override per (N, K) (`tc_plans`), DecodeTiles fields of the decode
+    attention (`attn`), and whether o_proj merges the attention's splits (`merge`,
+    Model.use_tc_gemv's merge; off: the attention's last split merges them)."""
     import dataclasses
 
     def pick(N: int, K: int, T: int, *args, **kwargs):
@@ -194,6 +196,7 @@ def variant(name: str, tiles: dict | None = None, splits: int | None = None,
         tc_mod.tc_plan = plan
         TC["on"] = tc
         SHORT["on"] = short
+        TC["merge"] = merge
     return name, setup, splits
 
 
@@ -207,6 +210,11 @@ SHAPES = (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD)
 VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batch 1
             # the whole table's graph at every context (DecodeGraphs.short_context 0)
             variant("no_short", short=False),
+            # the attention merges its own splits (last to arrive), o_proj loads the result
+            variant("no_merge", merge=False),
+            # o_proj in 4 K splits (8 heads a CTA) with the merge; in 8 without it
+            variant("merge_s4", tc_plans={O_PROJ: {"split": 4}}),
+            variant("no_merge_s8", merge=False, tc_plans={O_PROJ: {"split": 8}}),
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
@@ -337,7 +345,7 @@ def capture(engine, setup, splits, vocab: int, context: int):
     model = runner.model
     setup()
     model.backend.num_splits = splits
-    model.use_tc_gemv(TC["on"])
+    model.use_tc_gemv(TC["on"], TC["merge"])
     buffers = model.layers[0].tc  # this graph's: a later capture's use_tc_gemv makes new ones
     g = DecodeGraphs(engine.config, model, runner.kv_cache)
     g.buckets = [1]

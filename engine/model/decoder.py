@@ -34,6 +34,7 @@ stacked (moe.py); engine/model/weights.py maps checkpoints onto them.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ from pdserve.engine.model.layers import (
 from pdserve.engine.model.linear_ops import linear_gemv
 from pdserve.engine.model.moe import make_mlp
 from pdserve.engine.model.tc_decode import TcBuffers, forward_tc, tc_layer_fits
+
+if TYPE_CHECKING:  # the torch path never imports the kernels
+    from pdserve.kernels.decode_attention import SplitPartials
 
 
 class Attention(nn.Module):
@@ -90,10 +94,12 @@ class Attention(nn.Module):
 
     def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: AttentionMetadata, kv_cache: torch.Tensor,
-                   compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   compute_dtype: torch.dtype | None = None,
+                   partials: bool = False) -> torch.Tensor | SplitPartials:
         """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj); writes
         this step's K/V into the cache. compute_dtype: the attention's (and output's) type
-        for an fp32 qkv (kernels/fp8_gemv_tc.py; fused path only)."""
+        for an fp32 qkv (kernels/fp8_gemv_tc.py; fused path only). partials: the fused
+        decode kernel's splits unmerged where it runs (attend_with_prologue)."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -111,8 +117,8 @@ class Attention(nn.Module):
                 self.q_norm.eps if self.q_norm is not None else 1e-6, meta.rope_positions)
             o = fused_attention().attend_with_prologue(self.backend, q, prologue, k_cache,
                                                        v_cache, meta, self.scale, kv_scales,
-                                                       compute_dtype)
-            return o.reshape(T, self.q_size)
+                                                       compute_dtype, partials)
+            return o if partials and not torch.is_tensor(o) else o.reshape(T, self.q_size)
         if meta is not None and meta.rope_positions is not None:  # tables (Model.rope): rows
             cos, sin = cos[meta.rope_positions], sin[meta.rope_positions]
         if self.q_norm is not None:
@@ -227,14 +233,15 @@ class Model(nn.Module):
                          and fused_kernels().tc_available(weight.device.index or 0))
         return self
 
-    def use_tc_gemv(self, enabled: bool = True) -> bool:
+    def use_tc_gemv(self, enabled: bool = True, merge: bool = True) -> bool:
         """Batch-1 decode through kernels/fp8_gemv_tc.py (engine/model/tc_decode.py): on by
         use_fused_ops on a Hopper GPU where every layer fits (tc_layer_fits: dense, block
         FP8) and there is no TP; elsewhere the kernel's torch reference runs it (tests).
-        Returns whether it is on."""
+        merge: o_proj merges the decode attention's splits (TcBuffers.merge; off for A/B
+        measurements). Returns whether it is on."""
         on = enabled and self.tp is None and all(tc_layer_fits(la) for la in self.layers)
-        buffers = TcBuffers.for_layer(self.layers[0], self.embed_tokens.weight.device) \
-            if on else None
+        buffers = TcBuffers.for_layer(self.layers[0], self.embed_tokens.weight.device,
+                                      merge) if on else None
         for layer in self.layers:
             layer.tc = buffers
         return on

@@ -9,6 +9,7 @@ before it has (PDL orders a launch after its predecessor only):
     q/k/v    reads x (down's buffer, or the embedding), copies it to `res`; zeroes o, gate_up
     attn     reads qkv
     o_proj   reads the attention's output, adds res;                      zeroes qkv, down
+             (its splits unmerged, merged as o_proj loads them, where D % 128 == 0)
     gate_up  reads o (norm)
     down     reads gate_up (silu), adds o
 
@@ -31,22 +32,24 @@ from pdserve.engine.model.layers import SwiGLUMLP, fused_kernels
 @dataclass(frozen=True)
 class TcBuffers:
     """fp32 [1, N] outputs of the four projections, and res [1, hidden] (the residual for
-    o_proj's add): see the module doc for who zeroes which."""
+    o_proj's add): see the module doc for who zeroes which. merge: o_proj merges the
+    attention's splits (head_dim a multiple of 128)."""
     qkv: torch.Tensor
     o: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
     res: torch.Tensor
+    merge: bool = True
 
     @staticmethod
-    def for_layer(layer: nn.Module, device: torch.device) -> TcBuffers:
+    def for_layer(layer: nn.Module, device: torch.device, merge: bool = True) -> TcBuffers:
         attn, mlp = layer.self_attn, layer.mlp
 
         def zeros(n: int) -> torch.Tensor:
             return torch.zeros(1, n, dtype=torch.float32, device=device)
         return TcBuffers(zeros(attn.qkv_proj.out_features), zeros(attn.o_proj.out_features),
                          zeros(mlp.gate_up_proj.out_features), zeros(mlp.down_proj.out_features),
-                         zeros(attn.o_proj.out_features))
+                         zeros(attn.o_proj.out_features), merge and attn.head_dim % 128 == 0)
 
 
 def tc_layer_fits(layer: nn.Module) -> bool:
@@ -74,9 +77,13 @@ def forward_tc(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
         return m.weight, m.weight_scale
     gemv(x, *w(attn.qkv_proj), "norm", ln1.weight, ln1.eps, out=b.qkv, res_out=b.res,
          zero=(b.o, b.gate_up))
-    o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype)
+    # the attention's splits merged by o_proj as it loads them: no arrival atomic, no merge
+    # round trip in the latency-bound attention (docs/design.md, "Session 35")
+    o = attn.attend_qkv(b.qkv, cos, sin, meta, kv_cache, compute_dtype=ln1.weight.dtype,
+                        partials=b.merge)
     # o_proj follows the latency-bound attention: part of its ring waits (tc_plan)
-    gemv(o, *w(attn.o_proj), out=b.o, add=b.res, zero=(b.qkv, b.down), light_prefill=True)
+    gemv(o, *w(attn.o_proj), "none" if torch.is_tensor(o) else "merge", out=b.o, add=b.res,
+         zero=(b.qkv, b.down), light_prefill=True)
     gemv(b.o, *w(mlp.gate_up_proj), "norm", ln2.weight, ln2.eps, out=b.gate_up)
     gemv(b.gate_up, *w(mlp.down_proj), "silu", out=b.down, add=b.o)
     return b.down

@@ -18,6 +18,7 @@ from pdserve.kernels.attn_prologue import fused_qk_norm_rope_kv
 from pdserve.kernels.decode_attention import (
     MAX_GROUP_ROWS,
     Prologue,
+    SplitPartials,
     decode_num_splits,
     fused_decode_attention,
     paged_decode_attention,
@@ -50,20 +51,23 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def attend_with_prologue(backend: AttentionBackend, q: torch.Tensor, prologue: Prologue,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, kv_scales: KVScales | None = None,
-                         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         compute_dtype: torch.dtype | None = None, partials: bool = False
+                         ) -> torch.Tensor | SplitPartials:
     """QK-norm + RoPE + KV write, then attention, for the raw q [T, Hq, D] of a qkv projection
     (the model's fused path). With the Triton backend, decode and uniform verify steps run it
     all as one kernel (fused_decode_attention); otherwise the prologue kernel runs first and
     the backend attends over the rotated q. With an fp8 cache (kv_scales) the quantization
     happens inside whichever kernel writes the cache. compute_dtype: the attention's type
-    where q/k/v come in fp32 (kernels/fp8_gemv_tc.py's output) over a cache of that type."""
+    where q/k/v come in fp32 (kernels/fp8_gemv_tc.py's output) over a cache of that type.
+    partials: where the fused decode kernel runs, return its splits unmerged (SplitPartials,
+    for kernels/fp8_gemv_tc.py's "merge" prologue); any other route returns the output."""
     if isinstance(backend, TritonAttentionBackend) and not backend.takes_sdpa(q, meta):
         rows = _uniform_rows(q, k_cache, meta, backend.verify_rows)
         if rows:
             return fused_decode_attention(q, prologue, k_cache, v_cache, meta.block_tables,
                                           meta.seq_lens, scale, num_splits=backend.num_splits,
                                           rows_per_seq=rows, kv_scales=kv_scales,
-                                          compute_dtype=compute_dtype)
+                                          compute_dtype=compute_dtype, partials=partials)
     if compute_dtype is not None and q.dtype != compute_dtype:  # the unfused route: cast
         dt = compute_dtype
         q, prologue = q.to(dt), replace(prologue, k=prologue.k.to(dt), v=prologue.v.to(dt))

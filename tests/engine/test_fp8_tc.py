@@ -33,7 +33,7 @@ W8A8_BOUND = 8 ** 0.5 * 2 ** -4
 # down 128 x 256
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
-# Qwen3's head_dim 128 (tests/engine/test_fp8_tc_gpu.py)
+# Qwen3's head_dim 128: o_proj merges the decode attention's splits (TcBuffers.merge)
 SHAPE_D128 = dict(hidden_size=256, intermediate_size=256, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=128)
 
@@ -52,10 +52,10 @@ def tiny_tc(seed: int = 0, shape: dict = SHAPE) -> transformers.PreTrainedModel:
     return tiny("qwen3", seed, **shape)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=[SHAPE, SHAPE_D128], ids=["d64", "d128_merge"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fp8_tc")
-    write_fp8(tiny_tc(), out, "block")
+    write_fp8(tiny_tc(shape=request.param), out, "block")
     return out
 
 
@@ -68,6 +68,7 @@ def _fused(folder: Path, tc: bool):
 
 def test_decode_steps_stay_within_w8a8_of_the_gemv_path(folder: Path) -> None:
     gemv, tc = _fused(folder, False), _fused(folder, True)
+    assert tc.model.layers[0].tc.merge is (tc.model.config.head_dim % 128 == 0)
     # 40 tokens: the prefill takes the FP8 GEMM (more rows than the GEMV's), and the decode
     # attention splits the keys (2 tiles of 32)
     toks, table = prompt(40, 3), [4, 1, 9, 17, 30, 2, 11, 5, 40, 22, 8, 13]

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=[SHAPE, SHAPE_D128], ids=["d64", "d128"])
+@pytest.fixture(scope="module", params=[SHAPE, SHAPE_D128], ids=["d64", "d128_merge"])
 def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs a compute capability 9.0 GPU")

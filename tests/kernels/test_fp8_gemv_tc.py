@@ -7,8 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kernels.decode_attention import SplitPartials, active_splits
 from pdserve.kernels.fp8_gemv_tc import fp8_gemv_tc, tc_available, tc_plan
-from pdserve.kernels.reference import fp8_dequant_ref, fp8_gemv_tc_ref, gemv_ref
+from pdserve.kernels.reference import (
+    fp8_dequant_ref,
+    fp8_gemv_tc_ref,
+    gemv_ref,
+    merge_partials_ref,
+)
 
 from tests.kernels.test_fp8_gemv import fp8_weight
 
@@ -26,6 +32,13 @@ def test_plan_spreads_the_tiles(N, K):
         assert blocks * tiles / (plan.grid * busiest) >= 0.95
 
 
+def test_the_merge_prologue_takes_half_the_heads_a_cta():
+    """Qwen3-8B's o_proj: 4 or 8 K splits spread its tiles equally well; the "merge"
+    prologue's preference takes 8 (4 heads' splits to merge a CTA), the others' 4."""
+    assert tc_plan(4096, 4096, 132, light_prefill=True).split == 4
+    assert tc_plan(4096, 4096, 132, light_prefill=True, prefer_tiles=4).split == 8
+
+
 def test_light_prefill_leaves_two_tiles_of_the_ring_for_after_the_wait():
     assert tc_plan(4096, 4096, 132).prefill is None  # a whole ring
     light = tc_plan(4096, 4096, 132, light_prefill=True)
@@ -40,6 +53,31 @@ def _inputs(N: int, K: int, prologue: str, device, seed: int = 0):
     nw = (torch.rand(K, generator=gen) + 0.5).to(device, torch.bfloat16)
     add = torch.randn(1, N, generator=gen).to(device, torch.float32)
     return w8, scales.float(), x, nw, add
+
+
+def _partials(hq: int, d: int, splits: int, seq_len: int, device, seed: int = 0,
+              block_n: int = 64) -> SplitPartials:
+    """A decode attention's unmerged splits of one sequence; the splits past active_splits
+    hold NaN, which a reader that loads them would carry into its output."""
+    gen = torch.Generator().manual_seed(seed + hq * d + splits)
+    o = torch.randn(1, hq, splits, d, generator=gen) * 3
+    lse = torch.randn(1, hq, splits, generator=gen) * 4
+    n = active_splits(seq_len, block_n, splits)
+    o[:, :, n:], lse[:, :, n:] = float("nan"), float("nan")
+    return SplitPartials(o.to(device), lse.to(device),
+                         torch.tensor([seq_len], dtype=torch.int32, device=device), block_n)
+
+
+def test_merge_prologue_is_the_merged_activations_product(device):
+    """"merge": the splits merged (reference.merge_partials_ref), then the "none" product."""
+    N, K = 96, 256
+    w8, scales, _, _, add = _inputs(N, K, "none", device)
+    p = _partials(2, 128, 8, 200, device)  # 4 of 8 splits hold keys
+    got = fp8_gemv_tc(p, w8, scales, "merge", out=torch.zeros(1, N, device=device), add=add)
+    x = merge_partials_ref(p.o, p.lse, p.seq_lens, p.block_n).reshape(1, K)
+    want = fp8_gemv_tc_ref(x, w8, scales, out=torch.zeros(1, N, device=device), add=add)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("prologue", ["none", "norm", "silu"])
@@ -81,6 +119,8 @@ def test_out_accumulates_and_zeroes_only_what_it_is_given(device):
     ({"out": "bf16"}, "out"),
     ({"zero": "aliases_out"}, "zero[0]"),
     ({"res_out": "without_norm"}, "res_out"),
+    ({"prologue": "merge"}, "x"),  # a tensor where the splits belong
+    ({"partials": 64}, "x.o"),  # head_dim 64: a 128-column group would span two heads
 ])
 def test_bad_arguments_name_the_field(bad, field, device):
     N, K = 64, 256
@@ -97,6 +137,8 @@ def test_bad_arguments_name_the_field(bad, field, device):
         kw["zero"] = (out,)
     if bad.get("res_out"):
         kw["res_out"] = torch.zeros(1, K, device=device)
+    if bad.get("partials"):
+        x, kw["prologue"] = _partials(K // 64, 64, 4, 100, device), "merge"
     with pytest.raises((ValueError, TypeError), match=field.replace("[", r"\[").replace("]", r"\]")):
         fp8_gemv_tc(x, w8, scales, **kw)
 
@@ -125,3 +167,27 @@ def test_kernel_is_the_reference(N, K, prologue, light):
     assert not zs[0].any() and not zs[1].any()
     if res is not None:
         torch.testing.assert_close(res, x.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not tc_available(0),
+                    reason="needs a compute capability 9.0 GPU")
+@pytest.mark.parametrize("N,hq,d,splits,seq_len", [
+    (4096, 32, 128, 16, 640),  # Qwen3-8B's o_proj at 640 tokens: 10 of 16 splits hold keys
+    (4096, 32, 128, 32, 2000),  # 32 of 32
+    (4096, 16, 256, 16, 640),  # a 128-column group is half a head
+    (200, 3, 128, 1, 5),  # one split; 3 groups: odd group counts per CTA
+    (136, 2, 128, 8, 0),  # no keys (a padded row): the activation is zero
+])
+def test_merge_kernel_is_the_reference(N, hq, d, splits, seq_len):
+    """The "merge" prologue never reads a split past active_splits (those hold NaN)."""
+    dev = torch.device("cuda")
+    K = hq * d
+    w8, scales, _, _, add = _inputs(N, K, "none", dev)
+    p = _partials(hq, d, splits, seq_len, dev)
+    want = fp8_gemv_tc_ref(p, w8, scales, "merge", out=torch.zeros(1, N, device=dev), add=add)
+    out = torch.zeros(1, N, device=dev)
+    fp8_gemv_tc(p, w8, scales, "merge", out=out, add=add, light_prefill=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=2e-3 * want.abs().max().item())

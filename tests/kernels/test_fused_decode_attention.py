@@ -2,11 +2,22 @@
 the two references it replaces: qk_norm_rope_cache_ref, then paged_attention_ref."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from pdserve.kernels.decode_attention import Prologue, fused_decode_attention
-from pdserve.kernels.reference import paged_attention_ref, qk_norm_rope_cache_ref
+from pdserve.kernels.decode_attention import (
+    Prologue,
+    SplitPartials,
+    active_splits,
+    fused_decode_attention,
+)
+from pdserve.kernels.reference import (
+    merge_partials_ref,
+    paged_attention_ref,
+    qk_norm_rope_cache_ref,
+)
 
 
 def _slots(cache, R: int) -> torch.Tensor:
@@ -77,6 +88,31 @@ def test_bf16_head_dim_128_repeated_launches(device, paged_cache, close):
                                      cache.seq_lens, 128 ** -0.5, num_splits=8)
         close(out, want, torch.bfloat16)
         close(cache.kv, kv_want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("seq_lens,splits", [([1, 33, 64, 65], 4), ([40, 0, 7], 16),
+                                             ([70, 9], 1)])
+def test_partials_left_for_the_reader_merge_to_the_attention(seq_lens, splits, device,
+                                                            paged_cache, close):
+    """partials=True (kernels/fp8_gemv_tc.py's "merge" reads them): the kernel stores every
+    active split's result and its log-sum-exp, merges nothing, and the reader's merge
+    (merge_partials_ref, over active_splits of each sequence) is the attention."""
+    hkv, d = 2, 128
+    cache = paged_cache(seq_lens, 16, hkv, d, torch.bfloat16)
+    q, p = _case(cache, 1, 4 * hkv, d, torch.bfloat16, device, True)
+    want, kv_want = _reference(q, p, cache, 1)
+    got = fused_decode_attention(q, p, cache.k, cache.v, cache.block_tables, cache.seq_lens,
+                                 d ** -0.5, num_splits=splits, partials=True)
+    assert isinstance(got, SplitPartials) and got.num_splits == splits
+    assert got.o.shape == (len(seq_lens), 4 * hkv, splits, d)
+    close(merge_partials_ref(got.o, got.lse, got.seq_lens, got.block_n), want, torch.bfloat16)
+    close(cache.kv, kv_want, torch.bfloat16)
+    for b, n in enumerate(seq_lens):  # the reader's count: the splits that hold the keys
+        k = active_splits(n, got.block_n, splits)
+        tiles = math.ceil(n / got.block_n)
+        keys = max(math.ceil(tiles / splits), 1) * got.block_n  # keys per split
+        assert torch.isfinite(got.lse[b, :, :k]).all()
+        assert (k - 1) * keys < n <= k * keys or n == k == 0
 
 
 def test_prologue_arguments_name_the_field(device, paged_cache):
