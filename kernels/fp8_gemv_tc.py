@@ -445,9 +445,9 @@ def _check_partials(x: SplitPartials, K: int, device: torch.device) -> None:
     """The "merge" prologue's input: one sequence's unmerged attention splits covering K."""
     if not isinstance(x, SplitPartials):
         raise TypeError(f"x: the 'merge' prologue takes SplitPartials, got {type(x).__name__}")
-    _, hq, splits, hd = x.o.shape
     check_tensor("x.o", x.o, shape=(1, None, None, None), dtypes=(torch.float32,),
                  device=device)
+    _, hq, splits, hd = x.o.shape
     if not x.o.is_contiguous() or hq * hd != K or hd % GROUP_K or splits & (splits - 1):
         raise ValueError(f"x.o: {tuple(x.o.shape)} must be contiguous [1, Hq, S, D] with "
                          f"Hq * D == {K}, D % {GROUP_K} == 0 and S a power of 2")
