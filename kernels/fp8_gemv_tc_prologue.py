@@ -1,0 +1,112 @@
+"""The tensor-core FP8 GEMV's prologues (kernels/fp8_gemv_tc.py): the CTA's K range of the
+activation, through "norm" (the rmsnorm weight; rstd from the whole row), "silu" (silu(gate)
+* up) or "merge" (the decode attention's unmerged splits), quantized to e4m3 per 128 columns
+into shared memory as wgmma's B ([KTS][8, 128]: row 0 the group, rows 1..7 zero) with each
+group's scale. Run by the consumer warpgroup after the PDL wait (n_active before it)."""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+
+@gluon.jit
+def norm_stats(x_ptr, res_ptr, eps, K: gl.constexpr, RES_OUT: gl.constexpr):
+    """rstd of the whole row x [K]; CTA 0 copies x to res (fp32) for a later residual add.
+    (Computed where a row block's output is added instead, its loads waiting while the ring
+    streams on, the step was slower: 2.414 -> 2.478 ms, diag_tc_h200_2026-11-30.json.)"""
+    CL: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+    ss = gl.zeros([1024], gl.float32, CL)
+    for k in gl.static_range(0, K, 1024):
+        offs = k + gl.arange(0, 1024, layout=CL)
+        x = gl.load(x_ptr + offs, mask=offs < K, other=0.0).to(gl.float32)
+        ss += x * x
+        if RES_OUT:
+            gl.store(res_ptr + offs, x, mask=(offs < K) & (gl.program_id(0) == 0))
+    return gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
+
+
+@gluon.jit
+def stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K: gl.constexpr, KTS: gl.constexpr,
+               PROLOGUE: gl.constexpr):
+    """The CTA's KTS activation groups (columns k0 * 128 ..) through the prologue, quantized
+    to e4m3 per group into xq_smem as wgmma's B ([KTS][8, 128]: row 0 the group, rows 1..7
+    zero) and their scales into sx_smem [KTS * 8] (row g * 8 holds group g's)."""
+    XB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    KP: gl.constexpr = 8 if KTS >= 8 else KTS  # groups per pass (8 rows each)
+    r = gl.arange(0, KP * 8, layout=gl.SliceLayout(1, XB))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, XB))
+    for k8 in gl.static_range(0, KTS, KP):
+        offs = (k0 + k8 + r // 8)[:, None] * 128 + c[None, :]
+        m = (r % 8 == 0)[:, None] & (offs < K)
+        a = gl.load(x_ptr + offs, mask=m, other=0.0).to(gl.float32)
+        if PROLOGUE == 1:  # rmsnorm's weight here, its rstd on the outputs (it commutes)
+            a = a * gl.load(nw_ptr + offs, mask=m, other=0.0).to(gl.float32)
+        if PROLOGUE == 2:  # x = [gate | up]: silu(gate) * up
+            up = gl.load(x_ptr + K + offs, mask=m, other=0.0).to(gl.float32)
+            a = a / (1.0 + gl.exp(-a)) * up
+        scale = gl.maximum(gl.max(gl.abs(a), axis=1), 1e-10) / 448.0
+        q = gl.minimum(gl.maximum(a / scale[:, None], -448.0), 448.0).to(gl.float8e4nv)
+        xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
+                             ).slice(k8 * 8, KP * 8).store(q)
+        sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
+                             ).slice(k8 * 8, KP * 8).store(scale)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def n_active(len_ptr, SPLITS: gl.constexpr, KEYS: gl.constexpr):
+    """kernels/decode_attention.active_splits of sequence 0: its lengths are host copies, no
+    launch's output, so this load may come before the PDL wait."""
+    seq_len = gl.load(len_ptr)
+    tiles = (seq_len + KEYS - 1) // KEYS
+    per = gl.maximum((tiles + SPLITS - 1) // SPLITS, 1)
+    return (tiles + per - 1) // per
+
+
+@gluon.jit
+def stage_merged(o_ptr, lse_ptr, n_act, xq_smem, sx_smem, k0, KTS: gl.constexpr,
+                  SPLITS: gl.constexpr, HD: gl.constexpr):
+    """The "merge" prologue: the CTA's KTS activation groups (columns k0 * 128 ..) merged
+    from the decode attention's unmerged splits (kernels/decode_attention.SplitPartials at
+    batch 1: o [Hq, SPLITS, HD] fp32, lse [Hq, SPLITS]; the first n_act hold keys), then
+    quantized as stage_act does. Tiles [GP groups, 8 splits, 128]: a warp per group, 8
+    splits at a time in each thread's registers, so the merge sums in-thread (over lanes it
+    took 412 shuffles a thread), and row 0 of each group is the one real row of wgmma's B.
+    HD % 128 == 0: a group is (part of) one head."""
+    GP: gl.constexpr = 4 if KTS % 4 == 0 else (2 if KTS % 2 == 0 else 1)
+    L3: gl.constexpr = gl.BlockedLayout([1, 8, 4], [1, 1, 32], [GP, 1, 4 // GP], [2, 1, 0])
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    g3 = gl.arange(0, GP, layout=gl.SliceLayout(1, L2))[:, None, None]
+    j3 = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))[None, :, None]
+    c3 = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    for k4 in gl.static_range(0, KTS, GP):
+        col0 = (k0 + k4 + g3) * 128  # [GP, 1, 1] the group's first column
+        row0 = (col0 // HD) * SPLITS  # its head's first split row of o / lse
+        d3 = col0 % HD + c3  # [GP, 1, 128]
+        m = gl.full([GP, 1, 1], float("-inf"), gl.float32, L3)
+        total = gl.zeros([GP, 1, 1], gl.float32, L3)
+        acc = gl.zeros([GP, 1, 128], gl.float32, L3)
+        for c in gl.static_range(0, SPLITS, 8):  # online softmax over chunks of 8 splits
+            live = (c + j3 < n_act) & (c + j3 < SPLITS)  # [1, 8, 1]
+            lse = gl.load(lse_ptr + row0 + c + j3, mask=live, other=float("-inf"))
+            o = gl.load(o_ptr + (row0 + c + j3) * HD + d3, mask=live, other=0.0)
+            m_new = gl.maximum(m, gl.max(lse, axis=1, keep_dims=True))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            w = gl.exp2(lse - m_safe)  # [GP, 8, 1]; 0 for splits without keys
+            total = total * alpha + gl.sum(w, axis=1, keep_dims=True)
+            acc = acc * alpha + gl.sum(w * o.to(gl.float32), axis=1, keep_dims=True)
+            m = m_new
+        a = acc / gl.where(total > 0.0, total, 1.0)  # [GP, 1, 128]
+        scale = gl.maximum(gl.max(gl.abs(a), axis=2, keep_dims=True), 1e-10) / 448.0
+        q = gl.minimum(gl.maximum(a / scale, -448.0), 448.0)
+        q = gl.where(j3 == 0, q, 0.0).to(gl.float8e4nv)  # [GP, 8, 128]: row 0 real
+        xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
+                             ).slice(k4 * 8, GP * 8).store(gl.reshape(q, [GP * 8, 128]))
+        sx = gl.reshape(gl.where(j3 == 0, scale, 0.0), [GP * 8])
+        sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
+                             ).slice(k4 * 8, GP * 8).store(sx)
+    fence_async_shared()
+    gl.thread_barrier()
