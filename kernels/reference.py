@@ -228,7 +228,8 @@ def merge_partials_ref(o: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tenso
     """The decode attention's unmerged splits (kernels/decode_attention.SplitPartials: o
     [B, Hq, S, D], lse [B, Hq, S] base 2) -> [B, Hq, D] fp32, each sequence's first
     active_splits(seq_lens[b], block_n, S) splits weighted by their softmax sums."""
-    from pdserve.kernels.decode_attention import active_splits
+    from pdserve.kernels.decode_attention import active_splits  # imports triton: here only
+
     out = torch.zeros(o.shape[0], o.shape[1], o.shape[3], dtype=torch.float32, device=o.device)
     for b, n in enumerate(seq_lens.tolist()):
         k = active_splits(n, block_n, o.shape[2])
