@@ -370,12 +370,10 @@ def _launch(q: torch.Tensor, p: Prologue | None, k_cache: torch.Tensor, v_cache:
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     mid_o = mid_lse = counters = out  # unused when one split writes `out` directly
-    if partials:
+    if partials or num_splits > 1:  # partials: every split's, left for the reader
         mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
-    elif num_splits > 1:
-        mid_o = torch.empty((T, HQ, num_splits, D), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((T, HQ, num_splits), dtype=torch.float32, device=q.device)
+    if num_splits > 1 and not partials:
         counters = arrival_counters(q.device, B * HKV)
     group, block_s = HQ // HKV, next_pow2(num_splits)
     k, v, cos, sin, slots = (q,) * 5 if p is None else (p.k, p.v, p.cos, p.sin, p.slot_mapping)

@@ -118,7 +118,7 @@ class Attention(nn.Module):
             o = fused_attention().attend_with_prologue(self.backend, q, prologue, k_cache,
                                                        v_cache, meta, self.scale, kv_scales,
                                                        compute_dtype, partials)
-            return o if partials and not torch.is_tensor(o) else o.reshape(T, self.q_size)
+            return o.reshape(T, self.q_size) if torch.is_tensor(o) else o  # o: SplitPartials
         if meta is not None and meta.rope_positions is not None:  # tables (Model.rope): rows
             cos, sin = cos[meta.rope_positions], sin[meta.rope_positions]
         if self.q_norm is not None:
