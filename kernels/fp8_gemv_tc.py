@@ -50,7 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pdserve.kernels._triton import check_tensor, interpreting, num_sms
 from pdserve.kernels.decode_attention import SplitPartials
-from pdserve.kernels.fp8_gemv_tc_prologue import n_active, norm_stats, stage_act, stage_merged
+from pdserve.kernels.fp8_gemv_tc_prologue import n_active, stage_act, stage_merged, stage_norm
 
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2, "merge": 3}
 ROWS = 64  # wgmma's M: weight rows per tile
@@ -241,7 +241,7 @@ def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr
              add_ptr, lse_ptr, n_act, N, stride_s, eps, K: gl.constexpr, KTS: gl.constexpr,
              SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
              PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr, RES_OUT: gl.constexpr,
-             SPLITS: gl.constexpr, HD: gl.constexpr):
+             SPLITS: gl.constexpr, HD: gl.constexpr, KROW: gl.constexpr):
     """The CTA's share of the weight: prologue, then per row block its tiles and a RED into
     out. The next row block's weight scales and residual are loaded while this one's tiles
     stream: loaded where used, each was a round trip behind the weight stream's traffic
@@ -261,8 +261,9 @@ def _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr
     addv = _add_rows(add_ptr, first, rows, N, split0, HAS_ADD)
     rstd = 1.0
     if PROLOGUE == 1:
-        rstd = norm_stats(x_ptr, res_ptr, eps, K, RES_OUT)
-    if PROLOGUE == 3:
+        rstd = stage_norm(x_ptr, nw_ptr, res_ptr, xq_smem, sx_smem, k0, eps, K, KTS, RES_OUT,
+                          KROW)
+    elif PROLOGUE == 3:
         stage_merged(x_ptr, lse_ptr, n_act, xq_smem, sx_smem, k0, KTS, SPLITS, HD)
     else:
         stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE)
@@ -283,7 +284,7 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
               K: gl.constexpr, KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
               GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
               RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr,
-              SPLITS: gl.constexpr, HD: gl.constexpr, KEYS: gl.constexpr):
+              SPLITS: gl.constexpr, HD: gl.constexpr, KEYS: gl.constexpr, KROW: gl.constexpr):
     """One warpgroup: the module doc's lifecycle after the PDL wait."""
     _gdc_launch()  # the next launch may fill its ring while this one streams
     n_act = 0
@@ -295,7 +296,7 @@ def _consumer(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_pt
         _zero(z2_ptr, z2_n, ZCH)
     _consume(ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr,
              add_ptr, lse_ptr, n_act, N, stride_s, eps, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE,
-             HAS_ADD, RES_OUT, SPLITS, HD)
+             HAS_ADD, RES_OUT, SPLITS, HD, KROW)
 
 
 @gluon.jit
@@ -304,8 +305,8 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
                         KTS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
                         GROUP: gl.constexpr, PROLOGUE: gl.constexpr, HAS_ADD: gl.constexpr,
                         RES_OUT: gl.constexpr, ZCH: gl.constexpr, HAS_Z: gl.constexpr,
-                        PREFILL: gl.constexpr, SPLITS: gl.constexpr = 1, HD: gl.constexpr = 128,
-                        KEYS: gl.constexpr = 64):
+                        PREFILL: gl.constexpr, KROW: gl.constexpr, SPLITS: gl.constexpr = 1,
+                        HD: gl.constexpr = 128, KEYS: gl.constexpr = 64):
     ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], w_desc.layout)
     xq_smem = gl.allocate_shared_memory(gl.float8e4nv, [KTS, 8, 128],
                                         gl.NVMMASharedLayout(128, 8, rank=2))
@@ -320,7 +321,7 @@ def _fp8_gemv_tc_kernel(w_desc, x_ptr, nw_ptr, res_ptr, s_ptr, out_ptr, add_ptr,
         (_consumer, (ring, ready, empty, xq_smem, sx_smem, x_ptr, nw_ptr, res_ptr, s_ptr,
                      out_ptr, add_ptr, z1_ptr, z1_n, z2_ptr, z2_n, lse_ptr, len_ptr, N,
                      stride_s, eps, K, KTS, SPLIT, STAGES, GROUP, PROLOGUE, HAS_ADD, RES_OUT,
-                     ZCH, HAS_Z, SPLITS, HD, KEYS)),
+                     ZCH, HAS_Z, SPLITS, HD, KEYS, KROW)),
         (_loader, (w_desc, ring, ready, empty, N, KTS, SPLIT, STAGES, PREFILL)),
     ], [1], [40])
 
@@ -432,5 +433,5 @@ def fp8_gemv_tc(x: torch.Tensor | SplitPartials, weight: torch.Tensor, scales: t
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
         PREFILL=plan.stages if plan.prefill is None else min(plan.prefill, plan.stages),
-        num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg, **merge)
+        KROW=triton.next_power_of_2(K), num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg, **merge)
     return out

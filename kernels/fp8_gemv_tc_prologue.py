@@ -11,48 +11,81 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 
 @gluon.jit
-def norm_stats(x_ptr, res_ptr, eps, K: gl.constexpr, RES_OUT: gl.constexpr):
-    """rstd of the whole row x [K]; CTA 0 copies x to res (fp32) for a later residual add.
-    (Computed where a row block's output is added instead, its loads waiting while the ring
-    streams on, the step was slower: 2.414 -> 2.478 ms, diag_tc_h200_2026-11-30.json.)"""
-    CL: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-    ss = gl.zeros([1024], gl.float32, CL)
-    for k in gl.static_range(0, K, 1024):
-        offs = k + gl.arange(0, 1024, layout=CL)
-        x = gl.load(x_ptr + offs, mask=offs < K, other=0.0).to(gl.float32)
-        ss += x * x
-        if RES_OUT:
-            gl.store(res_ptr + offs, x, mask=(offs < K) & (gl.program_id(0) == 0))
-    return gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
+def _group_rows(k0, k8, K: gl.constexpr, KP: gl.constexpr):
+    """Offsets and mask of groups k0 + k8 .. k0 + k8 + KP - 1 as wgmma's B rows: [KP * 8,
+    128] with row g * 8 the group's 128 columns (rows g * 8 + 1 .. 7 masked: zeros)."""
+    XB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    r = gl.arange(0, KP * 8, layout=gl.SliceLayout(1, XB))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, XB))
+    offs = (k0 + k8 + r // 8)[:, None] * 128 + c[None, :]
+    return offs, (r % 8 == 0)[:, None] & (offs < K)
 
 
 @gluon.jit
-def stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K: gl.constexpr, KTS: gl.constexpr,
-               PROLOGUE: gl.constexpr):
-    """The CTA's KTS activation groups (columns k0 * 128 ..) through the prologue, quantized
-    to e4m3 per group into xq_smem as wgmma's B ([KTS][8, 128]: row 0 the group, rows 1..7
-    zero) and their scales into sx_smem [KTS * 8] (row g * 8 holds group g's)."""
-    XB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+def _quantize_into(a, xq_smem, sx_smem, k8, KTS: gl.constexpr, KP: gl.constexpr):
+    """a [KP * 8, 128] fp32 (_group_rows' shape) to e4m3 per row, into xq_smem's rows
+    k8 * 8 .. as wgmma's B, and each row's scale into sx_smem."""
+    scale = gl.maximum(gl.max(gl.abs(a), axis=1), 1e-10) / 448.0
+    q = gl.minimum(gl.maximum(a / scale[:, None], -448.0), 448.0).to(gl.float8e4nv)
+    xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
+                         ).slice(k8 * 8, KP * 8).store(q)
+    sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
+                         ).slice(k8 * 8, KP * 8).store(scale)
+
+
+@gluon.jit
+def _stage_passes(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K: gl.constexpr, KTS: gl.constexpr,
+                  PROLOGUE: gl.constexpr, START: gl.constexpr):
+    """stage_act's passes from group START on (8 groups a pass), each loaded, through the
+    prologue and quantized."""
     KP: gl.constexpr = 8 if KTS >= 8 else KTS  # groups per pass (8 rows each)
-    r = gl.arange(0, KP * 8, layout=gl.SliceLayout(1, XB))
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, XB))
-    for k8 in gl.static_range(0, KTS, KP):
-        offs = (k0 + k8 + r // 8)[:, None] * 128 + c[None, :]
-        m = (r % 8 == 0)[:, None] & (offs < K)
+    for k8 in gl.static_range(START, KTS, KP):
+        offs, m = _group_rows(k0, k8, K, KP)
         a = gl.load(x_ptr + offs, mask=m, other=0.0).to(gl.float32)
         if PROLOGUE == 1:  # rmsnorm's weight here, its rstd on the outputs (it commutes)
             a = a * gl.load(nw_ptr + offs, mask=m, other=0.0).to(gl.float32)
         if PROLOGUE == 2:  # x = [gate | up]: silu(gate) * up
             up = gl.load(x_ptr + K + offs, mask=m, other=0.0).to(gl.float32)
             a = a / (1.0 + gl.exp(-a)) * up
-        scale = gl.maximum(gl.max(gl.abs(a), axis=1), 1e-10) / 448.0
-        q = gl.minimum(gl.maximum(a / scale[:, None], -448.0), 448.0).to(gl.float8e4nv)
-        xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
-                             ).slice(k8 * 8, KP * 8).store(q)
-        sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
-                             ).slice(k8 * 8, KP * 8).store(scale)
+        _quantize_into(a, xq_smem, sx_smem, k8, KTS, KP)
+
+
+@gluon.jit
+def stage_act(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K: gl.constexpr, KTS: gl.constexpr,
+              PROLOGUE: gl.constexpr):
+    """The CTA's KTS activation groups (columns k0 * 128 ..) through the prologue, quantized
+    to e4m3 per group into xq_smem as wgmma's B ([KTS][8, 128]: row 0 the group, rows 1..7
+    zero) and their scales into sx_smem [KTS * 8] (row g * 8 holds group g's)."""
+    _stage_passes(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, PROLOGUE, 0)
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def stage_norm(x_ptr, nw_ptr, res_ptr, xq_smem, sx_smem, k0, eps, K: gl.constexpr,
+               KTS: gl.constexpr, RES_OUT: gl.constexpr, KROW: gl.constexpr):
+    """The "norm" prologue: stage_act's, and rstd of the whole row x [K] (KROW: K to a
+    power of 2) for the outputs; CTA 0 copies x to res (fp32) for a later residual add.
+    Every load of the first pass (the whole row, the CTA's groups and their norm weights)
+    is issued before any value is used or stored: one round trip to L2 after the PDL
+    wait. (The row read in chunks, each chunk's copy stored before the next chunk's load,
+    took five dependent round trips where the copy was made, two elsewhere: the compiler
+    cannot move a load past a store that may alias it, nor past the sum's barrier.)"""
+    CL: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+    KP: gl.constexpr = 8 if KTS >= 8 else KTS
+    row = gl.arange(0, KROW, layout=CL)
+    x = gl.load(x_ptr + row, mask=row < K, other=0.0).to(gl.float32)
+    offs, m = _group_rows(k0, 0, K, KP)
+    a = gl.load(x_ptr + offs, mask=m, other=0.0)
+    w = gl.load(nw_ptr + offs, mask=m, other=0.0)
+    rstd = gl.rsqrt(gl.sum(x * x, axis=0) / K + eps)
+    if RES_OUT:
+        gl.store(res_ptr + row, x, mask=(row < K) & (gl.program_id(0) == 0))
+    _quantize_into(a.to(gl.float32) * w.to(gl.float32), xq_smem, sx_smem, 0, KTS, KP)
+    _stage_passes(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, 1, KP)
+    fence_async_shared()
+    gl.thread_barrier()
+    return rstd
 
 
 @gluon.jit

@@ -86,6 +86,24 @@ def kernel_footprints() -> list[dict]:
     return rows
 
 
+def kernel_trace(step) -> list[dict]:
+    """Every kernel and copy of one step (graph replay, LM head, argmax) with its start and
+    duration in us from the first: the gaps at each boundary, read offline."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    t0 = ev[0].time_range.start
+    return [{"name": e.name[:48], "start_us": round((e.time_range.start - t0) / 1e3, 3),
+             "dur_us": round((e.time_range.end - e.time_range.start) / 1e3, 3)} for e in ev]
+
+
 def replay_probe(g: DecodeGraphs) -> dict:
     """Host microseconds of graph.replay(), GPU idle and the same graph still running (it
     does not block: an overlapped step can queue the next replay behind the running one)."""
@@ -215,6 +233,11 @@ VARIANTS = [variant("no_tc", tc=False),  # FP8: the one-row Triton GEMVs at batc
             # o_proj in 4 K splits (8 heads a CTA) with the merge; in 8 without it
             variant("merge_s4", tc_plans={O_PROJ: {"split": 4}}),
             variant("no_merge_s8", merge=False, tc_plans={O_PROJ: {"split": 8}}),
+            # K splits per projection other than tc_plan's (q/k/v 8, gate_up 4, down 12)
+            variant("qkv_s4", tc_plans={QKV: {"split": 4}}),
+            variant("gu_s8", tc_plans={GATE_UP: {"split": 8}}),
+            variant("gu_s2", tc_plans={GATE_UP: {"split": 2}}),
+            variant("dn_s6", tc_plans={DOWN: {"split": 6}}),
             # the tensor-core GEMV's plans (kernels/fp8_gemv_tc.py TcPlan): o_proj's ring
             # filled only after the attention (which it slowed), ring depths, registers (96:
             # o_proj's and gate_up's CTAs fit an SM together)
@@ -393,6 +416,8 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=640, help="tokens in the sequence's KV")
+    ap.add_argument("--trace", action="store_true",
+                    help="save every kernel of one default step (kernel_trace)")
     ap.add_argument("--no-engine", action="store_true",
                     help="skip the engine-loop measurements after the variants")
     args = ap.parse_args()
@@ -410,6 +435,10 @@ def main() -> None:
     # the by-position table knows Qwen3-8B's five kernels per layer only
     results = round_robin(engine, variants, vocab, args.rounds,
                           by_position=args.preset == Plan().preset, context=args.context)
+    if args.trace:
+        with torch.inference_mode():
+            results["trace"] = kernel_trace(capture(engine, variants[0][1], variants[0][2],
+                                                    vocab, args.context)[0])
     results["footprints"] = kernel_footprints()
     print(json.dumps(results["footprints"]), flush=True)
     if args.no_engine:
