@@ -74,7 +74,9 @@ class TcPlan:
 def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = False,
             prefer_tiles: int = 8) -> TcPlan:
     """The K split that spreads N / 64 row blocks x K / 128 tiles most evenly over
-    per_sm * sms CTAs (ties: prefer_tiles tiles per split, 8 the probe's best; the "merge"
+    per_sm * sms CTAs (a power of 2 tiles a split, as the kernel's vectors need; the grid
+    the largest multiple of the split that fits: 260 CTAs for 5 or 10 splits of a 5120
+    hidden size). Ties: prefer_tiles tiles per split, 8 the probe's best; the "merge"
     prologue asks for 4, half the heads' splits to merge in each CTA: Qwen3-8B's o_proj in
     8 splits, FP8 step 2.394 -> 2.350 ms, 2.395 with 4; bench/results/
     diag_merge_in_o_proj_h200_2026-12-01_s8.json), and the wgmmas in flight
@@ -87,15 +89,17 @@ def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = Fal
     (Qwen3-8B FP8 step 2.389 -> 2.363 ms with o_proj's 6 of 8; 4: 2.378, 2: 2.398;
     bench/results/diag_tc_o_prefill_h200_2026-11-30.json)."""
     stages = 12 if N * K >= (32 << 20) else 8
-    grid, blocks, tiles = sms * per_sm, triton.cdiv(N, ROWS), K // GROUP_K
-    best, split = None, 1
-    for s in range(1, tiles + 1):
-        if tiles % s or grid % s:
+    full, blocks, tiles = sms * per_sm, triton.cdiv(N, ROWS), K // GROUP_K
+    best, split, grid = None, 1, full
+    for s in range(1, min(tiles, full) + 1):
+        kts = tiles // s  # the kernel's per-CTA vectors of KTS tiles: a power of 2
+        if tiles % s or kts & (kts - 1):
             continue
-        eff = blocks * tiles / (grid * triton.cdiv(blocks, grid // s) * (tiles // s))
-        key = (round(eff, 2), -abs(tiles // s - prefer_tiles), -s)
+        g = full // s * s  # every K split of a row block in the grid (Qwen3-8B: all of it)
+        eff = blocks * tiles / (full * triton.cdiv(blocks, g // s) * kts)
+        key = (round(eff, 2), -abs(kts - prefer_tiles), -s)
         if best is None or key > best:
-            best, split = key, s
+            best, split, grid = key, s, g
     kts = tiles // split
     group = 4 if kts % 4 == 0 else 2 if kts % 2 == 0 else 1
     return TcPlan(split, group, stages, grid, prefill=stages - 2 if light_prefill else None)

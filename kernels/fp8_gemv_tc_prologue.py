@@ -10,44 +10,73 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 
-@gluon.jit
-def _group_rows(k0, k8, K: gl.constexpr, KP: gl.constexpr):
-    """Offsets and mask of groups k0 + k8 .. k0 + k8 + KP - 1 as wgmma's B rows: [KP * 8,
-    128] with row g * 8 the group's 128 columns (rows g * 8 + 1 .. 7 masked: zeros)."""
-    XB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    r = gl.arange(0, KP * 8, layout=gl.SliceLayout(1, XB))
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, XB))
-    offs = (k0 + k8 + r // 8)[:, None] * 128 + c[None, :]
-    return offs, (r % 8 == 0)[:, None] & (offs < K)
+@gluon.constexpr_function
+def group_pass(kts):
+    """Groups a prologue pass takes: the largest of 8, 4, 2, 1 dividing the CTA's KTS (a
+    pass never reaches into the next K split's groups)."""
+    return 8 if kts % 8 == 0 else 4 if kts % 4 == 0 else 2 if kts % 2 == 0 else 1
+
+
+@gluon.constexpr_function
+def merge_pass(kts):
+    """stage_merged's groups a pass: at most 4, its tile [4, 8 splits, 128] already 32
+    fp32 a thread."""
+    return min(group_pass(kts), 4)
+
+
+@gluon.constexpr_function
+def pass_layout(gp):
+    """[GP groups, 8, 128]: a warp per group (up to 4), each thread 8 x 4 of it, so that
+    axis 1 (wgmma's B rows; merged splits in stage_merged) stays in-thread. Its slice over
+    axis 1 holds a pass compactly: 4 values a thread per group, LDG.128 each."""
+    w = min(gp, 4)
+    return gl.BlockedLayout([1, 8, 4], [1, 1, 32], [w, 1, 4 // w], [2, 1, 0])
 
 
 @gluon.jit
-def _quantize_into(a, xq_smem, sx_smem, k8, KTS: gl.constexpr, KP: gl.constexpr):
-    """a [KP * 8, 128] fp32 (_group_rows' shape) to e4m3 per row, into xq_smem's rows
-    k8 * 8 .. as wgmma's B, and each row's scale into sx_smem."""
-    scale = gl.maximum(gl.max(gl.abs(a), axis=1), 1e-10) / 448.0
-    q = gl.minimum(gl.maximum(a / scale[:, None], -448.0), 448.0).to(gl.float8e4nv)
+def _pass_offsets(k0, k8, K: gl.constexpr, GP: gl.constexpr):
+    """Offsets [GP, 128] of groups k0 + k8 .. k0 + k8 + GP - 1 in a [K] row, and their
+    mask, in pass_layout's slice over axis 1."""
+    L2: gl.constexpr = gl.SliceLayout(1, pass_layout(GP))
+    g = gl.arange(0, GP, layout=gl.SliceLayout(1, L2))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, L2))
+    offs = (k0 + k8 + g)[:, None] * 128 + c[None, :]
+    return offs, offs < K
+
+
+@gluon.jit
+def quantize_into(a, xq_smem, sx_smem, k8, KTS: gl.constexpr, GP: gl.constexpr):
+    """a [GP, 1, 128] fp32 (pass_layout) to e4m3 per group, into xq_smem's rows k8 * 8 ..
+    as wgmma's B (row g * 8 the group, rows g * 8 + 1 .. 7 zero) and each group's scale
+    into sx_smem (row g * 8 holds it)."""
+    L3: gl.constexpr = pass_layout(GP)
+    j3 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+    scale = gl.maximum(gl.max(gl.abs(a), axis=2, keep_dims=True), 1e-10) / 448.0
+    q = gl.minimum(gl.maximum(a / scale, -448.0), 448.0)
+    q = gl.where(j3 == 0, q, 0.0).to(gl.float8e4nv)  # [GP, 8, 128]: row 0 real
     xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
-                         ).slice(k8 * 8, KP * 8).store(q)
+                         ).slice(k8 * 8, GP * 8).store(gl.reshape(q, [GP * 8, 128]))
+    sx = gl.reshape(gl.where(j3 == 0, scale, 0.0), [GP * 8])
     sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
-                         ).slice(k8 * 8, KP * 8).store(scale)
+                         ).slice(k8 * 8, GP * 8).store(sx)
 
 
 @gluon.jit
 def _stage_passes(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K: gl.constexpr, KTS: gl.constexpr,
                   PROLOGUE: gl.constexpr, START: gl.constexpr):
-    """stage_act's passes from group START on (8 groups a pass), each loaded, through the
-    prologue and quantized."""
-    KP: gl.constexpr = 8 if KTS >= 8 else KTS  # groups per pass (8 rows each)
-    for k8 in gl.static_range(START, KTS, KP):
-        offs, m = _group_rows(k0, k8, K, KP)
+    """stage_act's passes from group START on, each loaded compactly (a pass's loads are
+    few registers, so the compiler issues the next pass's before this one's math), through
+    the prologue and quantized."""
+    GP: gl.constexpr = group_pass(KTS)
+    for k8 in gl.static_range(START, KTS, GP):
+        offs, m = _pass_offsets(k0, k8, K, GP)
         a = gl.load(x_ptr + offs, mask=m, other=0.0).to(gl.float32)
         if PROLOGUE == 1:  # rmsnorm's weight here, its rstd on the outputs (it commutes)
             a = a * gl.load(nw_ptr + offs, mask=m, other=0.0).to(gl.float32)
         if PROLOGUE == 2:  # x = [gate | up]: silu(gate) * up
             up = gl.load(x_ptr + K + offs, mask=m, other=0.0).to(gl.float32)
             a = a / (1.0 + gl.exp(-a)) * up
-        _quantize_into(a, xq_smem, sx_smem, k8, KTS, KP)
+        quantize_into(gl.expand_dims(a, 1), xq_smem, sx_smem, k8, KTS, GP)
 
 
 @gluon.jit
@@ -70,19 +99,21 @@ def stage_norm(x_ptr, nw_ptr, res_ptr, xq_smem, sx_smem, k0, eps, K: gl.constexp
     is issued before any value is used or stored: one round trip to L2 after the PDL
     wait. (The row read in chunks, each chunk's copy stored before the next chunk's load,
     took five dependent round trips where the copy was made, two elsewhere: the compiler
-    cannot move a load past a store that may alias it, nor past the sum's barrier.)"""
+    cannot move a load past a store that may alias it, nor past the sum's barrier. Qwen3-8B
+    FP8 step 2.344 -> 2.302-2.318 ms, bench/results/diag_tc_one_trip_h200_2026-12-01.json.)"""
     CL: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-    KP: gl.constexpr = 8 if KTS >= 8 else KTS
+    GP: gl.constexpr = group_pass(KTS)
     row = gl.arange(0, KROW, layout=CL)
     x = gl.load(x_ptr + row, mask=row < K, other=0.0).to(gl.float32)
-    offs, m = _group_rows(k0, 0, K, KP)
+    offs, m = _pass_offsets(k0, 0, K, GP)
     a = gl.load(x_ptr + offs, mask=m, other=0.0)
     w = gl.load(nw_ptr + offs, mask=m, other=0.0)
     rstd = gl.rsqrt(gl.sum(x * x, axis=0) / K + eps)
     if RES_OUT:
         gl.store(res_ptr + row, x, mask=(row < K) & (gl.program_id(0) == 0))
-    _quantize_into(a.to(gl.float32) * w.to(gl.float32), xq_smem, sx_smem, 0, KTS, KP)
-    _stage_passes(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, 1, KP)
+    a = a.to(gl.float32) * w.to(gl.float32)
+    quantize_into(gl.expand_dims(a, 1), xq_smem, sx_smem, 0, KTS, GP)
+    _stage_passes(x_ptr, nw_ptr, xq_smem, sx_smem, k0, K, KTS, 1, GP)
     fence_async_shared()
     gl.thread_barrier()
     return rstd
@@ -100,24 +131,24 @@ def n_active(len_ptr, SPLITS: gl.constexpr, KEYS: gl.constexpr):
 
 @gluon.jit
 def stage_merged(o_ptr, lse_ptr, n_act, xq_smem, sx_smem, k0, KTS: gl.constexpr,
-                  SPLITS: gl.constexpr, HD: gl.constexpr):
+                 SPLITS: gl.constexpr, HD: gl.constexpr):
     """The "merge" prologue: the CTA's KTS activation groups (columns k0 * 128 ..) merged
     from the decode attention's unmerged splits (kernels/decode_attention.SplitPartials at
     batch 1: o [Hq, SPLITS, HD] fp32, lse [Hq, SPLITS]; the first n_act hold keys), then
-    quantized as stage_act does. Tiles [GP groups, 8 splits, 128]: a warp per group, 8
-    splits at a time in each thread's registers, so the merge sums in-thread (over lanes it
-    took 412 shuffles a thread), and row 0 of each group is the one real row of wgmma's B.
-    HD % 128 == 0: a group is (part of) one head."""
-    GP: gl.constexpr = 4 if KTS % 4 == 0 else (2 if KTS % 2 == 0 else 1)
-    L3: gl.constexpr = gl.BlockedLayout([1, 8, 4], [1, 1, 32], [GP, 1, 4 // GP], [2, 1, 0])
+    quantized as stage_act does. Tiles [GP groups, 8 splits, 128] (pass_layout): a warp per
+    group, 8 splits at a time in each thread's registers, so the merge sums in-thread (over
+    lanes it took 412 shuffles a thread). HD % 128 == 0: a group is (part of) one head."""
+    GP: gl.constexpr = merge_pass(KTS)
+    L3: gl.constexpr = pass_layout(GP)
     L2: gl.constexpr = gl.SliceLayout(2, L3)
+    HG: gl.constexpr = HD // 128  # groups a head
     g3 = gl.arange(0, GP, layout=gl.SliceLayout(1, L2))[:, None, None]
     j3 = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))[None, :, None]
     c3 = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     for k4 in gl.static_range(0, KTS, GP):
-        col0 = (k0 + k4 + g3) * 128  # [GP, 1, 1] the group's first column
-        row0 = (col0 // HD) * SPLITS  # its head's first split row of o / lse
-        d3 = col0 % HD + c3  # [GP, 1, 128]
+        grp = k0 + k4 + g3  # [GP, 1, 1]
+        row0 = (grp // HG) * SPLITS  # its head's first split row of o / lse
+        d3 = (grp % HG) * 128 + c3  # [GP, 1, 128]; written so as 128-aligned (LDG.128)
         m = gl.full([GP, 1, 1], float("-inf"), gl.float32, L3)
         total = gl.zeros([GP, 1, 1], gl.float32, L3)
         acc = gl.zeros([GP, 1, 128], gl.float32, L3)
@@ -133,13 +164,6 @@ def stage_merged(o_ptr, lse_ptr, n_act, xq_smem, sx_smem, k0, KTS: gl.constexpr,
             acc = acc * alpha + gl.sum(w * o.to(gl.float32), axis=1, keep_dims=True)
             m = m_new
         a = acc / gl.where(total > 0.0, total, 1.0)  # [GP, 1, 128]
-        scale = gl.maximum(gl.max(gl.abs(a), axis=2, keep_dims=True), 1e-10) / 448.0
-        q = gl.minimum(gl.maximum(a / scale, -448.0), 448.0)
-        q = gl.where(j3 == 0, q, 0.0).to(gl.float8e4nv)  # [GP, 8, 128]: row 0 real
-        xq_smem._reinterpret(gl.float8e4nv, [KTS * 8, 128], gl.NVMMASharedLayout(128, 8, rank=2)
-                             ).slice(k4 * 8, GP * 8).store(gl.reshape(q, [GP * 8, 128]))
-        sx = gl.reshape(gl.where(j3 == 0, scale, 0.0), [GP * 8])
-        sx_smem._reinterpret(gl.float32, [KTS * 8], gl.SwizzledSharedLayout(1, 1, 1, [0])
-                             ).slice(k4 * 8, GP * 8).store(sx)
+        quantize_into(a, xq_smem, sx_smem, k4, KTS, GP)
     fence_async_shared()
     gl.thread_barrier()

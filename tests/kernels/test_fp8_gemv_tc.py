@@ -32,6 +32,19 @@ def test_plan_spreads_the_tiles(N, K):
         assert blocks * tiles / (plan.grid * busiest) >= 0.95
 
 
+@pytest.mark.parametrize("N,K", [(1024, 5120), (5120, 5120), (51200, 5120), (5120, 25600),
+                                 (5120, 8192), (6144, 4096), (200, 384)])
+def test_plan_leaves_a_power_of_two_tiles_a_cta(N, K):
+    """A 5120 hidden size (Qwen3-14B / 32B) has 40 tiles a row: no split both divides 264
+    CTAs and leaves a power of 2 a CTA, which the kernel's per-CTA vectors need (it failed
+    to compile there). The grid shrinks to a multiple of the split instead."""
+    for prefer in (4, 8):
+        plan = tc_plan(N, K, 132, prefer_tiles=prefer)
+        kts = K // 128 // plan.split
+        assert K // 128 % plan.split == 0 and kts & (kts - 1) == 0
+        assert plan.grid % plan.split == 0 and 264 - plan.split < plan.grid <= 264
+
+
 def test_the_merge_prologue_takes_half_the_heads_a_cta():
     """Qwen3-8B's o_proj: 4 or 8 K splits spread its tiles equally well; the "merge"
     prologue's preference takes 8 (4 heads' splits to merge a CTA), the others' 4."""
@@ -149,7 +162,9 @@ def test_bad_arguments_name_the_field(bad, field, device):
 @pytest.mark.parametrize("N,K,prologue,light", [
     (200, 384, "none", False), (200, 384, "norm", False), (136, 256, "silu", False),
     (6144, 4096, "norm", False), (4096, 4096, "none", False), (4096, 4096, "none", True),
-    (200, 384, "none", True), (24576, 4096, "norm", False), (4096, 12288, "silu", False)])
+    (200, 384, "none", True), (24576, 4096, "norm", False), (4096, 12288, "silu", False),
+    # a 5120 hidden size: 260-CTA grids (5 / 10 splits), 25 splits of 8 tiles for silu
+    (1000, 5120, "norm", False), (5120, 25600, "silu", False), (7168, 5120, "norm", False)])
 def test_kernel_is_the_reference(N, K, prologue, light):
     dev = torch.device("cuda")
     w8, scales, x, nw, add = _inputs(N, K, prologue, dev)
@@ -176,6 +191,7 @@ def test_kernel_is_the_reference(N, K, prologue, light):
     (4096, 32, 128, 16, 640),  # Qwen3-8B's o_proj at 640 tokens: 10 of 16 splits hold keys
     (4096, 32, 128, 32, 2000),  # 32 of 32
     (4096, 16, 256, 16, 640),  # a 128-column group is half a head
+    (5120, 40, 128, 16, 640),  # a 5120 hidden size: o_proj's K in 20 splits of 2 groups
     (200, 3, 128, 1, 5),  # one split; 3 groups: odd group counts per CTA
     (136, 2, 128, 8, 0),  # no keys (a padded row): the activation is zero
 ])
