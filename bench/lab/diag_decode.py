@@ -100,8 +100,8 @@ def kernel_trace(step) -> list[dict]:
     ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                 key=lambda e: e.time_range.start)
     t0 = ev[0].time_range.start
-    return [{"name": e.name[:48], "start_us": round((e.time_range.start - t0) / 1e3, 3),
-             "dur_us": round((e.time_range.end - e.time_range.start) / 1e3, 3)} for e in ev]
+    return [{"name": e.name[:48], "start_us": round(e.time_range.start - t0, 3),
+             "dur_us": round(e.time_range.end - e.time_range.start, 3)} for e in ev]  # us
 
 
 def replay_probe(g: DecodeGraphs) -> dict:
