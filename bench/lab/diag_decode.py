@@ -71,18 +71,22 @@ ORIGINAL_TC_PLAN = tc_mod.tc_plan
 ORIGINAL_TILES = attn_mod.decode_tiles
 
 
-def kernel_footprints() -> list[dict]:
+def kernel_footprints(cubins: str | None = None) -> list[dict]:
     """Registers, spills, shared memory and warps of every compiled decode attention and
     tensor-core GEMV specialisation: what decides how many CTAs of neighbouring PDL launches
-    share an SM."""
+    share an SM. cubins: a folder to write each one's cubin to (its SASS, read offline:
+    cuobjdump -sass)."""
     rows = []
     for fn in (attn_mod._decode_kernel, tc_mod._fp8_gemv_tc_kernel):
         for caches in fn.device_caches.values():
-            for kernel in caches[0].values():
+            for i, kernel in enumerate(caches[0].values()):
                 kernel._init_handles()
                 rows.append({"kernel": fn.__name__, "n_regs": kernel.n_regs,
                              "n_spills": kernel.n_spills, "shared": kernel.metadata.shared,
                              "num_warps": kernel.metadata.num_warps})
+                if cubins:
+                    with open(f"{cubins}/{fn.__name__}_{i}.cubin", "wb") as f:
+                        f.write(kernel.asm["cubin"])
     return rows
 
 
@@ -416,6 +420,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=640, help="tokens in the sequence's KV")
+    ap.add_argument("--cubins", default=None, help="write every specialisation's cubin here")
     ap.add_argument("--trace", action="store_true",
                     help="save every kernel of one default step (kernel_trace)")
     ap.add_argument("--no-engine", action="store_true",
@@ -439,7 +444,7 @@ def main() -> None:
         with torch.inference_mode():
             results["trace"] = kernel_trace(capture(engine, variants[0][1], variants[0][2],
                                                     vocab, args.context)[0])
-    results["footprints"] = kernel_footprints()
+    results["footprints"] = kernel_footprints(args.cubins)
     print(json.dumps(results["footprints"]), flush=True)
     if args.no_engine:
         return finish(results, args)
