@@ -80,8 +80,8 @@ def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = Fal
     prologue asks for 4, half the heads' splits to merge in each CTA: Qwen3-8B's o_proj in
     8 splits, FP8 step 2.394 -> 2.350 ms, 2.395 with 4; bench/results/
     diag_merge_in_o_proj_h200_2026-12-01_s8.json), and the wgmmas in flight
-    (4 where they divide the split's tiles). H200 at Qwen3-8B's shapes: q/k/v 8, o 8 (4 without merge),
-    gate_up 4, down 12 splits, each ~97% busy. Ring: 12 tiles for matrices of >= 32 MB, 8
+    (4 where they divide the split's tiles). H200 at Qwen3-8B's shapes: q/k/v 8, o 8 (4
+    without the merge), gate_up 4, down 12 splits, each ~97% busy. Ring: 12 tiles for matrices of >= 32 MB, 8
     below (Qwen3-8B FP8 step 2.414 -> 2.398 ms with gate_up's and down's 12, q/k/v's too
     2.416; bench/results/diag_tc_h200_2026-11-30.json). light_prefill (the launch before is
     latency-bound, as the decode attention before o_proj): all but 2 tiles of the ring
@@ -437,5 +437,6 @@ def fp8_gemv_tc(x: torch.Tensor | SplitPartials, weight: torch.Tensor, scales: t
         STAGES=plan.stages, GROUP=plan.group, PROLOGUE=PROLOGUES[prologue],
         HAS_ADD=add is not None, RES_OUT=res_out is not None, ZCH=zch, HAS_Z=bool(zero),
         PREFILL=plan.stages if plan.prefill is None else min(plan.prefill, plan.stages),
-        KROW=triton.next_power_of_2(K), num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg, **merge)
+        KROW=triton.next_power_of_2(K), num_warps=4, launch_pdl=True, maxnreg=plan.maxnreg,
+        **merge)
     return out

@@ -103,7 +103,10 @@ def stage_norm(x_ptr, nw_ptr, res_ptr, xq_smem, sx_smem, k0, eps, K: gl.constexp
     wait. (The row read in chunks, each chunk's copy stored before the next chunk's load,
     took five dependent round trips where the copy was made, two elsewhere: the compiler
     cannot move a load past a store that may alias it, nor past the sum's barrier. Qwen3-8B
-    FP8 step 2.344 -> 2.302-2.318 ms, bench/results/diag_tc_one_trip_h200_2026-12-01.json.)"""
+    FP8 step 2.344 -> 2.302-2.318 ms, bench/results/diag_tc_one_trip_h200_2026-12-01.json.
+    rstd computed where a row block's output is added instead, its loads waiting while the
+    ring streams on, was slower: 2.414 -> 2.478 ms, diag_tc_h200_2026-11-30.json.) The row
+    takes KROW / 128 registers a thread: 32 at a 4096 hidden size."""
     CL: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
     GP: gl.constexpr = group_pass(KTS)
     row = gl.arange(0, KROW, layout=CL)
