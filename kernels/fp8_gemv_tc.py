@@ -100,6 +100,9 @@ def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = Fal
         key = (round(eff, 2), -abs(kts - prefer_tiles), -s)
         if best is None or key > best:
             best, split, grid = key, s, g
+    if best is None:
+        raise ValueError(f"K: {K} has no split into a power of 2 tiles a CTA over {full} "
+                         f"CTAs (tc_fits refuses such weights)")
     kts = tiles // split
     group = 4 if kts % 4 == 0 else 2 if kts % 2 == 0 else 1
     return TcPlan(split, group, stages, grid, prefill=stages - 2 if light_prefill else None)
@@ -339,9 +342,14 @@ def tc_available(device_index: int) -> bool:
 
 def tc_fits(weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """The weight layouts this kernel takes: e4m3 [N, K] contiguous, K % 128 == 0, scales
-    per 128 x 128 block."""
-    return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous()
-            and weight.shape[1] % GROUP_K == 0 and tuple(block or ()) == (128, 128))
+    per 128 x 128 block, and K's tiles split into a power of 2 a CTA over 2 CTAs an SM
+    (tc_plan; only an odd tile count above that many CTAs has none)."""
+    if not (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous()
+            and weight.shape[1] % GROUP_K == 0 and tuple(block or ()) == (128, 128)):
+        return False
+    tiles = weight.shape[1] // GROUP_K
+    sms = num_sms(weight.device.index or 0) if weight.is_cuda else 132
+    return tiles // (tiles & -tiles) <= 2 * sms
 
 
 def _check_partials(x: SplitPartials, K: int, device: torch.device) -> None:

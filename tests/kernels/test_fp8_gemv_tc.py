@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.kernels.decode_attention import SplitPartials, active_splits
-from pdserve.kernels.fp8_gemv_tc import fp8_gemv_tc, tc_available, tc_plan
+from pdserve.kernels.fp8_gemv_tc import fp8_gemv_tc, tc_available, tc_fits, tc_plan
 from pdserve.kernels.reference import (
     fp8_dequant_ref,
     fp8_gemv_tc_ref,
@@ -43,6 +43,15 @@ def test_plan_leaves_a_power_of_two_tiles_a_cta(N, K):
         kts = K // 128 // plan.split
         assert K // 128 % plan.split == 0 and kts & (kts - 1) == 0
         assert plan.grid % plan.split == 0 and 264 - plan.split < plan.grid <= 264
+
+
+def test_a_k_without_a_power_of_two_split_is_refused():
+    """269 tiles (odd, prime): one a CTA would take 269 CTAs, more than 2 an SM."""
+    w8 = torch.zeros(64, 269 * 128, dtype=torch.float8_e4m3fn)
+    assert not tc_fits(w8, (128, 128))
+    assert tc_fits(torch.zeros(64, 86 * 128, dtype=torch.float8_e4m3fn), (128, 128))
+    with pytest.raises(ValueError, match="K: 34432"):
+        tc_plan(64, 269 * 128, 132)
 
 
 def test_the_merge_prologue_takes_half_the_heads_a_cta():
