@@ -11,6 +11,7 @@ import ray
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.proto.rpc import make_channel
+from pdserve.router.pool import ADD_PEER_TIMEOUT_S
 from pdserve.worker.actor import launch_worker
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.local_ray import start_local_ray
@@ -58,8 +59,10 @@ def start_worker(role: str, worker_id: str, timeout_s: float = 300,
 
 
 def introduce(prefill: Worker, decode: Worker) -> pb.AddPeerReply:
+    """The router's introduction, with its deadline: AddPeer may take the TP fan-out's 4.5 s
+    and the warm-up read's 10 (a 10 s deadline here failed once on a loaded 2-core CI run)."""
     info = prefill.stub.GetPeerInfo(pb.GetPeerInfoRequest(), timeout=10)
-    return decode.stub.AddPeer(info, timeout=10)
+    return decode.stub.AddPeer(info, timeout=ADD_PEER_TIMEOUT_S)
 
 
 def prefill(p: Worker, rid: str, prompt: list[int], params: pb.SamplingParams,
