@@ -24,9 +24,8 @@ Lifecycle of one CTA: loader warp streams tiles | consumer: ("merge": its sequen
 attention splits, from the length) PDL wait -> zero its slice of the `zero` buffers ->
 prologue (norm: the whole x for the sum of squares; silu(gate) * up; merge: the decode
 attention's unmerged splits of its heads; none), quantize its K range into shared memory
--> per row block (its weight scales and
-residual loaded one row block ahead): per tile wgmma, scale, add; (rstd, residual on split
-0) RED into out.
+(kernels/fp8_gemv_tc_prologue.py) -> per row block (its weight scales and residual loaded
+one row block ahead): per tile wgmma, scale, add; (rstd, residual on split 0) RED into out.
 
 CPU and the interpreter: fp8_gemv_tc_ref (kernels/reference.py) is the function; the
 decoder's tests run it on CPU, the GPU tests compare the kernel with it.
@@ -80,9 +79,9 @@ def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = Fal
     prologue asks for 4, half the heads' splits to merge in each CTA: Qwen3-8B's o_proj in
     8 splits, FP8 step 2.394 -> 2.350 ms, 2.395 with 4; bench/results/
     diag_merge_in_o_proj_h200_2026-12-01_s8.json), and the wgmmas in flight
-    (4 where they divide the split's tiles). H200 at Qwen3-8B's shapes: q/k/v 8, o 8 (4
-    without the merge), gate_up 4, down 12 splits, each ~97% busy. Ring: 12 tiles for matrices of >= 32 MB, 8
-    below (Qwen3-8B FP8 step 2.414 -> 2.398 ms with gate_up's and down's 12, q/k/v's too
+    (up to 4). H200 at Qwen3-8B's shapes: q/k/v 8, o 8 (4 without the merge), gate_up 4,
+    down 12 splits, each ~97% busy. Ring: 12 tiles for matrices of >= 32 MB, 8 below
+    (Qwen3-8B FP8 step 2.414 -> 2.398 ms with gate_up's and down's 12, q/k/v's too
     2.416; bench/results/diag_tc_h200_2026-11-30.json). light_prefill (the launch before is
     latency-bound, as the decode attention before o_proj): all but 2 tiles of the ring
     before the PDL wait, since the attention's round trips queue behind the ring's loads
@@ -103,8 +102,7 @@ def tc_plan(N: int, K: int, sms: int, per_sm: int = 2, light_prefill: bool = Fal
     if best is None:
         raise ValueError(f"K: {K} has no split into a power of 2 tiles a CTA over {full} "
                          f"CTAs (tc_fits refuses such weights)")
-    kts = tiles // split
-    group = 4 if kts % 4 == 0 else 2 if kts % 2 == 0 else 1
+    group = min(tiles // split, 4)  # a power of 2: divides the split's tiles
     return TcPlan(split, group, stages, grid, prefill=stages - 2 if light_prefill else None)
 
 
@@ -414,8 +412,8 @@ def fp8_gemv_tc(x: torch.Tensor | SplitPartials, weight: torch.Tensor, scales: t
     = gate | up for "silu"), weight e4m3 [N, K] with scales [N / 128, K / 128]; plus add
     [1, N] (the residual); for "merge", x is the decode attention's unmerged splits
     (SplitPartials of one sequence, Hq * D = K), merged here; res_out [1, K] (fp32) <- x
-    ("norm" only); each of `zero` (<= 2
-    fp32 buffers, never this launch's inputs) <- 0 once the launch before has finished.
+    ("norm" only); each of `zero` (<= 2 fp32 buffers, never this launch's inputs) <- 0
+    once the launch before has finished.
     light_prefill: the launch before is latency-bound (tc_plan). Off Hopper or on CPU:
     kernels.reference.fp8_gemv_tc_ref. Returns out."""
     _check(x, weight, scales, prologue, norm_weight, out, add, res_out, zero)

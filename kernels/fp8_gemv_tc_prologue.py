@@ -12,9 +12,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 @gluon.constexpr_function
 def group_pass(kts):
-    """Groups a prologue pass takes: the largest of 8, 4, 2, 1 dividing the CTA's KTS (a
-    pass never reaches into the next K split's groups)."""
-    return 8 if kts % 8 == 0 else 4 if kts % 4 == 0 else 2 if kts % 2 == 0 else 1
+    """Groups a prologue pass takes: up to 8 of the CTA's KTS (a power of 2, tc_plan), so a
+    pass never reaches into the next K split's groups."""
+    return min(kts, 8)
 
 
 @gluon.constexpr_function
